@@ -1,0 +1,403 @@
+"""Daemon and CLI configuration: TOML file < ``UNDERSTUDY_*`` environment < flags.
+
+The result is immutable and validated once at start-up, relations between timeouts included.
+Every problem is a :class:`ConfigError` whose message names the offending setting and value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from understudy.daemon import env
+from understudy.daemon.errors import ConfigError
+
+NODE_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?$")
+PREFIX_RE = re.compile(r"^/[A-Za-z0-9._/-]*[A-Za-z0-9._-]$")
+ROLES = ("active", "standby")
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class EtcdConfig:
+    endpoints: tuple[Endpoint, ...]
+    prefix: str = "/understudy"
+    #: Every etcd call is bounded by this many seconds.
+    timeout: float = 1.0
+    ca: Path | None = None
+    cert: Path | None = None
+    key: Path | None = None
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+
+    @property
+    def tls(self) -> bool:
+        return self.ca is not None
+
+
+@dataclass(frozen=True)
+class LeaseConfig:
+    #: etcd lease TTL in whole seconds: a dead node is declared failed this long after its last
+    #: keep-alive.
+    ttl: int = 3
+    keepalive_interval: float = 0.5
+    #: The daemon fences itself (kills its workers) this many seconds before the lease can have
+    #: expired at etcd, counted from the send time of the last acknowledged keep-alive.
+    fence_margin: float = 0.75
+
+
+@dataclass(frozen=True)
+class DrainConfig:
+    #: Default deadline for a drain, also used for SIGTERM (match systemd's TimeoutStopSec).
+    deadline: float = 60.0
+    #: Grace between SIGTERM and SIGKILL when stopping a worker.
+    stop_grace: float = 5.0
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    interval: float = 10.0
+    nvml: bool = True
+    #: Consecutive unhealthy checks before a drain is requested.
+    failures_before_drain: int = 3
+    min_disk_free_gib: float = 1.0
+    disk_paths: tuple[str, ...] = ("/",)
+    min_memory_available_mib: float = 512.0
+    #: None: use each GPU's own slowdown threshold reported by NVML.
+    max_gpu_temperature_c: float | None = None
+
+
+@dataclass(frozen=True)
+class NoticesConfig:
+    interval: float = 5.0
+    aws: bool = False
+    aws_url: str = "http://169.254.169.254"
+    gce: bool = False
+    gce_url: str = "http://metadata.google.internal"
+    azure: bool = False
+    azure_url: str = "http://169.254.169.254"
+    #: Per-request timeout for the metadata services.
+    timeout: float = 2.0
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    level: str = "info"
+    #: auto: JSON when stderr is not a terminal, readable lines when it is.
+    format: str = "auto"
+
+
+@dataclass(frozen=True)
+class Config:
+    node: str
+    etcd: EtcdConfig
+    role: str = "active"
+    slots: int = 1
+    failure_domain: str = ""
+    addresses: tuple[str, ...] = ()
+    run_dir: Path = Path("/run/understudy")
+    #: host:port for the Prometheus endpoint; empty disables it.
+    metrics_listen: str = "127.0.0.1:9464"
+    lease: LeaseConfig = LeaseConfig()
+    drain: DrainConfig = DrainConfig()
+    health: HealthConfig = HealthConfig()
+    notices: NoticesConfig = NoticesConfig()
+    log: LogConfig = LogConfig()
+
+    @property
+    def socket_path(self) -> Path:
+        return self.run_dir / "understudyd.sock"
+
+
+def parse_endpoints(text: str) -> tuple[Endpoint, ...]:
+    """Parse ``HOST:PORT[,HOST:PORT...]``; raises ConfigError naming the bad entry."""
+    out = []
+    for raw in text.split(","):
+        item = raw.strip()
+        if item.startswith(("http://", "https://")):
+            item = item.split("://", 1)[1]
+        host, sep, port = item.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"etcd endpoint {raw.strip()!r} is not HOST:PORT")
+        out.append(Endpoint(host.strip("[]"), int(port)))
+    if not out:
+        raise ConfigError("no etcd endpoint given")
+    return tuple(out)
+
+
+_SECTIONS: dict[str, type] = {
+    "lease": LeaseConfig,
+    "drain": DrainConfig,
+    "health": HealthConfig,
+    "notices": NoticesConfig,
+    "log": LogConfig,
+}
+_TOP_LEVEL = {"node", "etcd", "role", "slots", "failure_domain", "addresses", "run_dir",
+              "metrics_listen"}
+_ETCD_KEYS = {"endpoints", "prefix", "timeout", "ca", "cert", "key", "user", "password",
+              "password_file"}
+
+# Environment variable -> dotted setting. Flags are given to load() as dotted settings too.
+_ENV_SETTINGS = {
+    env.NODE: "node",
+    env.ETCD: "etcd.endpoints",
+    env.PREFIX: "etcd.prefix",
+    env.ROLE: "role",
+    env.SLOTS: "slots",
+    env.FAILURE_DOMAIN: "failure_domain",
+    env.RUN_DIR: "run_dir",
+    env.LEASE_TTL: "lease.ttl",
+    env.METRICS_LISTEN: "metrics_listen",
+    env.LOG_LEVEL: "log.level",
+    env.LOG_FORMAT: "log.format",
+    env.ETCD_CA: "etcd.ca",
+    env.ETCD_CERT: "etcd.cert",
+    env.ETCD_KEY: "etcd.key",
+    env.ETCD_USER: "etcd.user",
+    env.ETCD_PASSWORD: "etcd.password",
+}
+
+
+def load(
+    path: str | Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+    require_node: bool = True,
+) -> Config:
+    """Build the configuration from a TOML file, the environment and flag overrides.
+
+    ``overrides`` maps dotted settings (``"lease.ttl"``) to values; ``None`` values are ignored.
+    Raises ConfigError for an unreadable file, an unknown setting, a bad value or inconsistent
+    timeouts.
+    """
+    environ = os.environ if environ is None else environ
+    raw: dict[str, Any] = {}
+    path = path or environ.get(env.CONFIG) or None
+    if path:
+        try:
+            raw = tomllib.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from exc
+    _check_keys(raw)
+    for var, dotted in _ENV_SETTINGS.items():
+        if environ.get(var):
+            _set(raw, dotted, environ[var])
+    for dotted, value in (overrides or {}).items():
+        if value is not None:
+            _set(raw, dotted, value)
+    return _build(raw, require_node)
+
+
+def _check_keys(raw: dict[str, Any]) -> None:
+    for key, value in raw.items():
+        if key in _SECTIONS:
+            if not isinstance(value, dict):
+                raise ConfigError(f"config section [{key}] must be a table")
+            known = {f.name for f in dataclasses.fields(_SECTIONS[key])}
+            for sub in value:
+                if sub not in known:
+                    raise ConfigError(f"unknown setting {key}.{sub} in the config file")
+        elif key == "etcd":
+            if isinstance(value, dict):
+                for sub in value:
+                    if sub not in _ETCD_KEYS:
+                        raise ConfigError(f"unknown setting etcd.{sub} in the config file")
+        elif key not in _TOP_LEVEL:
+            raise ConfigError(f"unknown setting {key!r} in the config file")
+
+
+def _set(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    head, _, tail = dotted.partition(".")
+    if not tail:
+        raw[head] = value
+        return
+    section = raw.setdefault(head, {})
+    if head == "etcd" and not isinstance(section, dict):
+        section = raw[head] = {"endpoints": section}
+    section[tail] = value
+
+
+def _build(raw: dict[str, Any], require_node: bool) -> Config:
+    node = raw.get("node", "")
+    if not isinstance(node, str):
+        raise ConfigError(f"node must be a string, got {node!r}")
+    if require_node and not node:
+        raise ConfigError("no node name: pass --node NAME or set UNDERSTUDY_NODE")
+    if node and not NODE_NAME_RE.match(node):
+        raise ConfigError(
+            f"node name {node!r} must be 1-63 lowercase letters, digits, '.' or '-'"
+        )
+    etcd_cfg = _build_etcd(raw.get("etcd"))
+    role = raw.get("role", "active")
+    if role not in ROLES:
+        raise ConfigError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+    slots = _int("slots", raw.get("slots", 1), minimum=1)
+    addresses = raw.get("addresses", ())
+    if isinstance(addresses, str):
+        addresses = tuple(a for a in addresses.split(",") if a)
+    if not isinstance(addresses, list | tuple) or not all(isinstance(a, str) for a in addresses):
+        raise ConfigError(f"addresses must be a list of strings, got {addresses!r}")
+    metrics_listen = str(raw.get("metrics_listen", "127.0.0.1:9464"))
+    if metrics_listen:
+        host, sep, port = metrics_listen.rpartition(":")
+        if not sep or not port.isdigit() or int(port) > 65535:
+            raise ConfigError(f"metrics_listen {metrics_listen!r} is not HOST:PORT or empty")
+    sections = {name: _section(name, cls, raw.get(name, {})) for name, cls in _SECTIONS.items()}
+    cfg = Config(
+        node=node,
+        etcd=etcd_cfg,
+        role=role,
+        slots=slots,
+        failure_domain=str(raw.get("failure_domain", "")),
+        addresses=tuple(addresses),
+        run_dir=Path(str(raw.get("run_dir", "/run/understudy"))),
+        metrics_listen=metrics_listen,
+        **sections,
+    )
+    validate(cfg)
+    return cfg
+
+
+def _build_etcd(value: Any) -> EtcdConfig:
+    if value is None:
+        raise ConfigError("no etcd endpoint: pass --etcd HOST:PORT or set UNDERSTUDY_ETCD")
+    if isinstance(value, str | list):
+        value = {"endpoints": value}
+    endpoints = value.get("endpoints")
+    if isinstance(endpoints, list):
+        endpoints = ",".join(str(e) for e in endpoints)
+    if not endpoints:
+        raise ConfigError("no etcd endpoint: pass --etcd HOST:PORT or set UNDERSTUDY_ETCD")
+    password = value.get("password")
+    if value.get("password_file") and not password:
+        try:
+            password = Path(value["password_file"]).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot read etcd.password_file {value['password_file']!r}: {exc.strerror}"
+            ) from exc
+    prefix = str(value.get("prefix", "/understudy"))
+    if not PREFIX_RE.match(prefix):
+        raise ConfigError(f"etcd prefix {prefix!r} must start with '/' and not end with '/'")
+    paths = {k: Path(value[k]) if value.get(k) else None for k in ("ca", "cert", "key")}
+    if (paths["cert"] is None) != (paths["key"] is None):
+        raise ConfigError("etcd client certificate and key must be given together")
+    if paths["cert"] is not None and paths["ca"] is None:
+        raise ConfigError("an etcd client certificate needs the CA (etcd.ca) as well")
+    for name, p in paths.items():
+        if p is not None and not p.is_file():
+            raise ConfigError(f"etcd.{name} file {str(p)!r} does not exist")
+    user = value.get("user") or None
+    if (user is None) != (password is None):
+        raise ConfigError("etcd user and password must be given together")
+    return EtcdConfig(
+        endpoints=parse_endpoints(str(endpoints)),
+        prefix=prefix,
+        timeout=_float("etcd.timeout", value.get("timeout", 1.0)),
+        user=user,
+        password=password,
+        **paths,
+    )
+
+
+def _section(name: str, cls: type, values: dict[str, Any]) -> Any:
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in values:
+            continue
+        v = values[f.name]
+        default = f.default
+        label = f"{name}.{f.name}"
+        if isinstance(default, bool):
+            if isinstance(v, str) and v.lower() in ("true", "false", "1", "0"):
+                v = v.lower() in ("true", "1")
+            if not isinstance(v, bool):
+                raise ConfigError(f"{label} must be true or false, got {v!r}")
+        elif isinstance(default, int):
+            v = _int(label, v)
+        elif isinstance(default, float) or f.name.startswith("max_"):
+            v = _float(label, v)
+        elif isinstance(default, tuple):
+            if isinstance(v, str):
+                v = tuple(x for x in v.split(",") if x)
+            if not isinstance(v, list | tuple):
+                raise ConfigError(f"{label} must be a list, got {v!r}")
+            v = tuple(str(x) for x in v)
+        else:
+            v = str(v)
+        kwargs[f.name] = v
+    return cls(**kwargs)
+
+
+def _int(label: str, v: Any, minimum: int | None = None) -> int:
+    try:
+        if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
+            raise ValueError
+        out = int(v)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{label} must be a whole number, got {v!r}") from None
+    if minimum is not None and out < minimum:
+        raise ConfigError(f"{label} must be at least {minimum}, got {out}")
+    return out
+
+
+def _float(label: str, v: Any) -> float:
+    try:
+        if isinstance(v, bool):
+            raise ValueError
+        return float(v)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{label} must be a number, got {v!r}") from None
+
+
+def validate(cfg: Config) -> None:
+    """Check relations between settings. Raises ConfigError naming the violated relation."""
+    lease = cfg.lease
+    if lease.ttl < 1:
+        raise ConfigError(f"lease.ttl must be at least 1 second, got {lease.ttl}")
+    if not 0 < lease.keepalive_interval <= lease.ttl / 3:
+        raise ConfigError(
+            f"lease.keepalive_interval ({lease.keepalive_interval}) must be > 0 and at most "
+            f"lease.ttl/3 ({lease.ttl / 3:.3g})"
+        )
+    if not 0 < cfg.etcd.timeout <= lease.ttl / 3:
+        raise ConfigError(
+            f"etcd.timeout ({cfg.etcd.timeout}) must be > 0 and at most lease.ttl/3 "
+            f"({lease.ttl / 3:.3g}) so a hung call cannot outlive the lease"
+        )
+    if not 0 < lease.fence_margin < lease.ttl - lease.keepalive_interval:
+        raise ConfigError(
+            f"lease.fence_margin ({lease.fence_margin}) must be > 0 and below lease.ttl - "
+            f"lease.keepalive_interval ({lease.ttl - lease.keepalive_interval:.3g})"
+        )
+    if cfg.drain.deadline <= 0 or cfg.drain.stop_grace <= 0:
+        raise ConfigError("drain.deadline and drain.stop_grace must be positive")
+    if cfg.drain.stop_grace >= cfg.drain.deadline:
+        raise ConfigError(
+            f"drain.stop_grace ({cfg.drain.stop_grace}) must be below drain.deadline "
+            f"({cfg.drain.deadline})"
+        )
+    if cfg.health.interval <= 0 or cfg.health.failures_before_drain < 1:
+        raise ConfigError("health.interval must be positive and failures_before_drain >= 1")
+    if cfg.notices.interval <= 0 or not 0 < cfg.notices.timeout < cfg.notices.interval + 30:
+        raise ConfigError("notices.interval and notices.timeout must be positive")
+    if cfg.log.level not in ("debug", "info", "warning", "error"):
+        raise ConfigError(f"log.level must be debug, info, warning or error, got {cfg.log.level!r}")
+    if cfg.log.format not in ("auto", "json", "console"):
+        raise ConfigError(f"log.format must be auto, json or console, got {cfg.log.format!r}")
