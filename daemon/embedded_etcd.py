@@ -1,0 +1,158 @@
+"""A single-member etcd server on loopback, for the local demo, the tests and the benchmarks.
+
+It runs Debian's ``etcd`` binary with a private data directory and fast raft timings, and is
+ready when its ``/health`` endpoint says so (etcdctl's first dial backs off for about a second).
+Production clusters run their own 3- or 5-member etcd; the daemon only needs its endpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from understudy.daemon.errors import UnderstudyError
+
+
+class EtcdStartError(UnderstudyError):
+    """The embedded etcd could not be started."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class TlsFiles:
+    ca: Path
+    server_cert: Path
+    server_key: Path
+
+
+@dataclass
+class EmbeddedEtcd:
+    """One etcd member. ``start()`` blocks until it is healthy; ``stop()`` kills it."""
+
+    data_dir: Path | None = None
+    host: str = "127.0.0.1"
+    client_port: int = 0
+    peer_port: int = 0
+    metrics_port: int = 0
+    tls: TlsFiles | None = None
+    log_path: Path | None = None
+    extra_args: list[str] = field(default_factory=list)
+    proc: subprocess.Popen[bytes] | None = None
+    _own_dir: bool = False
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.client_port}"
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls else "http"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.metrics_port}/metrics"
+
+    def start(self, timeout: float = 15.0) -> EmbeddedEtcd:
+        binary = shutil.which("etcd") or ("/usr/bin/etcd" if os.path.exists("/usr/bin/etcd")
+                                          else None)
+        if binary is None:
+            raise EtcdStartError(
+                "the etcd server is not installed: run `apt-get install etcd-server`"
+            )
+        if self.data_dir is None:
+            self.data_dir = Path(tempfile.mkdtemp(prefix="understudy-etcd-"))
+            self._own_dir = True
+        self.client_port = self.client_port or free_port(self.host)
+        self.peer_port = self.peer_port or free_port(self.host)
+        self.metrics_port = self.metrics_port or free_port(self.host)
+        client_url = f"{self.scheme}://{self.host}:{self.client_port}"
+        peer_url = f"http://{self.host}:{self.peer_port}"
+        args = [
+            binary,
+            "--name", "default",
+            "--data-dir", str(self.data_dir / "member-data"),
+            "--listen-client-urls", client_url,
+            "--advertise-client-urls", client_url,
+            "--listen-peer-urls", peer_url,
+            "--initial-advertise-peer-urls", peer_url,
+            "--initial-cluster", f"default={peer_url}",
+            "--listen-metrics-urls", f"http://{self.host}:{self.metrics_port}",
+            "--heartbeat-interval=10",
+            "--election-timeout=100",
+            "--logger=zap",
+            "--log-outputs=stderr",
+        ]
+        if self.tls is not None:
+            args += [
+                "--cert-file", str(self.tls.server_cert),
+                "--key-file", str(self.tls.server_key),
+                "--trusted-ca-file", str(self.tls.ca),
+                "--client-cert-auth",
+            ]
+        args += self.extra_args
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_path or self.data_dir / "etcd.log"
+        with open(log_path, "ab") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=log,
+                                         start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = log_path.read_text(errors="replace")[-2000:]
+                raise EtcdStartError(f"etcd exited with code {self.proc.returncode}: {tail}")
+            if self.healthy():
+                return self
+            time.sleep(0.02)
+        self.stop()
+        raise EtcdStartError(f"etcd did not become healthy within {timeout}s")
+
+    def healthy(self) -> bool:
+        # The metrics listener serves /health over plain HTTP even when clients use TLS.
+        url = f"http://{self.host}:{self.metrics_port}/health"
+        try:
+            with urllib.request.urlopen(url, timeout=0.5) as resp:
+                return bool(json.loads(resp.read()).get("health") in ("true", True))
+        except (OSError, ValueError, urllib.error.URLError, ssl.SSLError):
+            return False
+
+    def stop(self) -> None:
+        """Kill the server (SIGKILL: tests want an abrupt loss). Data stays for restart()."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+    def restart(self, timeout: float = 15.0) -> None:
+        """Start again on the same ports and data (an etcd restart, not a new cluster)."""
+        self.stop()
+        self.start(timeout)
+
+    def cleanup(self) -> None:
+        self.stop()
+        if self._own_dir and self.data_dir is not None:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def __enter__(self) -> EmbeddedEtcd:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()

@@ -1,0 +1,346 @@
+"""The one place that talks to etcd: a thin async layer over aetcd.
+
+Contract (tests/integration/test_store.py checks it against a real etcd):
+- every call is bounded by ``EtcdConfig.timeout`` and raises :class:`StoreError` on failure;
+- writes that depend on what was read are compare-and-swap on the key's mod revision and return
+  ``False`` when the race is lost (losing is normal, not an error);
+- a keep-alive on an expired lease returns TTL 0 (etcd says so; it does not raise);
+- a watch resumes from the revision after the last event it delivered when its stream breaks,
+  and yields :data:`RESYNC` when that revision was compacted, so the caller re-lists.
+
+With several endpoints, a connection failure moves the client to the next endpoint. TLS with
+client certificates and etcd users/roles are supported (aetcd itself only opens plaintext
+channels, so the secure channel is opened here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aetcd
+import aetcd.exceptions as aexc
+import aetcd.watcher
+import grpc
+from aetcd import rpc
+
+from understudy.daemon.config import EtcdConfig
+from understudy.daemon.errors import StoreError
+
+_MAX_MESSAGE = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class KV:
+    key: str
+    value: bytes
+    mod_revision: int
+    create_revision: int
+    lease: int
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    kind: str  # "put" or "delete"
+    kv: KV
+
+
+class _Resync:
+    def __repr__(self) -> str:
+        return "RESYNC"
+
+
+#: Yielded by :meth:`EtcdStore.watch_prefix` when events were lost to compaction: re-list.
+RESYNC = _Resync()
+
+
+class _Client(aetcd.Client):
+    """aetcd's client with an optional TLS channel (client certificate and CA)."""
+
+    def __init__(self, *args: Any, credentials: grpc.ChannelCredentials | None = None,
+                 **kwargs: Any) -> None:
+        self._credentials = credentials
+        super().__init__(*args, **kwargs)
+
+    async def connect(self) -> None:
+        if self._credentials is None:
+            await super().connect()
+            return
+        if self._connected.is_set():
+            return
+        target = f"{self._host}:{self._port}"
+        self.channel = rpc.secure_channel(target, self._credentials,
+                                          options=list(self._options.items()))
+        try:
+            if self._username is not None:
+                self.auth_stub = rpc.AuthStub(self.channel)
+                resp = await self.auth_stub.Authenticate(
+                    rpc.AuthenticateRequest(name=self._username, password=self._password),
+                    timeout=self._timeout,
+                )
+                self.metadata = (("token", resp.token),)
+        except grpc.aio.AioRpcError as exc:
+            await self.channel.close()
+            self._init_channel_attrs()
+            raise aexc._EXCEPTIONS_BY_CODE.get(exc.code(), aexc.ClientError)(
+                exc.details()
+            ) from exc
+        self.kvstub = rpc.KVStub(self.channel)
+        self.clusterstub = rpc.ClusterStub(self.channel)
+        self.leasestub = rpc.LeaseStub(self.channel)
+        self.maintenancestub = rpc.MaintenanceStub(self.channel)
+        self._watcher = aetcd.watcher.Watcher(
+            rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata
+        )
+        self._connected.set()
+
+
+def _kv(raw: Any) -> KV:
+    return KV(
+        key=raw.key.decode("utf-8", "replace"),
+        value=bytes(raw.value),
+        mod_revision=raw.mod_revision,
+        create_revision=raw.create_revision,
+        lease=raw.lease,
+    )
+
+
+def prefix_end(prefix: str) -> bytes:
+    return aetcd.utils.prefix_range_end(prefix.encode())
+
+
+class EtcdStore:
+    """An etcd client for one process. Not shared across processes (grpc is not fork-safe)."""
+
+    def __init__(self, cfg: EtcdConfig, on_request: Callable[[str], None] | None = None) -> None:
+        self.cfg = cfg
+        self._endpoint_index = 0
+        self._client: _Client | None = None
+        self._on_request = on_request or (lambda op: None)
+        self._credentials = self._load_credentials(cfg)
+
+    @staticmethod
+    def _load_credentials(cfg: EtcdConfig) -> grpc.ChannelCredentials | None:
+        if not cfg.tls:
+            return None
+        try:
+            ca = cfg.ca.read_bytes() if cfg.ca else None
+            cert = cfg.cert.read_bytes() if cfg.cert else None
+            key = cfg.key.read_bytes() if cfg.key else None
+        except OSError as exc:
+            raise StoreError(f"cannot read etcd TLS file {exc.filename!r}: {exc.strerror}") from exc
+        return grpc.ssl_channel_credentials(
+            root_certificates=ca, private_key=key, certificate_chain=cert
+        )
+
+    @property
+    def endpoint(self) -> str:
+        return str(self.cfg.endpoints[self._endpoint_index])
+
+    def _new_client(self) -> _Client:
+        ep = self.cfg.endpoints[self._endpoint_index]
+        return _Client(
+            host=ep.host,
+            port=ep.port,
+            username=self.cfg.user,
+            password=self.cfg.password,
+            timeout=max(1, int(self.cfg.timeout + 0.999)),
+            credentials=self._credentials,
+            options={
+                "grpc.max_receive_message_length": _MAX_MESSAGE,
+                # Detect a dead server on an idle connection (partitions send no reset).
+                "grpc.keepalive_time_ms": 2000,
+                "grpc.keepalive_timeout_ms": 1000,
+                "grpc.keepalive_permit_without_calls": 1,
+                "grpc.initial_reconnect_backoff_ms": 100,
+                "grpc.max_reconnect_backoff_ms": 1000,
+            },
+        )
+
+    async def _get_client(self) -> _Client:
+        if self._client is None:
+            client = self._new_client()
+            try:
+                await asyncio.wait_for(client.connect(), self.cfg.timeout)
+            except (aexc.ClientError, TimeoutError, grpc.aio.AioRpcError) as exc:
+                with contextlib.suppress(Exception):
+                    await client.close()
+                self._rotate()
+                raise StoreError(f"cannot connect to etcd at {self.endpoint}: {exc}") from exc
+            self._client = client
+        return self._client
+
+    def _rotate(self) -> None:
+        if len(self.cfg.endpoints) > 1:
+            self._endpoint_index = (self._endpoint_index + 1) % len(self.cfg.endpoints)
+
+    async def reset(self) -> None:
+        """Drop the connection; the next call reconnects (to the next endpoint, if any)."""
+        client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(client.close(), self.cfg.timeout)
+
+    async def close(self) -> None:
+        await self.reset()
+
+    async def _call(self, op: str, fn: Callable[[_Client], Any], timeout: float | None = None
+                    ) -> Any:
+        self._on_request(op)
+        client = await self._get_client()
+        try:
+            return await asyncio.wait_for(fn(client), timeout or self.cfg.timeout)
+        except aexc.UnauthenticatedError as exc:
+            # The auth token expired (etcd's simple tokens last minutes): log in again next call.
+            await self.reset()
+            raise StoreError(f"etcd {op} was refused: {exc}") from exc
+        except (aexc.ConnectionFailedError, aexc.ConnectionTimeoutError, TimeoutError) as exc:
+            self._rotate()
+            await self.reset()
+            raise StoreError(f"etcd {op} failed at {self.endpoint}: {exc or 'timed out'}") from exc
+        except (aexc.ClientError, grpc.aio.AioRpcError) as exc:
+            raise StoreError(f"etcd {op} failed: {exc}") from exc
+
+    # -- reads ------------------------------------------------------------------------------
+
+    async def get(self, key: str) -> KV | None:
+        res = await self._call("get", lambda c: c.get(key.encode()))
+        return None if res is None else _kv(res)
+
+    async def get_prefix(self, prefix: str) -> tuple[list[KV], int]:
+        """All keys under ``prefix`` and the store revision they were read at."""
+
+        async def run(c: _Client) -> tuple[list[KV], int]:
+            res = await c.get_prefix(prefix.encode())
+            return [_kv(kv) for kv in res], res.header.revision
+
+        result: tuple[list[KV], int] = await self._call("range", run)
+        return result
+
+    # -- writes -----------------------------------------------------------------------------
+
+    async def put(self, key: str, value: bytes, lease: int | None = None) -> int:
+        res = await self._call("put", lambda c: c.put(key.encode(), value, lease=lease))
+        revision: int = res.header.revision
+        return revision
+
+    async def cas(self, key: str, value: bytes, mod_revision: int, lease: int | None = None
+                  ) -> bool:
+        """Write ``key`` only if its mod revision is still ``mod_revision`` (0: only if absent)."""
+        return await self.txn(
+            compare=[("mod", key, mod_revision)], success=[("put", key, value, lease)]
+        )
+
+    async def delete(self, key: str, mod_revision: int | None = None) -> bool:
+        """Delete ``key``; with ``mod_revision``, only if it is unchanged. True if deleted."""
+        if mod_revision is None:
+            res = await self._call("delete", lambda c: c.delete(key.encode()))
+            return res is not None
+        return await self.txn(compare=[("mod", key, mod_revision)], success=[("delete", key)])
+
+    async def delete_prefix(self, prefix: str) -> None:
+        await self._call("delete", lambda c: c.delete_prefix(prefix.encode()))
+
+    async def txn(self, compare: list[tuple[Any, ...]], success: list[tuple[Any, ...]],
+                  failure: list[tuple[Any, ...]] | None = None) -> bool:
+        """One etcd transaction. Compares: ``("mod"|"create"|"version", key, n)`` or
+        ``("value", key, bytes)``; ops: ``("put", key, value, lease)`` or ``("delete", key)``.
+        Returns whether the compares held."""
+
+        def build(c: _Client) -> Any:
+            t = c.transactions
+            cmp = []
+            for kind, key, n in compare:
+                target = {"mod": t.mod, "create": t.create, "version": t.version,
+                          "value": t.value}[kind](key.encode())
+                cmp.append(target == n)
+
+            def ops(items: list[tuple[Any, ...]] | None) -> list[Any]:
+                out = []
+                for item in items or []:
+                    if item[0] == "put":
+                        out.append(t.put(item[1].encode(), item[2], lease=item[3]))
+                    elif item[0] == "delete":
+                        out.append(t.delete(item[1].encode()))
+                    else:
+                        raise ValueError(f"unknown transaction op {item[0]!r}")
+                return out
+
+            return c.transaction(compare=cmp, success=ops(success), failure=ops(failure))
+
+        succeeded, _ = await self._call("txn", build)
+        return bool(succeeded)
+
+    # -- leases -----------------------------------------------------------------------------
+
+    async def grant(self, ttl: int) -> int:
+        lease = await self._call("lease_grant", lambda c: c.lease(ttl))
+        lease_id: int = lease.id
+        return lease_id
+
+    async def keepalive(self, lease_id: int) -> int:
+        """Refresh a lease; returns the TTL etcd granted, 0 if the lease has expired."""
+        reply = await self._call("lease_keepalive", lambda c: c.refresh_lease(lease_id))
+        return int(reply.TTL) if reply is not None else 0
+
+    async def revoke(self, lease_id: int) -> None:
+        await self._call("lease_revoke", lambda c: c.revoke_lease(lease_id))
+
+    # -- watches ----------------------------------------------------------------------------
+
+    async def watch_prefix(
+        self, prefix: str, start_revision: int, stop: asyncio.Event, retry_delay: float = 0.2
+    ) -> AsyncIterator[WatchEvent | _Resync]:
+        """Events under ``prefix`` from ``start_revision`` on, until ``stop`` is set.
+
+        A broken stream is resumed from the revision after the last delivered event; if that
+        revision was compacted, :data:`RESYNC` is yielded and the watch restarts at the current
+        revision (the caller must re-list to catch up). Never raises for etcd being down.
+        """
+        next_rev = start_revision
+        while not stop.is_set():
+            watch = None
+            try:
+                self._on_request("watch")
+                client = await self._get_client()
+                watch = await asyncio.wait_for(
+                    client.watch_prefix(prefix.encode(), start_revision=next_rev),
+                    self.cfg.timeout,
+                )
+                it = watch.__aiter__()
+                while not stop.is_set():
+                    stop_wait = asyncio.ensure_future(stop.wait())
+                    nxt = asyncio.ensure_future(it.__anext__())
+                    done, _ = await asyncio.wait({stop_wait, nxt},
+                                                 return_when=asyncio.FIRST_COMPLETED)
+                    if nxt not in done:
+                        nxt.cancel()
+                        with contextlib.suppress(BaseException):
+                            await nxt
+                        break
+                    stop_wait.cancel()
+                    ev = nxt.result()
+                    kv = _kv(ev.kv)
+                    next_rev = kv.mod_revision + 1
+                    yield WatchEvent("put" if ev.kind == "PUT" else "delete", kv)
+            except aexc.RevisionCompactedError as exc:
+                next_rev = 0
+                with contextlib.suppress(Exception):
+                    _, next_rev = await self.get_prefix(prefix)
+                    next_rev += 1
+                del exc
+                yield RESYNC
+            except StopAsyncIteration:
+                pass
+            except (aexc.ClientError, StoreError, TimeoutError, grpc.aio.AioRpcError):
+                await self.reset()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), retry_delay)
+            finally:
+                if watch is not None:
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(watch.cancel(), self.cfg.timeout)
+
