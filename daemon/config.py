@@ -255,7 +255,7 @@ def _build(raw: dict[str, Any], require_node: bool) -> Config:
         raise ConfigError(f"addresses must be a list of strings, got {addresses!r}")
     metrics_listen = str(raw.get("metrics_listen", "127.0.0.1:9464"))
     if metrics_listen:
-        host, sep, port = metrics_listen.rpartition(":")
+        _, sep, port = metrics_listen.rpartition(":")
         if not sep or not port.isdigit() or int(port) > 65535:
             raise ConfigError(f"metrics_listen {metrics_listen!r} is not HOST:PORT or empty")
     sections = {name: _section(name, cls, raw.get(name, {})) for name, cls in _SECTIONS.items()}

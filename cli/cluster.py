@@ -1,0 +1,121 @@
+"""What the CLI reads: one consistent picture of the cluster from etcd."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from understudy.daemon.errors import RecordError
+from understudy.daemon.keys import Keys
+from understudy.daemon.records import (
+    ControllerRecord,
+    DrainRequest,
+    Event,
+    NodeRecord,
+    RegistryEntry,
+)
+from understudy.daemon.store import EtcdStore
+
+
+@dataclass
+class NodeView:
+    name: str
+    state: str
+    online: bool
+    cordoned: bool = False
+    role: str = ""
+    slots: int = 0
+    workers: int = 0
+    failure_domain: str = ""
+    addresses: tuple[str, ...] = ()
+    reason: str = ""
+    since: float = 0.0
+    drain: DrainRequest | None = None
+    first_failure: str = ""
+    health: tuple[str, ...] = ()
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "state": self.state, "online": self.online,
+            "cordoned": self.cordoned, "role": self.role, "slots": self.slots,
+            "workers": self.workers, "failure_domain": self.failure_domain,
+            "addresses": list(self.addresses), "reason": self.reason, "since": self.since,
+            "drain": None if self.drain is None else {
+                "source": self.drain.source, "reason": self.drain.reason,
+                "deadline": self.drain.deadline, "requested_by": self.drain.requested_by},
+            "first_failure": self.first_failure, "health": list(self.health),
+        }
+
+
+@dataclass
+class ClusterStatus:
+    nodes: list[NodeView]
+    controller: str | None
+    revision: int
+    ignored: list[str] = field(default_factory=list)
+
+    def node(self, name: str) -> NodeView | None:
+        return next((n for n in self.nodes if n.name == name), None)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"controller": self.controller, "revision": self.revision,
+                "nodes": [n.as_json() for n in self.nodes], "ignored_keys": self.ignored}
+
+
+async def read_cluster(store: EtcdStore, keys: Keys) -> ClusterStatus:
+    """Read nodes, registry, drains and controller. Bad values are listed, never fatal."""
+    ignored: list[str] = []
+    registry: dict[str, RegistryEntry] = {}
+    kvs, revision = await store.get_prefix(keys.registry)
+    for kv in kvs:
+        try:
+            registry[Keys.name_of(kv.key, keys.registry)] = RegistryEntry.decode(kv.value)
+        except RecordError:
+            ignored.append(kv.key)
+    live: dict[str, NodeRecord] = {}
+    for kv in (await store.get_prefix(keys.nodes))[0]:
+        try:
+            live[Keys.name_of(kv.key, keys.nodes)] = NodeRecord.decode(kv.value)
+        except RecordError:
+            ignored.append(kv.key)
+    drains: dict[str, DrainRequest] = {}
+    for kv in (await store.get_prefix(keys.drains))[0]:
+        try:
+            drains[Keys.name_of(kv.key, keys.drains)] = DrainRequest.decode(kv.value)
+        except RecordError:
+            ignored.append(kv.key)
+    controller = None
+    ckv = await store.get(keys.controller)
+    if ckv is not None:
+        try:
+            controller = ControllerRecord.decode(ckv.value).node
+        except RecordError:
+            ignored.append(ckv.key)
+    nodes = []
+    for name in sorted(set(registry) | set(live)):
+        entry, rec = registry.get(name), live.get(name)
+        if rec is not None:
+            view = NodeView(name=name, state=str(rec.state), online=True, role=rec.role,
+                            slots=rec.slots, workers=rec.workers,
+                            failure_domain=rec.failure_domain, addresses=rec.addresses,
+                            reason=rec.reason, since=rec.state_since,
+                            first_failure=rec.first_failure, health=rec.health)
+        else:
+            assert entry is not None
+            view = NodeView(name=name, state=str(entry.state), online=False,
+                            reason=entry.reason, since=entry.updated_at)
+        view.cordoned = bool(entry and entry.cordoned)
+        view.drain = drains.get(name)
+        nodes.append(view)
+    return ClusterStatus(nodes=nodes, controller=controller, revision=revision, ignored=ignored)
+
+
+async def read_events(store: EtcdStore, keys: Keys) -> tuple[list[Event], int]:
+    events = []
+    kvs, rev = await store.get_prefix(keys.events)
+    for kv in kvs:
+        try:
+            events.append(Event.decode(kv.value))
+        except RecordError:
+            continue
+    return events, rev

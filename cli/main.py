@@ -1,0 +1,250 @@
+"""``understudy``: the operator's CLI. Talks to etcd like the daemons do.
+
+Exit codes: 0 done; 1 the request could not be carried out (etcd unreachable, unknown node, a
+drain that did not finish in time); 2 usage error. Errors are one sentence on stderr and leave
+etcd unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import getpass
+import json
+import socket
+import sys
+import time
+
+from understudy.cli.cluster import ClusterStatus, read_cluster, read_events
+from understudy.daemon import config as config_mod
+from understudy.daemon.errors import ConfigError, UnderstudyError
+from understudy.daemon.keys import Keys
+from understudy.daemon.records import DrainRequest, Event, RegistryEntry
+from understudy.daemon.store import EtcdStore, WatchEvent
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+class CliError(UnderstudyError):
+    """Shown to the operator as one sentence; exit code 1."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="understudy", description="Operate an understudy cluster.")
+    p.add_argument("--etcd", help="HOST:PORT[,HOST:PORT...] (or UNDERSTUDY_ETCD)")
+    p.add_argument("--prefix", help="cluster key prefix (default /understudy)")
+    p.add_argument("--config", help="read etcd settings from this understudyd TOML file")
+    p.add_argument("--ca", help="etcd CA certificate (TLS)")
+    p.add_argument("--cert", help="client certificate for etcd")
+    p.add_argument("--key", help="client key for etcd")
+    p.add_argument("--user", help="etcd user (password from UNDERSTUDY_ETCD_PASSWORD)")
+    p.add_argument("--timeout", type=float, default=None, help="per-request timeout, seconds")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("status", help="show nodes, their states and the controller")
+    s.add_argument("--json", action="store_true", help="print a JSON object")
+
+    d = sub.add_parser("drain", help="move all work off a node")
+    d.add_argument("node")
+    d.add_argument("--deadline", type=float, default=60.0,
+                   help="seconds the node has to empty (default 60)")
+    d.add_argument("--reason", default="operator drain")
+    d.add_argument("--wait", action="store_true", help="wait until the node is drained")
+
+    for name, text in (("undrain", "put a drained or draining node back in service"),
+                       ("cordon", "place no new work on a node"),
+                       ("uncordon", "allow new work on a node again")):
+        c = sub.add_parser(name, help=text)
+        c.add_argument("node")
+
+    e = sub.add_parser("events", help="show the cluster's events")
+    e.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
+    e.add_argument("--json", action="store_true", help="one JSON object per line")
+    e.add_argument("--limit", type=int, default=50, help="show the newest N (default 50)")
+    return p
+
+
+def _store(args: argparse.Namespace) -> tuple[EtcdStore, Keys]:
+    cfg = config_mod.load(args.config, require_node=False, overrides={
+        "etcd.endpoints": args.etcd, "etcd.prefix": args.prefix, "etcd.ca": args.ca,
+        "etcd.cert": args.cert, "etcd.key": args.key, "etcd.user": args.user,
+        "etcd.timeout": args.timeout,
+    })
+    return EtcdStore(cfg.etcd), Keys(cfg.etcd.prefix)
+
+
+def _fmt_time(t: float) -> str:
+    if not t:
+        return "-"
+    return datetime.datetime.fromtimestamp(t).strftime("%H:%M:%S")
+
+
+def _print_status(status: ClusterStatus) -> None:
+    print(f"controller: {status.controller or '(none)'}")
+    rows = [("NODE", "STATE", "ROLE", "WORKERS", "SINCE", "NOTE")]
+    for n in status.nodes:
+        notes = []
+        if not n.online:
+            notes.append("offline")
+        if n.cordoned:
+            notes.append("cordoned")
+        if n.drain is not None:
+            notes.append(f"drain by {n.drain.source}")
+        if n.first_failure:
+            notes.append(f"first failure: {n.first_failure}")
+        if n.health:
+            notes.append(f"health: {'; '.join(n.health)}")
+        if n.reason and not n.online:
+            notes.append(n.reason)
+        rows.append((n.name, n.state, n.role or "-", str(n.workers) if n.online else "-",
+                     _fmt_time(n.since), ", ".join(notes)))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r[:5], widths, strict=True)) + "  " + r[5])
+    if status.ignored:
+        print(f"({len(status.ignored)} unreadable value(s) ignored: {', '.join(status.ignored)})")
+
+
+def _print_event(ev: Event, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps({"time": ev.time, "kind": ev.kind, "node": ev.node,
+                          "message": ev.message, "details": ev.details}), flush=True)
+    else:
+        stamp = datetime.datetime.fromtimestamp(ev.time).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+        print(f"{stamp}  {ev.kind:<20} {ev.node:<16} {ev.message}", flush=True)
+
+
+async def _require_node(store: EtcdStore, keys: Keys, name: str) -> ClusterStatus:
+    status = await read_cluster(store, keys)
+    if status.node(name) is None:
+        known = ", ".join(n.name for n in status.nodes) or "none"
+        raise CliError(f"no node named {name!r} in this cluster (known: {known})")
+    return status
+
+
+async def _set_cordon(store: EtcdStore, keys: Keys, name: str, value: bool) -> str:
+    await _require_node(store, keys, name)
+    for _ in range(10):
+        kv = await store.get(keys.registry_entry(name))
+        if kv is None:
+            raise CliError(f"node {name!r} has no registry entry yet; try again")
+        try:
+            entry = RegistryEntry.decode(kv.value)
+        except UnderstudyError as exc:
+            raise CliError(f"the registry entry of {name!r} is unreadable ({exc})") from exc
+        if entry.cordoned == value:
+            return f"node {name} was already {'cordoned' if value else 'uncordoned'}"
+        new = RegistryEntry(**{**entry.__dict__, "cordoned": value})
+        if await store.cas(keys.registry_entry(name), new.encode(), kv.mod_revision):
+            return f"node {name} {'cordoned' if value else 'uncordoned'}"
+    raise CliError(f"node {name!r} kept changing; try again")
+
+
+async def _drain(store: EtcdStore, keys: Keys, args: argparse.Namespace) -> int:
+    status = await _require_node(store, keys, args.node)
+    node = status.node(args.node)
+    assert node is not None
+    if not node.online and node.drain is None:
+        raise CliError(f"node {args.node!r} is offline ({node.state}); nothing to drain")
+    if node.drain is None:
+        now = time.time()
+        req = DrainRequest(node=args.node, reason=args.reason, source="operator",
+                           requested_at=now, deadline=now + args.deadline,
+                           requested_by=f"{getpass.getuser()}@{socket.gethostname()}")
+        if await store.cas(keys.drain(args.node), req.encode(), 0):
+            print(f"drain of {args.node} requested (deadline {args.deadline:g}s)", flush=True)
+        else:
+            print(f"node {args.node} is already being drained", flush=True)
+    else:
+        print(f"node {args.node} is already being drained ({node.drain.source})", flush=True)
+    if not args.wait:
+        return 0
+    deadline = time.monotonic() + args.deadline + 10
+    last = None
+    while time.monotonic() < deadline:
+        status = await read_cluster(store, keys)
+        node = status.node(args.node)
+        state = node.state if node else "gone"
+        line = f"{args.node}: {state}" + (f", {node.workers} worker(s)" if node else "")
+        if line != last:
+            print(line, flush=True)
+            last = line
+        if node is None or node.state in ("drained", "failed") or (not node.online):
+            return 0 if node is not None and node.state == "drained" else EXIT_FAILED
+        await asyncio.sleep(0.2)
+    raise CliError(f"node {args.node!r} did not finish draining in time")
+
+
+async def _undrain(store: EtcdStore, keys: Keys, name: str) -> str:
+    status = await _require_node(store, keys, name)
+    node = status.node(name)
+    assert node is not None
+    if node.drain is None:
+        kv = await store.get(keys.drain(name))
+        if kv is None:
+            return f"node {name} is not drained"
+    await store.delete(keys.drain(name))
+    return f"node {name} is back in service" + ("" if node.online else " when it rejoins")
+
+
+async def _events(store: EtcdStore, keys: Keys, args: argparse.Namespace) -> int:
+    events, rev = await read_events(store, keys)
+    for ev in events[-args.limit:] if args.limit > 0 else events:
+        _print_event(ev, args.json)
+    if not args.follow:
+        return 0
+    stop = asyncio.Event()
+    async for item in store.watch_prefix(keys.events, rev + 1, stop):
+        if isinstance(item, WatchEvent) and item.kind == "put":
+            with contextlib.suppress(UnderstudyError):
+                _print_event(Event.decode(item.kv.value), args.json)
+    return 0
+
+
+async def _run(args: argparse.Namespace) -> int:
+    store, keys = _store(args)
+    try:
+        if args.command == "status":
+            status = await read_cluster(store, keys)
+            if args.json:
+                print(json.dumps(status.as_json(), indent=2))
+            else:
+                _print_status(status)
+            return 0
+        if args.command == "drain":
+            return await _drain(store, keys, args)
+        if args.command == "undrain":
+            print(await _undrain(store, keys, args.node))
+            return 0
+        if args.command in ("cordon", "uncordon"):
+            print(await _set_cordon(store, keys, args.node, args.command == "cordon"))
+            return 0
+        if args.command == "events":
+            return await _events(store, keys, args)
+        raise AssertionError(args.command)
+    finally:
+        await store.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "deadline", 1.0) <= 0:
+        parser.error("--deadline must be positive")
+    try:
+        return asyncio.run(_run(args))
+    except ConfigError as exc:
+        print(f"understudy: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except UnderstudyError as exc:
+        print(f"understudy: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""Controller election and the controller's loop.
+
+Election: every daemon campaigns by creating ``<prefix>/controller`` bound to its own lease
+(create-if-absent, so exactly one wins). The others wait for the key to disappear, which
+happens when the winner leaves or its lease expires, and campaign again. The leader keeps a view
+of the cluster from a list plus watches (re-listed periodically as a backstop), asks the pure
+planner what to do, and applies each action by compare-and-swap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable
+
+from understudy.daemon import logs
+from understudy.daemon.errors import RecordError, StoreError
+from understudy.daemon.events import EventLog
+from understudy.daemon.keys import Keys
+from understudy.daemon.metrics import Metrics
+from understudy.daemon.node import NodeAgent
+from understudy.daemon.planner import ClusterView, MarkFailed, PruneEvents, plan
+from understudy.daemon.records import ControllerRecord, NodeRecord, RegistryEntry
+from understudy.daemon.states import NodeState
+from understudy.daemon.store import KV, EtcdStore, WatchEvent
+
+
+class Controller:
+    def __init__(self, agent: NodeAgent, store: EtcdStore, metrics: Metrics, events: EventLog,
+                 stop: asyncio.Event, wall: Callable[[], float] = time.time,
+                 tick: float = 0.25, relist_interval: float = 10.0) -> None:
+        self.agent, self.store, self.metrics, self.events = agent, store, metrics, events
+        self.keys = Keys(agent.cfg.etcd.prefix)
+        self.stop, self.wall = stop, wall
+        self.tick, self.relist_interval = tick, relist_interval
+        self.is_leader = False
+        self.log = logs.get(node=agent.cfg.node)
+        self._registry: dict[str, tuple[RegistryEntry, int]] = {}
+        self._live: dict[str, NodeRecord] = {}
+        self._event_keys: list[str] = []
+        self._changed = asyncio.Event()
+        self._need_relist = False
+        self._bad_seen: set[tuple[str, int]] = set()
+
+    # -- election ---------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                await self._campaign_once()
+            except StoreError as exc:
+                self.log.debug("Controller election could not reach etcd.", error=str(exc))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stop.wait(), 0.5)
+
+    async def _campaign_once(self) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.agent.registered.wait(), 1.0)
+        lease = self.agent.lease
+        if lease is None or self.stop.is_set():
+            return
+        me = ControllerRecord(node=self.agent.cfg.node, incarnation=self.agent.incarnation,
+                              since=self.wall())
+        won = await self.store.txn(compare=[("create", self.keys.controller, 0)],
+                                   success=[("put", self.keys.controller, me.encode(), lease)])
+        if won:
+            await self._lead(lease)
+            return
+        kv = await self.store.get(self.keys.controller)
+        if kv is not None:
+            await self._wait_for_change(self.keys.controller, kv.mod_revision, timeout=5.0)
+
+    async def _wait_for_change(self, key: str, revision: int, timeout: float) -> None:
+        done = asyncio.Event()
+
+        async def watch() -> None:
+            async for ev in self.store.watch_prefix(key, revision + 1, done):
+                if not isinstance(ev, WatchEvent) or ev.kv.key == key:
+                    done.set()
+
+        task = asyncio.create_task(watch(), name="controller-wait")
+        stop_wait = asyncio.create_task(self.stop.wait())
+        try:
+            await asyncio.wait({task, stop_wait}, timeout=timeout,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            done.set()
+            stop_wait.cancel()
+            task.cancel()
+            await asyncio.wait({task, stop_wait}, timeout=2)
+
+    # -- leading ----------------------------------------------------------------------------
+
+    async def _lead(self, lease: int) -> None:
+        self.is_leader = True
+        self.metrics.controller.set(1)
+        self.log.info("This daemon is now the controller.")
+        await self.events.emit("controller-elected",
+                               f"Node {self.agent.cfg.node} became the controller.")
+        lost = asyncio.Event()
+        watches: list[asyncio.Task[None]] = []
+        try:
+            rev = await self._relist()
+            last_list = self.wall()
+            watches = [
+                asyncio.create_task(self._watch(self.keys.nodes, rev, lost), name="ctl-nodes"),
+                asyncio.create_task(self._watch(self.keys.registry, rev, lost),
+                                    name="ctl-registry"),
+                asyncio.create_task(self._watch_leadership(lost), name="ctl-leadership"),
+            ]
+            while not self.stop.is_set() and not lost.is_set() and self.agent.lease == lease:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), self.tick)
+                self._changed.clear()
+                try:
+                    if self._need_relist or self.wall() - last_list > self.relist_interval:
+                        await self._relist()
+                        last_list = self.wall()
+                    await self._apply(plan(self._view(), self.wall()))
+                except StoreError as exc:
+                    self.log.warning("Controller round failed; retrying.", error=str(exc))
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.stop.wait(), 0.2)
+        finally:
+            lost.set()
+            for t in watches:
+                t.cancel()
+            if watches:
+                await asyncio.wait(watches, timeout=2)
+            self.is_leader = False
+            self.metrics.controller.set(0)
+            self.log.info("This daemon is no longer the controller.")
+            if self.stop.is_set() and self.agent.lease == lease:
+                with contextlib.suppress(StoreError):
+                    await self.store.delete(self.keys.controller)
+
+    async def _watch_leadership(self, lost: asyncio.Event) -> None:
+        kv = await self.store.get(self.keys.controller)
+        if kv is None or kv.lease != self.agent.lease:
+            lost.set()
+            return
+        async for ev in self.store.watch_prefix(self.keys.controller, kv.mod_revision + 1, lost):
+            if isinstance(ev, WatchEvent) and ev.kv.key == self.keys.controller and \
+                    (ev.kind == "delete" or ev.kv.lease != self.agent.lease):
+                lost.set()
+
+    async def _watch(self, prefix: str, revision: int, lost: asyncio.Event) -> None:
+        async for ev in self.store.watch_prefix(prefix, revision + 1, lost):
+            if isinstance(ev, WatchEvent):
+                self._ingest(prefix, ev.kv, deleted=ev.kind == "delete")
+            else:
+                self._need_relist = True
+            self._changed.set()
+
+    async def _relist(self) -> int:
+        """Re-read the whole view; returns the revision it was read at."""
+        self._need_relist = False
+        self._registry.clear()
+        self._live.clear()
+        kvs, first_rev = await self.store.get_prefix(self.keys.registry)
+        for kv in kvs:
+            self._ingest(self.keys.registry, kv, deleted=False)
+        kvs, _ = await self.store.get_prefix(self.keys.nodes)
+        for kv in kvs:
+            self._ingest(self.keys.nodes, kv, deleted=False)
+        events, _ = await self.store.get_prefix(self.keys.events)
+        self._event_keys = [kv.key for kv in events]
+        # Watches replay from the first read on: replaying events the second read already saw
+        # is harmless (they are applied in order and end at the same state), missing some is not.
+        return first_rev
+
+    def _ingest(self, prefix: str, kv: KV, deleted: bool) -> None:
+        name = Keys.name_of(kv.key, prefix)
+        table: dict[str, object] = self._registry if prefix == self.keys.registry \
+            else self._live  # type: ignore[assignment]
+        if deleted:
+            table.pop(name, None)
+            return
+        try:
+            if prefix == self.keys.registry:
+                entry = RegistryEntry.decode(kv.value)
+                if entry.name != name:
+                    raise RecordError(f"registry entry under {name!r} names {entry.name!r}")
+                self._registry[name] = (entry, kv.mod_revision)
+            else:
+                rec = NodeRecord.decode(kv.value)
+                if rec.name != name or rec.lease != kv.lease or kv.lease == 0:
+                    raise RecordError(f"node record under {name!r} is not bound to its lease")
+                self._live[name] = rec
+        except RecordError as exc:
+            # Ignored, never acted on: a garbage value must not fail a node or crash us.
+            table.pop(name, None)
+            if (kv.key, kv.mod_revision) not in self._bad_seen:
+                self._bad_seen.add((kv.key, kv.mod_revision))
+                self.metrics.bad_values.labels(collection=prefix.rstrip("/").rsplit("/", 1)[-1]
+                                               ).inc()
+                self.log.warning("Ignoring a bad value in etcd.", key=kv.key, problem=str(exc))
+
+    def _view(self) -> ClusterView:
+        return ClusterView(registry=dict(self._registry), live=dict(self._live),
+                           event_keys=tuple(self._event_keys))
+
+    async def _apply(self, actions: list[MarkFailed | PruneEvents]) -> None:
+        for action in actions:
+            if isinstance(action, MarkFailed):
+                entry, rev = self._registry[action.node]
+                failed = dataclasses.replace(entry, state=NodeState.FAILED, reason=action.reason,
+                                             updated_at=self.wall())
+                if await self.store.cas(self.keys.registry_entry(action.node), failed.encode(),
+                                        action.mod_revision):
+                    self._registry[action.node] = (failed, rev)
+                    self.log.warning(f"Node {action.node} failed: {action.reason}.")
+                    await self.events.emit("node-failed",
+                                           f"Node {action.node} failed: {action.reason}.",
+                                           node=action.node, previous_state=str(entry.state))
+                else:
+                    self._changed.set()  # lost the race: re-plan from fresh state
+            else:
+                for key in action.keys:
+                    await self.store.delete(key)
+                self._event_keys = self._event_keys[len(action.keys):]

@@ -1,0 +1,162 @@
+"""Real daemons as separate processes on one machine, around one etcd.
+
+Used by the demo (``scripts/demo``), the end-to-end tests and the benchmarks. Each daemon is a
+real ``understudyd`` process with its own run directory, metrics port and log file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from understudy.cli.cluster import ClusterStatus, read_cluster
+from understudy.daemon import config as config_mod
+from understudy.daemon.embedded_etcd import free_port
+from understudy.daemon.errors import StoreError, UnderstudyError
+from understudy.daemon.keys import Keys
+from understudy.daemon.store import EtcdStore
+
+
+class ClusterTimeout(UnderstudyError):
+    """A local-cluster condition did not become true in time."""
+
+
+@dataclass
+class DaemonProcess:
+    name: str
+    argv: list[str]
+    run_dir: Path
+    log_path: Path
+    metrics_port: int
+    env: dict[str, str]
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> DaemonProcess:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
+                                         env=self.env, start_new_session=True)
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(sig)
+
+    def kill9(self) -> None:
+        """kill -9 of the daemon and everything in its session (its workers): a node crash."""
+        assert self.proc is not None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def wait(self, timeout: float) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout=timeout)
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+@dataclass
+class LocalCluster:
+    etcd_endpoint: str
+    base_dir: Path
+    prefix: str = "/understudy"
+    lease_ttl: int = 3
+    extra_args: Sequence[str] = ()
+    python: str = sys.executable
+    daemons: dict[str, DaemonProcess] = field(default_factory=dict)
+
+    def daemon_argv(self, name: str, role: str, metrics_port: int, run_dir: Path,
+                    extra: Sequence[str] = ()) -> list[str]:
+        return [
+            self.python, "-m", "understudy.daemon.main",
+            "--node", name, "--etcd", self.etcd_endpoint, "--prefix", self.prefix,
+            "--role", role, "--run-dir", str(run_dir),
+            "--metrics-listen", f"127.0.0.1:{metrics_port}",
+            "--lease-ttl", str(self.lease_ttl), "--log-format", "json",
+            *self.extra_args, *extra,
+        ]
+
+    def add(self, name: str, role: str = "active", extra: Sequence[str] = (),
+            env: dict[str, str] | None = None, wrap: Sequence[str] = ()) -> DaemonProcess:
+        """Start a daemon. ``wrap`` prefixes the command (e.g. ``ip netns exec NS``)."""
+        run_dir = self.base_dir / name
+        port = free_port()
+        argv = [*wrap, *self.daemon_argv(name, role, port, run_dir, extra)]
+        d = DaemonProcess(name=name, argv=argv, run_dir=run_dir,
+                          log_path=self.base_dir / f"{name}.log", metrics_port=port,
+                          env={**os.environ, **(env or {})})
+        self.daemons[name] = d.start()
+        return d
+
+    def cli(self, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [self.python, "-m", "understudy.cli.main", "--etcd", self.etcd_endpoint,
+             "--prefix", self.prefix, *args],
+            capture_output=True, text=True, timeout=timeout,
+        )
+
+    def status(self) -> ClusterStatus:
+        return asyncio.run(self._status())
+
+    async def _status(self) -> ClusterStatus:
+        cfg = config_mod.load(overrides={"etcd.endpoints": self.etcd_endpoint,
+                                         "etcd.prefix": self.prefix},
+                              environ={}, require_node=False)
+        store = EtcdStore(cfg.etcd)
+        try:
+            return await read_cluster(store, Keys(self.prefix))
+        finally:
+            await store.close()
+
+    def wait_for(self, what: str, predicate: Callable[[ClusterStatus], bool],
+                 timeout: float = 30.0, interval: float = 0.05) -> float:
+        """Poll until ``predicate(status)`` holds; returns the seconds it took."""
+        t0 = time.monotonic()
+        last: ClusterStatus | None = None
+        while time.monotonic() - t0 < timeout:
+            try:
+                last = self.status()
+                if predicate(last):
+                    return time.monotonic() - t0
+            except StoreError:
+                pass
+            time.sleep(interval)
+        states = {n.name: n.state for n in last.nodes} if last else "etcd unreachable"
+        raise ClusterTimeout(f"timed out after {timeout}s waiting for {what}; states: {states}")
+
+    def wait_state(self, node: str, state: str, timeout: float = 30.0) -> float:
+        return self.wait_for(
+            f"{node} to be {state}",
+            lambda s: (n := s.node(node)) is not None and n.state == state, timeout)
+
+    def stop_all(self, timeout: float = 20.0) -> None:
+        for d in self.daemons.values():
+            if d.alive():
+                d.signal(signal.SIGKILL if timeout <= 0 else signal.SIGTERM)
+        for d in self.daemons.values():
+            if d.proc is not None:
+                try:
+                    d.proc.wait(timeout=max(timeout, 0.1))
+                except subprocess.TimeoutExpired:
+                    d.kill9()
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(d.proc.pid, signal.SIGKILL)

@@ -1,0 +1,247 @@
+"""The daemon's local Unix socket: how workers reach etcd without a client of their own.
+
+Protocol: one JSON object per line each way. A request is ``{"id": n, "op": OP, ...}``; the
+reply is ``{"id": n, "ok": true, ...}`` or ``{"id": n, "ok": false, "error": sentence}``. The
+first request on a connection must be ``hello`` with a ``namespace`` (for process-group
+bootstrap: ``<job>/<group>/v<version>``) and an ``epoch``; every key then lives under
+``<prefix>/kv/<namespace>/``. A hello whose epoch the daemon refuses (``epoch_check``) closes the
+connection: a process of an old epoch cannot reach the job's store. Values are base64.
+
+The key-value operations are those a ``torch.distributed.Store`` needs: set, get (waiting up to
+a timeout), add, compare_set, check, delete, num_keys.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import enum
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from understudy.daemon import logs
+from understudy.daemon.errors import StoreError
+from understudy.daemon.keys import Keys
+from understudy.daemon.store import EtcdStore, WatchEvent
+
+MAX_LINE = 1024 * 1024
+NAMESPACE_RE = re.compile(r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$")
+MAX_WAIT = 600.0
+
+
+class Op(enum.StrEnum):
+    HELLO = "hello"
+    PING = "ping"
+    SET = "set"
+    GET = "get"
+    ADD = "add"
+    COMPARE_SET = "compare_set"
+    CHECK = "check"
+    DELETE = "delete"
+    NUM_KEYS = "num_keys"
+
+
+class RequestError(ValueError):
+    """The worker sent a request the service cannot carry out; the reply says why."""
+
+
+EpochCheck = Callable[[str, int], str | None]
+
+
+def _accept_all(namespace: str, epoch: int) -> str | None:
+    return None
+
+
+class LocalServer:
+    def __init__(self, path: Path, store: EtcdStore, keys: Keys, node: str,
+                 epoch_check: EpochCheck = _accept_all) -> None:
+        self.path, self.store, self.keys = path, store, keys
+        self.epoch_check = epoch_check
+        self.log = logs.get(node=node)
+        self._server: asyncio.AbstractServer | None = None
+        self._conns: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        self._server = await asyncio.start_unix_server(self._serve, path=str(self.path),
+                                                       limit=MAX_LINE)
+        self.path.chmod(0o660)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            for t in list(self._conns):
+                t.cancel()
+            if self._conns:
+                await asyncio.wait(self._conns, timeout=2)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._server.wait_closed(), 2)
+            self._server = None
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._conns.add(task)
+        namespace: str | None = None
+        try:
+            while True:
+                try:
+                    line = await reader.readline()
+                except (ValueError, ConnectionError):
+                    break  # over-long line or peer gone
+                if not line:
+                    break
+                rid: Any = None
+                try:
+                    req = json.loads(line)
+                    if not isinstance(req, dict):
+                        raise RequestError("a request must be a JSON object")
+                    rid = req.get("id")
+                    op = Op(req.get("op"))
+                    if op == Op.HELLO:
+                        namespace = self._hello(req)
+                        reply: dict[str, Any] = {}
+                    elif namespace is None:
+                        raise RequestError("the first request must be hello")
+                    else:
+                        reply = await self._handle(op, req, self.keys.kv(namespace))
+                    out = {"id": rid, "ok": True, **reply}
+                except (RequestError, ValueError) as exc:
+                    out = {"id": rid, "ok": False, "error": str(exc)}
+                    if namespace is None:
+                        writer.write(json.dumps(out).encode() + b"\n")
+                        break
+                except StoreError as exc:
+                    out = {"id": rid, "ok": False, "error": f"etcd unavailable: {exc}"}
+                writer.write(json.dumps(out).encode() + b"\n")
+                await writer.drain()
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            self._conns.discard(task)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(writer.wait_closed(), 1)
+
+    def _hello(self, req: dict[str, Any]) -> str:
+        ns, epoch = req.get("namespace"), req.get("epoch", 0)
+        if not isinstance(ns, str) or not NAMESPACE_RE.match(ns) or len(ns) > 200:
+            raise RequestError(f"namespace {ns!r} is not a valid path of names")
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+            raise RequestError(f"epoch {epoch!r} is not a non-negative integer")
+        refusal = self.epoch_check(ns, epoch)
+        if refusal:
+            self.log.warning("Refused a worker of a stale epoch.", namespace=ns, epoch=epoch,
+                             reason=refusal)
+            raise RequestError(f"epoch {epoch} refused: {refusal}")
+        return ns
+
+    async def _handle(self, op: Op, req: dict[str, Any], base: str) -> dict[str, Any]:
+        if op == Op.PING:
+            return {}
+        if op == Op.NUM_KEYS:
+            kvs, _ = await self.store.get_prefix(base)
+            return {"count": len(kvs)}
+        if op == Op.CHECK:
+            keys = _keys_arg(req)
+            found = [await self.store.get(base + k) is not None for k in keys]
+            return {"present": all(found)}
+        key = base + _key_arg(req)
+        if op == Op.SET:
+            await self.store.put(key, _bytes_arg(req, "value"))
+            return {}
+        if op == Op.GET:
+            value = await self._get_waiting(key, _timeout_arg(req))
+            if value is None:
+                raise RequestError(f"key {req['key']!r} did not appear within the timeout")
+            return {"value": base64.b64encode(value).decode()}
+        if op == Op.DELETE:
+            return {"deleted": await self.store.delete(key)}
+        if op == Op.ADD:
+            amount = req.get("amount")
+            if not isinstance(amount, int) or isinstance(amount, bool):
+                raise RequestError(f"add needs an integer amount, got {amount!r}")
+            for _ in range(100):
+                kv = await self.store.get(key)
+                try:
+                    current = int(kv.value) if kv else 0
+                except ValueError:
+                    raise RequestError(f"key {req['key']!r} does not hold an integer") from None
+                if await self.store.cas(key, str(current + amount).encode(),
+                                        kv.mod_revision if kv else 0):
+                    return {"value": current + amount}
+            raise StoreError("add kept losing its compare-and-swap race")
+        if op == Op.COMPARE_SET:
+            expected, desired = _bytes_arg(req, "expected"), _bytes_arg(req, "desired")
+            for _ in range(100):
+                kv = await self.store.get(key)
+                if (kv is None and expected == b"") or (kv is not None and kv.value == expected):
+                    if await self.store.cas(key, desired, kv.mod_revision if kv else 0):
+                        return {"value": base64.b64encode(desired).decode()}
+                    continue
+                current = b"" if kv is None else kv.value
+                return {"value": base64.b64encode(current if kv else expected).decode()}
+            raise StoreError("compare_set kept losing its compare-and-swap race")
+        raise RequestError(f"unknown op {op!r}")
+
+    async def _get_waiting(self, key: str, timeout: float) -> bytes | None:
+        kvs, rev = await self.store.get_prefix(key)
+        for kv in kvs:
+            if kv.key == key:
+                return kv.value
+        if timeout <= 0:
+            return None
+        done = asyncio.Event()
+        found: list[bytes] = []
+
+        async def watch() -> None:
+            async for ev in self.store.watch_prefix(key, rev + 1, done):
+                if isinstance(ev, WatchEvent) and ev.kv.key == key and ev.kind == "put":
+                    found.append(ev.kv.value)
+                    done.set()
+
+        task = asyncio.create_task(watch(), name=f"kv-wait {key}")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(done.wait(), timeout)
+        done.set()
+        await asyncio.wait({task}, timeout=2)
+        return found[0] if found else None
+
+
+def _key_arg(req: dict[str, Any]) -> str:
+    key = req.get("key")
+    if not isinstance(key, str) or not key or len(key) > 1024 or "\x00" in key:
+        raise RequestError(f"key {key!r} must be a non-empty string of at most 1024 characters")
+    return key
+
+
+def _keys_arg(req: dict[str, Any]) -> list[str]:
+    keys = req.get("keys")
+    if not isinstance(keys, list) or not keys:
+        raise RequestError("keys must be a non-empty list")
+    return [_key_arg({"key": k}) for k in keys]
+
+
+def _bytes_arg(req: dict[str, Any], name: str) -> bytes:
+    raw = req.get(name)
+    if not isinstance(raw, str):
+        raise RequestError(f"{name} must be a base64 string")
+    try:
+        return base64.b64decode(raw, validate=True)
+    except ValueError:
+        raise RequestError(f"{name} is not valid base64") from None
+
+
+def _timeout_arg(req: dict[str, Any]) -> float:
+    t = req.get("timeout", 0)
+    if not isinstance(t, int | float) or isinstance(t, bool) or not 0 <= t <= MAX_WAIT:
+        raise RequestError(f"timeout must be between 0 and {MAX_WAIT} seconds, got {t!r}")
+    return float(t)

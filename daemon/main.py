@@ -1,0 +1,249 @@
+"""``understudyd``: the per-node daemon.
+
+Start-up: config (exit 2 on a bad one) -> logs -> metrics endpoint -> local socket -> join the
+cluster -> READY=1 to systemd. Signals only set flags. SIGTERM/SIGINT: drain this node within
+``drain.deadline`` (systemd's TimeoutStopSec is set above it), leave the cluster cleanly, exit 0.
+A second signal skips the drain. Every task is named and joined with a bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+from typing import Any
+
+from understudy.daemon import config as config_mod
+from understudy.daemon import logs
+from understudy.daemon.config import Config
+from understudy.daemon.controller import Controller
+from understudy.daemon.errors import ConfigError, StoreError, UnderstudyError
+from understudy.daemon.events import EventLog
+from understudy.daemon.health import HealthMonitor
+from understudy.daemon.localsock import LocalServer
+from understudy.daemon.metrics import Metrics
+from understudy.daemon.node import NodeAgent
+from understudy.daemon.notices import Notice, NoticeWatcher, pollers_from_config
+from understudy.daemon.sdnotify import Notifier
+from understudy.daemon.store import EtcdStore
+from understudy.daemon.supervisor import ChildExit, Supervisor
+
+EXIT_CONFIG = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="understudyd", description="understudy node daemon")
+    p.add_argument("--config", help="TOML config file (also UNDERSTUDY_CONFIG)")
+    p.add_argument("--node", help="this node's name (also UNDERSTUDY_NODE)")
+    p.add_argument("--etcd", help="HOST:PORT[,HOST:PORT...] (also UNDERSTUDY_ETCD)")
+    p.add_argument("--prefix", help="cluster key prefix in etcd (default /understudy)")
+    p.add_argument("--role", choices=config_mod.ROLES, help="active or standby")
+    p.add_argument("--slots", type=int, help="worker slots (GPUs) on this node")
+    p.add_argument("--failure-domain", help="rack, switch or zone of this node")
+    p.add_argument("--address", action="append", help="an address workers are reachable at")
+    p.add_argument("--run-dir", help="directory for the local socket and error records")
+    p.add_argument("--metrics-listen", help="HOST:PORT of the Prometheus endpoint, '' disables")
+    p.add_argument("--lease-ttl", type=int, help="lease TTL in seconds")
+    p.add_argument("--keepalive-interval", type=float, help="seconds between keep-alives")
+    p.add_argument("--fence-margin", type=float, help="fence this long before the lease ends")
+    p.add_argument("--drain-deadline", type=float, help="default drain deadline in seconds")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--log-format", choices=("auto", "json", "console"))
+    p.add_argument("--check-config", action="store_true",
+                   help="validate the configuration, print it and exit")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    return config_mod.load(args.config, overrides={
+        "node": args.node, "etcd.endpoints": args.etcd, "etcd.prefix": args.prefix,
+        "role": args.role, "slots": args.slots, "failure_domain": args.failure_domain,
+        "addresses": args.address, "run_dir": args.run_dir,
+        "metrics_listen": args.metrics_listen, "lease.ttl": args.lease_ttl,
+        "lease.keepalive_interval": args.keepalive_interval,
+        "lease.fence_margin": args.fence_margin, "drain.deadline": args.drain_deadline,
+        "log.level": args.log_level, "log.format": args.log_format,
+    })
+
+
+class Daemon:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.stop = asyncio.Event()
+        self.shutdown_requested = asyncio.Event()
+        self.signals = 0
+        self.metrics = Metrics()
+        self.store = EtcdStore(cfg.etcd, on_request=lambda op: self.metrics.etcd_requests
+                               .labels(op=op).inc())
+        self.events = EventLog(self.store, _keys(cfg), cfg.node, self.metrics)
+        self.supervisor = Supervisor(cfg.run_dir, on_exit=self._on_child_exit)
+        self.agent = NodeAgent(cfg, self.store, self.metrics, self.events, self.supervisor,
+                               self.stop)
+        self.controller = Controller(self.agent, self.store, self.metrics, self.events,
+                                     self.stop)
+        self.local = LocalServer(cfg.socket_path, self.store, _keys(cfg), cfg.node)
+        self.notifier = Notifier.from_env()
+        self.log = logs.get(node=cfg.node)
+
+    # Signal handlers only set flags.
+    def _on_signal(self, signum: int) -> None:
+        self.signals += 1
+        self.shutdown_requested.set()
+        if self.signals > 1:
+            self.stop.set()
+
+    async def _on_child_exit(self, child: ChildExit) -> None:
+        self.metrics.workers.set(self.supervisor.running_count)
+        if self.supervisor.first_failure is child:
+            self.agent.first_failure = child.describe()
+        self.log.info(child.describe())
+
+    async def _on_notice(self, notice: Notice) -> None:
+        deadline = self.cfg.drain.deadline
+        if notice.deadline is not None:
+            deadline = max(1.0, min(deadline, notice.deadline - _wall()))
+        await self._request_drain(notice.source, notice.reason, deadline)
+
+    async def _request_drain(self, source: str, reason: str, deadline: float) -> None:
+        try:
+            await self.agent.request_drain(source, reason, deadline)
+        except StoreError as exc:
+            self.log.error("Could not record a drain request; will retry.", source=source,
+                           error=str(exc))
+            raise
+
+    async def _health_loop(self) -> None:
+        monitor = await asyncio.to_thread(HealthMonitor.open, self.cfg.health)
+        try:
+            while not self.stop.is_set():
+                findings, decision = await monitor.check(_wall())
+                self.agent.health = tuple(f.problem for f in findings)
+                if decision is not None:
+                    with contextlib.suppress(StoreError):
+                        await self._request_drain("health", decision.reason,
+                                                  self.cfg.drain.deadline)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stop.wait(), self.cfg.health.interval)
+        finally:
+            await asyncio.to_thread(monitor.close)
+
+    async def _notices_loop(self) -> None:
+        pollers = pollers_from_config(self.cfg.notices, self.cfg.node)
+        if not pollers:
+            return
+        watcher = NoticeWatcher(pollers, self.cfg.notices.interval, self._on_notice,
+                                self._on_notice_error)
+        await watcher.run(self.stop)
+
+    def _on_notice_error(self, source: str, exc: Exception) -> None:
+        self.metrics.errors.labels(kind=f"notice-{source}").inc()
+        self.log.warning("Reclaim-notice poller failed.", source=source, error=str(exc))
+
+    async def _watchdog_loop(self) -> None:
+        interval = self.notifier.watchdog_interval()
+        if interval is None:
+            return
+        while not self.stop.is_set():
+            self.notifier.watchdog()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), interval)
+
+    async def _shutdown_on_signal(self) -> None:
+        await self.shutdown_requested.wait()
+        if self.stop.is_set():
+            return
+        self.log.info("Stop requested: draining this node before exiting.")
+        self.notifier.status("draining before stop")
+        self.notifier.extend_timeout(self.cfg.drain.deadline + 10)
+        with contextlib.suppress(StoreError):
+            await self.agent.registered.wait()
+            await self._request_drain("sigterm", "the daemon was asked to stop",
+                                      self.cfg.drain.deadline)
+        stop_wait = asyncio.create_task(self.stop.wait())
+        drained = asyncio.create_task(self.agent.drained.wait())
+        await asyncio.wait({stop_wait, drained}, timeout=self.cfg.drain.deadline + 2,
+                           return_when=asyncio.FIRST_COMPLETED)
+        stop_wait.cancel()
+        drained.cancel()
+        self.stop.set()
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        self.cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.cfg.metrics_listen:
+            port = self.metrics.serve(self.cfg.metrics_listen)
+            self.log.info("Metrics endpoint is up.", port=port)
+        await self.local.start()
+        tasks = [
+            asyncio.create_task(self._shutdown_on_signal(), name="shutdown-on-signal"),
+        ]
+        await self.agent.register()
+        if not self.stop.is_set():
+            self.notifier.ready(f"node {self.cfg.node} joined as {self.agent.state}")
+            self.log.info("Daemon is ready.", state=str(self.agent.state))
+        tasks += [
+            asyncio.create_task(self.agent.keepalive_loop(), name="keepalive"),
+            asyncio.create_task(self.agent.fence_watch(), name="fence-watch"),
+            asyncio.create_task(self.agent.watch_own_keys(), name="own-keys"),
+            asyncio.create_task(self.controller.run(), name="controller"),
+            asyncio.create_task(self._health_loop(), name="health"),
+            asyncio.create_task(self._notices_loop(), name="notices"),
+            asyncio.create_task(self._watchdog_loop(), name="watchdog"),
+            asyncio.create_task(self._flush_events(), name="events-flush"),
+        ]
+        await self.stop.wait()
+        self.notifier.stopping()
+        await self.supervisor.close(self.cfg.drain.stop_grace)
+        _, pending = await asyncio.wait(tasks, timeout=5)
+        for t in pending:
+            self.log.warning("Task did not stop in time; cancelling it.", task=t.get_name())
+            t.cancel()
+        await asyncio.wait(tasks, timeout=2)
+        await self.agent.leave()
+        await self.local.close()
+        await self.store.close()
+        self.metrics.close()
+        self.log.info("Daemon stopped.")
+        return 0
+
+    async def _flush_events(self) -> None:
+        while not self.stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), 1.0)
+            await self.events.flush()
+
+
+def _keys(cfg: Config) -> Any:
+    from understudy.daemon.keys import Keys
+    return Keys(cfg.etcd.prefix)
+
+
+def _wall() -> float:
+    import time
+    return time.time()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = config_from_args(args)
+    except ConfigError as exc:
+        print(f"understudyd: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.check_config:
+        print(cfg)
+        return 0
+    logs.configure(cfg.log.level, cfg.log.format)
+    try:
+        return asyncio.run(Daemon(cfg).run())
+    except UnderstudyError as exc:
+        print(f"understudyd: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

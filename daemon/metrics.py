@@ -1,0 +1,60 @@
+"""Prometheus metrics of one daemon, served on ``metrics_listen`` (plain HTTP)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+from understudy.daemon.states import NodeState
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.lease_age = Gauge("understudy_lease_age_seconds",
+                               "Seconds since the last acknowledged lease keep-alive.",
+                               registry=r)
+        self.node_state = Gauge("understudy_node_state", "1 for the node's current state.",
+                                ["state"], registry=r)
+        self.cordoned = Gauge("understudy_node_cordoned", "1 if the node is cordoned.",
+                              registry=r)
+        self.controller = Gauge("understudy_controller",
+                                "1 while this daemon is the elected controller.", registry=r)
+        self.workers = Gauge("understudy_workers", "Running child workers.", registry=r)
+        self.drains = Counter("understudy_drains_total", "Drains started on this node.",
+                              ["source"], registry=r)
+        self.events = Counter("understudy_events_total", "Events this daemon wrote.", ["kind"],
+                              registry=r)
+        self.errors = Counter("understudy_errors_total", "Errors by kind.", ["kind"],
+                              registry=r)
+        self.bad_values = Counter("understudy_bad_values_total",
+                                  "Garbage or foreign values found under the cluster prefix.",
+                                  ["collection"], registry=r)
+        self.fences = Counter("understudy_fences_total",
+                              "Times this daemon fenced itself after losing its lease.",
+                              registry=r)
+        self.etcd_requests = Counter("understudy_etcd_requests_total",
+                                     "Requests this daemon sent to etcd.", ["op"], registry=r)
+        self._server: Any = None
+        self._thread: Any = None
+
+    def set_state(self, state: NodeState) -> None:
+        for s in NodeState:
+            self.node_state.labels(state=s.value).set(1 if s == state else 0)
+
+    def serve(self, listen: str) -> int:
+        """Start the HTTP endpoint; returns the bound port (useful with port 0)."""
+        host, _, port = listen.rpartition(":")
+        self._server, self._thread = start_http_server(int(port), addr=host or "127.0.0.1",
+                                                       registry=self.registry)
+        bound: int = self._server.server_address[1]
+        return bound
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._thread.join(timeout=2)
+            self._server = None

@@ -1,0 +1,374 @@
+"""The node's membership: its lease, its records, self-fencing, and drains of the node.
+
+Tasks (each named, stopped by ``stop``, joined with a bound by the daemon):
+- ``keepalive``: refreshes the lease every ``keepalive_interval``; arms the fence timer.
+- ``fence-watch``: kills the workers before the lease can have expired at etcd, then re-joins.
+- ``own-keys``: watches this node's drain request, registry entry and record, and reconciles
+  them every few seconds as a backstop (a hung watch cannot hide a drain for long).
+
+A drain of the node: ``active|standby -> draining``, the workers are stopped within the
+deadline, ``-> drained``. (Live migration of the workers' ranks plugs in before the stop.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from understudy.daemon import logs
+from understudy.daemon.config import Config
+from understudy.daemon.errors import RecordError, StoreError
+from understudy.daemon.events import EventLog
+from understudy.daemon.fencing import FenceTimer
+from understudy.daemon.keys import Keys
+from understudy.daemon.metrics import Metrics
+from understudy.daemon.records import DrainRequest, NodeRecord, RegistryEntry
+from understudy.daemon.states import NodeLifecycle, NodeState
+from understudy.daemon.store import EtcdStore, WatchEvent
+
+VERSION = "0.1.0"
+
+
+class Workers(Protocol):
+    """What the node needs of its worker supervisor."""
+
+    running_count: int
+
+    def kill_all_now(self) -> None: ...
+
+    async def stop_all(self, grace: float) -> Any: ...
+
+
+class NodeAgent:
+    def __init__(self, cfg: Config, store: EtcdStore, metrics: Metrics, events: EventLog,
+                 workers: Workers, stop: asyncio.Event,
+                 clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
+        self.cfg, self.store, self.metrics, self.events = cfg, store, metrics, events
+        self.workers = workers
+        self.keys = Keys(cfg.etcd.prefix)
+        self.stop = stop
+        self.clock, self.wall = clock, wall
+        self.lifecycle = NodeLifecycle()
+        self.fence = FenceTimer(cfg.lease.fence_margin)
+        self.lease: int | None = None
+        self.incarnation = ""
+        self.cordoned = False
+        self.drain_request: DrainRequest | None = None
+        self.first_failure = ""
+        self.health: tuple[str, ...] = ()
+        #: Set once the node is registered and holds a live lease.
+        self.registered = asyncio.Event()
+        #: Set when a drain finishes; the daemon exits after a SIGTERM drain.
+        self.drained = asyncio.Event()
+        self._changed = asyncio.Event()
+        self._drain_task: asyncio.Task[None] | None = None
+        self._bad_seen: set[tuple[str, int]] = set()
+        self.log = logs.get(node=cfg.node)
+
+    @property
+    def state(self) -> NodeState:
+        return self.lifecycle.state
+
+    @property
+    def role_state(self) -> NodeState:
+        return NodeState.ACTIVE if self.cfg.role == "active" else NodeState.STANDBY
+
+    # -- records ----------------------------------------------------------------------------
+
+    def record(self) -> NodeRecord:
+        return NodeRecord(
+            name=self.cfg.node, incarnation=self.incarnation, lease=self.lease or 0,
+            state=self.state, role=self.cfg.role, slots=self.cfg.slots,
+            addresses=self.cfg.addresses, failure_domain=self.cfg.failure_domain,
+            version=VERSION, started_at=self._started_at, state_since=self.lifecycle.since,
+            reason=self.lifecycle.reason, workers=self.workers.running_count,
+            first_failure=self.first_failure, health=self.health,
+        )
+
+    _started_at = 0.0
+
+    def _bad_value(self, collection: str, key: str, rev: int, exc: RecordError) -> None:
+        if (key, rev) not in self._bad_seen:
+            self._bad_seen.add((key, rev))
+            self.metrics.bad_values.labels(collection=collection).inc()
+            self.log.warning("Ignoring a bad value in etcd.", key=key, revision=rev,
+                             problem=str(exc))
+
+    async def _read_registry(self) -> tuple[RegistryEntry | None, int]:
+        key = self.keys.registry_entry(self.cfg.node)
+        kv = await self.store.get(key)
+        if kv is None:
+            return None, 0
+        try:
+            return RegistryEntry.decode(kv.value), kv.mod_revision
+        except RecordError as exc:
+            self._bad_value("registry", key, kv.mod_revision, exc)
+            return None, kv.mod_revision
+
+    def _registry_entry(self, cordoned: bool, offline: bool = False) -> RegistryEntry:
+        return RegistryEntry(name=self.cfg.node, incarnation=self.incarnation, state=self.state,
+                             updated_at=self.wall(), cordoned=cordoned,
+                             reason=self.lifecycle.reason, offline=offline)
+
+    async def publish(self) -> None:
+        """Write the node record (under the lease) and the registry entry (CAS, keeping the
+        operator's cordon flag). Raises StoreError when etcd is unreachable."""
+        if self.lease is None:
+            return
+        await self.store.put(self.keys.node(self.cfg.node), self.record().encode(),
+                             lease=self.lease)
+        for _ in range(5):
+            entry, rev = await self._read_registry()
+            cordoned = entry.cordoned if entry else self.cordoned
+            new = self._registry_entry(cordoned)
+            if entry is not None and dataclasses.replace(entry, updated_at=0) == \
+                    dataclasses.replace(new, updated_at=0):
+                return
+            if await self.store.cas(self.keys.registry_entry(self.cfg.node), new.encode(), rev):
+                self.cordoned = cordoned
+                return
+
+    async def set_state(self, new: NodeState, reason: str) -> None:
+        old, _ = self.lifecycle.transition(new, self.wall(), reason)
+        if old != new:
+            self.metrics.set_state(new)
+            self.log.info(f"Node went from {old} to {new}: {reason}.", state=str(new))
+            with contextlib.suppress(StoreError):
+                await self.publish()
+
+    # -- joining ----------------------------------------------------------------------------
+
+    async def register(self) -> None:
+        """Join the cluster with a fresh lease and incarnation. Retries until it succeeds or
+        ``stop`` is set; waits out a previous incarnation's record that is still leased."""
+        self._started_at = self._started_at or self.wall()
+        waited_for: str | None = None
+        while not self.stop.is_set():
+            try:
+                if await self._try_register():
+                    return
+                kv = await self.store.get(self.keys.node(self.cfg.node))
+                holder = kv.value[:200].decode(errors="replace") if kv else "?"
+                if waited_for != holder:
+                    waited_for = holder
+                    self.log.warning("Node name is held by a live lease (a previous incarnation "
+                                     "or another daemon); waiting for it to expire.")
+            except StoreError as exc:
+                self.log.warning("Cannot register with etcd yet; retrying.", error=str(exc))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), self.cfg.lease.keepalive_interval)
+
+    async def _try_register(self) -> bool:
+        self.incarnation = uuid.uuid4().hex[:12]
+        sent = self.clock()
+        lease = await self.store.grant(self.cfg.lease.ttl)
+        self.lease = lease
+        self.fence.arm(sent, self.cfg.lease.ttl)
+        if self.lifecycle.state != NodeState.JOINING:
+            self.lifecycle.transition(NodeState.JOINING, self.wall(), "registering")
+        entry, rev = await self._read_registry()
+        self.cordoned = entry.cordoned if entry else False
+        node_key = self.keys.node(self.cfg.node)
+        ok = await self.store.txn(
+            compare=[("create", node_key, 0), ("mod", self.keys.registry_entry(self.cfg.node),
+                                               rev)],
+            success=[("put", node_key, self.record().encode(), lease),
+                     ("put", self.keys.registry_entry(self.cfg.node),
+                      self._registry_entry(self.cordoned).encode(), None)],
+        )
+        if not ok:
+            with contextlib.suppress(StoreError):
+                await self.store.revoke(lease)
+            self.lease = None
+            self.fence.disarm()
+            return False
+        self.metrics.set_state(self.state)
+        self.log.info("Node registered.", lease=lease, incarnation=self.incarnation)
+        await self.events.emit("node-joined", f"Node {self.cfg.node} joined as {self.cfg.role}.",
+                               incarnation=self.incarnation)
+        await self._reconcile()
+        if self.state == NodeState.JOINING:
+            await self.set_state(self.role_state, f"joined as {self.cfg.role}")
+        self.registered.set()
+        return True
+
+    # -- lease ------------------------------------------------------------------------------
+
+    async def keepalive_loop(self) -> None:
+        interval = self.cfg.lease.keepalive_interval
+        while not self.stop.is_set():
+            lease = self.lease
+            if lease is not None:
+                sent = self.clock()
+                try:
+                    ttl = await self.store.keepalive(lease)
+                except StoreError as exc:
+                    self.metrics.errors.labels(kind="keepalive").inc()
+                    self.log.debug("Keep-alive failed.", error=str(exc))
+                else:
+                    if lease != self.lease:
+                        pass  # fenced and re-registered meanwhile
+                    elif ttl <= 0:
+                        await self.fence_now("etcd says the lease has expired")
+                    else:
+                        self.fence.arm(sent, ttl)
+                if self.fence.last_ack is not None:
+                    self.metrics.lease_age.set(self.clock() - self.fence.last_ack)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), interval)
+
+    async def fence_watch(self) -> None:
+        while not self.stop.is_set():
+            if self.lease is not None and self.fence.expired(self.clock()):
+                await self.fence_now("no keep-alive acknowledged in time: the lease may expire")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), 0.05)
+
+    async def fence_now(self, reason: str) -> None:
+        """Stop every worker at once, forget the lease, and join again as a clean node."""
+        self.workers.kill_all_now()
+        self.metrics.fences.inc()
+        lost = self.lease
+        self.lease = None
+        self.fence.disarm()
+        self.registered.clear()
+        self.lifecycle.transition(NodeState.FAILED, self.wall(), f"fenced: {reason}")
+        self.metrics.set_state(NodeState.FAILED)
+        if self._drain_task is not None:
+            self._drain_task.cancel()
+        self.log.error(f"Node fenced itself and killed its workers: {reason}.", lease=lost)
+        await self.events.emit("node-fenced", f"Node {self.cfg.node} fenced itself: {reason}.")
+        await self.register()
+
+    # -- own keys ---------------------------------------------------------------------------
+
+    async def watch_own_keys(self, resync_interval: float = 5.0) -> None:
+        watched = [self.keys.drain(self.cfg.node), self.keys.registry_entry(self.cfg.node),
+                   self.keys.node(self.cfg.node)]
+        tasks = [asyncio.create_task(self._watch_key(k), name=f"watch {k}") for k in watched]
+        try:
+            while not self.stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), resync_interval)
+                self._changed.clear()
+                if self.lease is None or self.stop.is_set():
+                    continue
+                try:
+                    await self._reconcile()
+                except StoreError as exc:
+                    self.log.debug("Reconcile failed; will retry.", error=str(exc))
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.wait(tasks, timeout=2)
+
+    async def _watch_key(self, key: str) -> None:
+        while not self.stop.is_set():
+            try:
+                _, rev = await self.store.get_prefix(key)
+            except StoreError:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stop.wait(), 0.5)
+                continue
+            async for ev in self.store.watch_prefix(key, rev + 1, self.stop):
+                # RESYNC, or an event on exactly this key (the prefix also matches longer names).
+                if not isinstance(ev, WatchEvent) or ev.kv.key == key:
+                    self._changed.set()
+
+    async def _reconcile(self) -> None:
+        """Bring the node in line with its drain request and repair its own records."""
+        drain_key = self.keys.drain(self.cfg.node)
+        kv = await self.store.get(drain_key)
+        request = None
+        if kv is not None:
+            try:
+                request = DrainRequest.decode(kv.value)
+                if request.node != self.cfg.node:
+                    raise RecordError(f"drain request names node {request.node!r}")
+            except RecordError as exc:
+                self._bad_value("drains", drain_key, kv.mod_revision, exc)
+                request = None
+        self.drain_request = request
+        entry, _ = await self._read_registry()
+        if entry is not None:
+            self.cordoned = entry.cordoned
+            self.metrics.cordoned.set(1 if entry.cordoned else 0)
+        # Repair our own record if someone else overwrote or deleted it.
+        node_key = self.keys.node(self.cfg.node)
+        node_kv = await self.store.get(node_key)
+        mine = False
+        if node_kv is not None:
+            try:
+                mine = NodeRecord.decode(node_kv.value).incarnation == self.incarnation
+            except RecordError as exc:
+                self._bad_value("nodes", node_key, node_kv.mod_revision, exc)
+        if not mine or entry is None or entry.incarnation != self.incarnation \
+                or entry.state != self.state:
+            await self.publish()
+        if request is not None and self.state in (NodeState.ACTIVE, NodeState.STANDBY,
+                                                  NodeState.JOINING):
+            self._start_drain(request)
+        elif request is None and self.state in (NodeState.DRAINING, NodeState.DRAINED):
+            if self._drain_task is not None:
+                self._drain_task.cancel()
+            self.drained.clear()
+            await self.set_state(self.role_state, "drain request removed (undrain)")
+            await self.events.emit("node-undrained", f"Node {self.cfg.node} is back in service.")
+
+    # -- drains -----------------------------------------------------------------------------
+
+    async def request_drain(self, source: str, reason: str, deadline_s: float) -> None:
+        """Write a drain request for this node (SIGTERM, notices, health). Keeps an existing
+        request. Raises StoreError if etcd is unreachable."""
+        now = self.wall()
+        req = DrainRequest(node=self.cfg.node, reason=reason, source=source, requested_at=now,
+                           deadline=now + deadline_s, requested_by=f"understudyd@{self.cfg.node}")
+        created = await self.store.cas(self.keys.drain(self.cfg.node), req.encode(), 0)
+        if created:
+            self.log.info(f"Drain of this node requested by {source}: {reason}.")
+        self._changed.set()
+
+    def _start_drain(self, request: DrainRequest) -> None:
+        if self._drain_task is None or self._drain_task.done():
+            self._drain_task = asyncio.create_task(self._drain(request), name="drain")
+
+    async def _drain(self, request: DrainRequest) -> None:
+        self.metrics.drains.labels(source=request.source).inc()
+        await self.set_state(NodeState.DRAINING, f"drain by {request.source}: {request.reason}")
+        await self.events.emit("node-draining",
+                               f"Node {self.cfg.node} is draining ({request.source}): "
+                               f"{request.reason}.", deadline=request.deadline)
+        budget = max(0.1, request.deadline - self.wall())
+        grace = min(self.cfg.drain.stop_grace, budget)
+        try:
+            await asyncio.wait_for(self.workers.stop_all(grace), budget + 1.0)
+        except TimeoutError:
+            self.workers.kill_all_now()
+        await self.set_state(NodeState.DRAINED, f"drained ({request.source})")
+        await self.events.emit("node-drained", f"Node {self.cfg.node} is drained.")
+        self.drained.set()
+
+    async def leave(self) -> None:
+        """Clean exit: mark the registry entry offline, drop the record, revoke the lease."""
+        lease, self.lease = self.lease, None
+        self.fence.disarm()
+        if lease is None:
+            return
+        with contextlib.suppress(StoreError):
+            entry, rev = await self._read_registry()
+            offline = self._registry_entry(entry.cordoned if entry else self.cordoned,
+                                           offline=True)
+            await self.store.txn(
+                compare=[("mod", self.keys.registry_entry(self.cfg.node), rev)],
+                success=[("put", self.keys.registry_entry(self.cfg.node), offline.encode(),
+                          None), ("delete", self.keys.node(self.cfg.node))],
+            )
+            await self.events.emit("node-left", f"Node {self.cfg.node} left the cluster "
+                                   f"({self.state}).")
+            await self.store.revoke(lease)

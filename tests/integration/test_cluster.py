@@ -1,0 +1,231 @@
+"""Control plane end to end: real etcd, real understudyd processes, the real CLI."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from understudy.daemon.embedded_etcd import EmbeddedEtcd
+from understudy.daemon.localcluster import LocalCluster
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def cluster(etcd: EmbeddedEtcd, tmp_path: Path) -> Iterator[LocalCluster]:
+    c = LocalCluster(etcd_endpoint=etcd.endpoint, base_dir=tmp_path / "cluster")
+    try:
+        yield c
+    finally:
+        c.stop_all(timeout=5)
+        for name, d in c.daemons.items():
+            assert "Traceback" not in d.log_text(), f"{name} logged a traceback"
+
+
+def _three(c: LocalCluster) -> None:
+    c.add("node-a", "active")
+    c.add("node-b", "active")
+    c.add("node-s", "standby")
+    c.wait_state("node-a", "active")
+    c.wait_state("node-b", "active")
+    c.wait_state("node-s", "standby")
+    c.wait_for("a controller", lambda s: s.controller is not None)
+
+
+def _metric(port: int, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+        text = r.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_registration_status_and_controller(cluster: LocalCluster) -> None:
+    _three(cluster)
+    out = cluster.cli("status", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    states = {n["name"]: n["state"] for n in data["nodes"]}
+    assert states == {"node-a": "active", "node-b": "active", "node-s": "standby"}
+    assert data["controller"] in states
+    table = cluster.cli("status")
+    assert table.returncode == 0 and "node-s" in table.stdout and "standby" in table.stdout
+    assert _metric(cluster.daemons[data["controller"]].metrics_port,
+                   "understudy_controller") == 1
+
+
+def test_kill9_is_seen_as_failed_within_ttl_plus_one_second(cluster: LocalCluster) -> None:
+    _three(cluster)
+    victim = next(n for n in ("node-a", "node-b") if n != cluster.status().controller)
+    t0 = time.monotonic()
+    cluster.daemons[victim].kill9()
+    cluster.wait_state(victim, "failed", timeout=cluster.lease_ttl + 5)
+    elapsed = time.monotonic() - t0
+    assert elapsed <= cluster.lease_ttl + 1.0, f"failure seen after {elapsed:.2f}s"
+    events = cluster.cli("events", "--json")
+    kinds = [json.loads(line)["kind"] for line in events.stdout.splitlines()]
+    assert "node-failed" in kinds
+
+
+def test_controller_failover(cluster: LocalCluster) -> None:
+    _three(cluster)
+    old = cluster.status().controller
+    assert old is not None
+    t0 = time.monotonic()
+    cluster.daemons[old].kill9()
+    cluster.wait_for("a new controller", lambda s: s.controller not in (None, old),
+                     timeout=cluster.lease_ttl + 5)
+    assert time.monotonic() - t0 < cluster.lease_ttl + 2
+    # The new controller does its job: the old one's node is declared failed.
+    cluster.wait_state(old, "failed", timeout=cluster.lease_ttl + 5)
+
+
+def test_drain_undrain_cordon_via_cli(cluster: LocalCluster) -> None:
+    _three(cluster)
+    out = cluster.cli("drain", "node-b", "--deadline", "20", "--wait")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "node-b: drained" in out.stdout
+    assert cluster.status().node("node-b").state == "drained"  # type: ignore[union-attr]
+    again = cluster.cli("drain", "node-b")
+    assert again.returncode == 0 and "already" in again.stdout
+    out = cluster.cli("undrain", "node-b")
+    assert out.returncode == 0, out.stderr
+    cluster.wait_state("node-b", "active", timeout=10)
+    assert cluster.cli("cordon", "node-a").returncode == 0
+    cluster.wait_for("node-a cordoned", lambda s: s.node("node-a").cordoned)  # type: ignore
+    assert cluster.status().node("node-a").state == "active"  # type: ignore[union-attr]
+    assert cluster.cli("uncordon", "node-a").returncode == 0
+    cluster.wait_for("node-a uncordoned", lambda s: not s.node("node-a").cordoned)  # type: ignore
+    kinds = [json.loads(line)["kind"]
+             for line in cluster.cli("events", "--json").stdout.splitlines()]
+    assert {"node-draining", "node-drained", "node-undrained"} <= set(kinds)
+
+
+def test_sigterm_drains_then_leaves_cleanly(cluster: LocalCluster) -> None:
+    _three(cluster)
+    d = cluster.daemons["node-a"]
+    d.signal(signal.SIGTERM)
+    assert d.wait(timeout=30) == 0
+    node = cluster.status().node("node-a")
+    assert node is not None and node.state == "drained" and not node.online
+    assert node.drain is not None and node.drain.source == "sigterm"
+    time.sleep(cluster.lease_ttl + 1)
+    # A clean leave is not a failure.
+    assert cluster.status().node("node-a").state == "drained"  # type: ignore[union-attr]
+
+
+def test_etcd_restart_is_survived(cluster: LocalCluster, etcd: EmbeddedEtcd) -> None:
+    _three(cluster)
+    etcd.stop()
+    time.sleep(1.0)
+    etcd.start()
+    cluster.wait_for("all nodes back in service", lambda s: [n.state for n in s.nodes] ==
+                     ["active", "active", "standby"] and all(n.online for n in s.nodes),
+                     timeout=20)
+    for d in cluster.daemons.values():
+        assert d.alive()
+    # Still a working control plane: a drain goes through.
+    assert cluster.cli("drain", "node-b", "--wait", "--deadline", "10").returncode == 0
+
+
+def test_etcd_down_longer_than_the_lease_fences_and_rejoins(cluster: LocalCluster,
+                                                           etcd: EmbeddedEtcd) -> None:
+    _three(cluster)
+    etcd.stop()
+    time.sleep(cluster.lease_ttl + 0.5)
+    etcd.start()
+    cluster.wait_for("all nodes rejoined", lambda s: [n.state for n in s.nodes] ==
+                     ["active", "active", "standby"] and all(n.online for n in s.nodes),
+                     timeout=30)
+    for name, d in cluster.daemons.items():
+        assert d.alive(), name
+        assert _metric(d.metrics_port, "understudy_fences_total") >= 1, name
+
+
+def test_bad_values_are_ignored_and_counted(cluster: LocalCluster, etcd: EmbeddedEtcd) -> None:
+    import asyncio
+
+    from understudy.daemon import config
+    from understudy.daemon.store import EtcdStore
+
+    _three(cluster)
+    p = cluster.prefix
+    garbage = {
+        f"{p}/registry/ghost": b"\xff\xfe not json",
+        f"{p}/registry/node-x": json.dumps({"schema": "other/v9", "kind": "registry"}).encode(),
+        f"{p}/nodes/imposter": b'{"schema":"understudy/v1","kind":"node","name":1}',
+        f"{p}/drains/node-a": b"[1,2,3]",
+        f"{p}/events/zzz": b"x" * (200 * 1024),
+        f"{p}/registry/node-b": b'{"schema":"understudy/v1","kind":"registry","name":"node-b"}',
+    }
+
+    async def write() -> None:
+        cfg = config.load(overrides={"etcd.endpoints": etcd.endpoint}, environ={},
+                          require_node=False)
+        s = EtcdStore(cfg.etcd)
+        for k, v in garbage.items():
+            await s.put(k, v)
+        await s.close()
+
+    asyncio.run(write())
+    time.sleep(2.0)
+    for d in cluster.daemons.values():
+        assert d.alive()
+    status = cluster.status()
+    assert status.node("node-a").state == "active"  # type: ignore[union-attr]
+    # node-b repaired its own registry entry; nobody failed, nobody drained.
+    cluster.wait_for("node-b repaired", lambda s: s.node("node-b") is not None
+                     and s.node("node-b").state == "active")  # type: ignore[union-attr]
+    assert all(n.state in ("active", "standby") for n in cluster.status().nodes)
+    total = sum(_metric(d.metrics_port, "understudy_bad_values_total")
+                for d in cluster.daemons.values())
+    assert total >= 3
+    out = cluster.cli("status")
+    assert out.returncode == 0 and "unreadable" in out.stdout
+
+
+def test_cli_misuse_changes_nothing(cluster: LocalCluster, etcd: EmbeddedEtcd) -> None:
+    _three(cluster)
+    before = cluster.status().revision
+    out = cluster.cli("drain", "no-such-node")
+    assert out.returncode == 1 and out.stderr.count("\n") == 1
+    assert "no node named 'no-such-node'" in out.stderr
+    assert cluster.cli("cordon", "nope").returncode == 1
+    bad = cluster.cli("drain")
+    assert bad.returncode == 2
+    neg = cluster.cli("drain", "node-a", "--deadline", "-3")
+    assert neg.returncode == 2
+    assert cluster.cli("frobnicate").returncode == 2
+    assert cluster.status().revision == before, "a refused command wrote to etcd"
+    down = LocalCluster(etcd_endpoint="127.0.0.1:1", base_dir=cluster.base_dir)
+    out = down.cli("status", "--timeout", "0.5")
+    assert out.returncode == 1 and "etcd" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_bad_daemon_config_exits_2(tmp_path: Path, etcd: EmbeddedEtcd) -> None:
+    import subprocess
+    import sys
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "understudy.daemon.main", *args],
+                              capture_output=True, text=True, timeout=30)
+
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text('node = "n1"\netcd = "127.0.0.1:2379"\n[lease]\nttl = 3\n'
+                   'keepalive_interval = 2.5\n')
+    out = run("--config", str(cfg))
+    assert out.returncode == 2 and "keepalive_interval" in out.stderr
+    assert run("--node", "Bad_Name", "--etcd", etcd.endpoint).returncode == 2
+    assert run("--node", "n1").returncode == 2
+    cfg.write_text("this is not toml = = \n")
+    assert run("--config", str(cfg)).returncode == 2
+    ok = run("--node", "n1", "--etcd", etcd.endpoint, "--check-config")
+    assert ok.returncode == 0, ok.stderr

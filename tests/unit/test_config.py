@@ -1,0 +1,71 @@
+"""Configuration: file < environment < flags, validated relations, clear errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from understudy.daemon import config
+from understudy.daemon.errors import ConfigError
+
+BASE = {"node": "n1", "etcd.endpoints": "127.0.0.1:2379"}
+
+
+def test_flags_alone_are_enough() -> None:
+    cfg = config.load(overrides=BASE, environ={})
+    assert cfg.node == "n1" and str(cfg.etcd.endpoints[0]) == "127.0.0.1:2379"
+    assert cfg.lease.keepalive_interval <= cfg.lease.ttl / 3
+
+
+def test_precedence_file_env_flags(tmp_path: Path) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text('node = "from-file"\netcd = ["h1:1", "h2:2"]\nrole = "standby"\n'
+                 '[lease]\nttl = 6\n')
+    cfg = config.load(f, environ={"UNDERSTUDY_NODE": "from-env"})
+    assert cfg.node == "from-env" and cfg.role == "standby" and cfg.lease.ttl == 6
+    assert [str(e) for e in cfg.etcd.endpoints] == ["h1:1", "h2:2"]
+    cfg = config.load(f, overrides={"node": "from-flag"}, environ={"UNDERSTUDY_NODE": "x"})
+    assert cfg.node == "from-flag"
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"lease.keepalive_interval": 2.0}, "keepalive_interval"),
+    ({"lease.ttl": 0}, "ttl"),
+    ({"lease.fence_margin": 3.0}, "fence_margin"),
+    ({"etcd.timeout": 2.5}, "etcd.timeout"),
+    ({"drain.stop_grace": 100.0}, "stop_grace"),
+    ({"role": "boss"}, "role"),
+    ({"slots": 0}, "slots"),
+    ({"slots": "many"}, "whole number"),
+    ({"node": "UPPER"}, "node name"),
+    ({"etcd.endpoints": "nohost"}, "HOST:PORT"),
+    ({"etcd.prefix": "noslash"}, "prefix"),
+    ({"etcd.cert": "/nonexistent.pem", "etcd.key": "/k", "etcd.ca": "/c"}, "does not exist"),
+    ({"etcd.cert": "/x"}, "together"),
+    ({"etcd.user": "root"}, "together"),
+    ({"metrics_listen": "nope"}, "metrics_listen"),
+    ({"log.level": "loud"}, "log.level"),
+])
+def test_bad_settings_name_the_problem(override: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        config.load(overrides={**BASE, **override}, environ={})
+
+
+def test_unknown_setting_and_bad_toml(tmp_path: Path) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text('node = "n1"\netcd = "h:1"\n[lease]\nttll = 3\n')
+    with pytest.raises(ConfigError, match=r"lease\.ttll"):
+        config.load(f, environ={})
+    f.write_text("= broken")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        config.load(f, environ={})
+    with pytest.raises(ConfigError, match="cannot read"):
+        config.load(tmp_path / "missing.toml", environ={})
+
+
+def test_missing_node_or_etcd() -> None:
+    with pytest.raises(ConfigError, match="no node name"):
+        config.load(overrides={"etcd.endpoints": "h:1"}, environ={})
+    with pytest.raises(ConfigError, match="no etcd endpoint"):
+        config.load(overrides={"node": "n1"}, environ={})

@@ -1,0 +1,110 @@
+"""Pure control-plane logic: planner, fence timer, lifecycle, records. No etcd, no sleeps."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from understudy.daemon.errors import RecordError
+from understudy.daemon.fencing import FenceTimer
+from understudy.daemon.planner import ClusterView, MarkFailed, PruneEvents, plan
+from understudy.daemon.records import (
+    MAX_VALUE_BYTES,
+    DrainRequest,
+    NodeRecord,
+    RegistryEntry,
+)
+from understudy.daemon.states import IllegalTransition, NodeLifecycle, NodeState
+
+
+def _entry(name: str, state: NodeState = NodeState.ACTIVE, offline: bool = False
+           ) -> RegistryEntry:
+    return RegistryEntry(name=name, incarnation="i1", state=state, updated_at=1.0,
+                         offline=offline)
+
+
+def _record(name: str) -> NodeRecord:
+    return NodeRecord(name=name, incarnation="i1", lease=7, state=NodeState.ACTIVE,
+                      role="active", slots=1)
+
+
+def test_planner_fails_only_nodes_without_a_live_record() -> None:
+    view = ClusterView(
+        registry={"a": (_entry("a"), 10), "b": (_entry("b"), 11),
+                  "c": (_entry("c", NodeState.FAILED), 12),
+                  "d": (_entry("d", NodeState.DRAINED, offline=True), 13)},
+        live={"a": _record("a")},
+    )
+    actions = plan(view, now=100.0)
+    assert actions == [MarkFailed("b", 11, actions[0].reason)]  # type: ignore[union-attr]
+    assert "lease expired" in actions[0].reason  # type: ignore[union-attr]
+
+
+def test_planner_is_deterministic_and_prunes_oldest_events() -> None:
+    view = ClusterView(registry={}, live={}, event_keys=tuple(f"e{i}" for i in range(5)))
+    assert plan(view, 1.0, max_events=3) == plan(view, 2.0, max_events=3)
+    (prune,) = plan(view, 1.0, max_events=3)
+    assert isinstance(prune, PruneEvents) and prune.keys == ("e0", "e1")
+
+
+def test_fence_timer_fences_before_the_lease_can_expire() -> None:
+    t = FenceTimer(margin=0.75)
+    assert not t.expired(1e9), "no lease, nothing to fence"
+    t.arm(sent_at=10.0, ttl=3)
+    assert t.deadline == pytest.approx(12.25)
+    assert not t.expired(12.2) and t.expired(12.25)
+    t.arm(sent_at=9.0, ttl=3)  # a late ack of an older keep-alive never shortens the deadline
+    assert t.deadline == pytest.approx(12.25)
+    t.arm(sent_at=11.0, ttl=3)
+    assert t.deadline == pytest.approx(13.25)
+    t.disarm()
+    assert not t.expired(1e9)
+
+
+def test_lifecycle_allows_only_documented_transitions() -> None:
+    lc = NodeLifecycle()
+    lc.transition(NodeState.ACTIVE, 1.0, "joined")
+    lc.transition(NodeState.DRAINING, 2.0, "drain")
+    lc.transition(NodeState.DRAINED, 3.0, "done")
+    with pytest.raises(IllegalTransition):
+        lc.transition(NodeState.DRAINING, 4.0, "again")
+    lc.transition(NodeState.FAILED, 5.0, "lease lost")
+    with pytest.raises(IllegalTransition):
+        lc.transition(NodeState.ACTIVE, 6.0, "skip joining")
+    lc.transition(NodeState.JOINING, 7.0, "rejoin")
+    assert (lc.state, lc.since, lc.reason) == (NodeState.JOINING, 7.0, "rejoin")
+
+
+def test_records_round_trip() -> None:
+    rec = _record("a")
+    assert NodeRecord.decode(rec.encode()) == rec
+    req = DrainRequest(node="a", reason="r", source="operator", requested_at=1.0, deadline=2.0)
+    assert DrainRequest.decode(req.encode()) == req
+
+
+@pytest.mark.parametrize("value, problem", [
+    (b"\xff\xfe", "not UTF-8 JSON"),
+    (b"{not json", "not UTF-8 JSON"),
+    (b"[1]", "not a JSON object"),
+    (json.dumps({"schema": "x/v1", "kind": "node"}).encode(), "schema"),
+    (json.dumps({"schema": "understudy/v1", "kind": "drain"}).encode(), "kind"),
+    (json.dumps({"schema": "understudy/v1", "kind": "node", "name": "a"}).encode(), "lacks"),
+    (json.dumps({"schema": "understudy/v1", "kind": "node", "name": "a", "incarnation": "i",
+                 "lease": "7", "state": "active", "role": "r", "slots": 1}).encode(),
+     "wrong type"),
+    (json.dumps({"schema": "understudy/v1", "kind": "node", "name": "a", "incarnation": "i",
+                 "lease": 7, "state": "exploded", "role": "r", "slots": 1}).encode(),
+     "wrong type"),
+    (b" " * (MAX_VALUE_BYTES + 1), "exceeds"),
+])
+def test_bad_values_raise_record_error(value: bytes, problem: str) -> None:
+    with pytest.raises(RecordError, match=problem):
+        NodeRecord.decode(value)
+
+
+def test_registry_entry_rejects_bool_for_float() -> None:
+    body = json.loads(_entry("a").encode())
+    body["updated_at"] = True
+    with pytest.raises(RecordError):
+        RegistryEntry.decode(json.dumps(body).encode())

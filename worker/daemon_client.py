@@ -1,0 +1,95 @@
+"""A worker's connection to its node daemon's local socket (see ``daemon/localsock.py``).
+
+Synchronous and dependency-free (no torch, no grpc): workers use it from their training loop,
+and the process-group bootstrap store wraps it. Every call has a timeout.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import json
+import os
+import socket
+from typing import Any
+
+from understudy.daemon import env
+
+
+class DaemonError(RuntimeError):
+    """The daemon refused a request or could not be reached; the message says which."""
+
+
+class DaemonClient:
+    def __init__(self, namespace: str, epoch: int = 0, path: str | None = None,
+                 timeout: float = 30.0) -> None:
+        path = path or os.environ.get(env.CHILD_SOCKET)
+        if not path:
+            raise DaemonError(f"no daemon socket: {env.CHILD_SOCKET} is not set")
+        self.timeout = timeout
+        self._ids = itertools.count(1)
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(timeout)
+        try:
+            self._sock.connect(path)
+        except OSError as exc:
+            self._sock.close()
+            raise DaemonError(f"cannot reach the daemon at {path}: {exc.strerror}") from exc
+        self._file = self._sock.makefile("rwb")
+        self._call("hello", namespace=namespace, epoch=epoch)
+
+    def close(self) -> None:
+        self._file.close()
+        self._sock.close()
+
+    def __enter__(self) -> DaemonClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, op: str, wait: float = 0.0, **args: Any) -> dict[str, Any]:
+        rid = next(self._ids)
+        self._sock.settimeout(self.timeout + wait)
+        try:
+            self._file.write(json.dumps({"id": rid, "op": op, **args}).encode() + b"\n")
+            self._file.flush()
+            line = self._file.readline()
+        except OSError as exc:
+            raise DaemonError(f"daemon connection failed during {op}: {exc}") from exc
+        if not line:
+            raise DaemonError(f"the daemon closed the connection during {op}")
+        reply: dict[str, Any] = json.loads(line)
+        if reply.get("id") != rid:
+            raise DaemonError(f"daemon answered request {reply.get('id')} instead of {rid}")
+        if not reply.get("ok"):
+            raise DaemonError(str(reply.get("error")))
+        return reply
+
+    def ping(self) -> None:
+        self._call("ping")
+
+    def set(self, key: str, value: bytes) -> None:
+        self._call("set", key=key, value=base64.b64encode(value).decode())
+
+    def get(self, key: str, timeout: float = 0.0) -> bytes:
+        """The value of ``key``, waiting up to ``timeout`` seconds for it to be set."""
+        reply = self._call("get", wait=timeout, key=key, timeout=timeout)
+        return base64.b64decode(reply["value"])
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._call("add", key=key, amount=amount)["value"])
+
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        reply = self._call("compare_set", key=key, expected=base64.b64encode(expected).decode(),
+                           desired=base64.b64encode(desired).decode())
+        return base64.b64decode(reply["value"])
+
+    def check(self, keys: list[str]) -> bool:
+        return bool(self._call("check", keys=keys)["present"])
+
+    def delete(self, key: str) -> bool:
+        return bool(self._call("delete", key=key)["deleted"])
+
+    def num_keys(self) -> int:
+        return int(self._call("num_keys")["count"])
