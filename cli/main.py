@@ -16,6 +16,7 @@ import json
 import socket
 import sys
 import time
+from typing import Any
 
 from understudy.cli.cluster import ClusterStatus, read_cluster, read_events
 from understudy.daemon import config as config_mod
@@ -34,20 +35,18 @@ class CliError(UnderstudyError):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="understudy", description="Operate an understudy cluster.")
-    p.add_argument("--etcd", help="HOST:PORT[,HOST:PORT...] (or UNDERSTUDY_ETCD)")
-    p.add_argument("--prefix", help="cluster key prefix (default /understudy)")
-    p.add_argument("--config", help="read etcd settings from this understudyd TOML file")
-    p.add_argument("--ca", help="etcd CA certificate (TLS)")
-    p.add_argument("--cert", help="client certificate for etcd")
-    p.add_argument("--key", help="client key for etcd")
-    p.add_argument("--user", help="etcd user (password from UNDERSTUDY_ETCD_PASSWORD)")
-    p.add_argument("--timeout", type=float, default=None, help="per-request timeout, seconds")
+    _connection_options(p, suppress=False)
+    # The same options after the command too (`understudy status --etcd H:P`); there they
+    # default to "not given" so they never overwrite a value given before the command.
+    common = argparse.ArgumentParser(add_help=False)
+    _connection_options(common, suppress=True)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    s = sub.add_parser("status", help="show nodes, their states and the controller")
+    s = sub.add_parser("status", parents=[common],
+                       help="show nodes, their states and the controller")
     s.add_argument("--json", action="store_true", help="print a JSON object")
 
-    d = sub.add_parser("drain", help="move all work off a node")
+    d = sub.add_parser("drain", parents=[common], help="move all work off a node")
     d.add_argument("node")
     d.add_argument("--deadline", type=float, default=60.0,
                    help="seconds the node has to empty (default 60)")
@@ -57,14 +56,27 @@ def build_parser() -> argparse.ArgumentParser:
     for name, text in (("undrain", "put a drained or draining node back in service"),
                        ("cordon", "place no new work on a node"),
                        ("uncordon", "allow new work on a node again")):
-        c = sub.add_parser(name, help=text)
+        c = sub.add_parser(name, parents=[common], help=text)
         c.add_argument("node")
 
-    e = sub.add_parser("events", help="show the cluster's events")
+    e = sub.add_parser("events", parents=[common], help="show the cluster's events")
     e.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
     e.add_argument("--json", action="store_true", help="one JSON object per line")
     e.add_argument("--limit", type=int, default=50, help="show the newest N (default 50)")
     return p
+
+
+def _connection_options(p: argparse.ArgumentParser, suppress: bool) -> None:
+    """Options for reaching etcd; with ``suppress``, an option not given sets nothing."""
+    kw: dict[str, Any] = {"default": argparse.SUPPRESS} if suppress else {}
+    p.add_argument("--etcd", help="HOST:PORT[,HOST:PORT...] (or UNDERSTUDY_ETCD)", **kw)
+    p.add_argument("--prefix", help="cluster key prefix (default /understudy)", **kw)
+    p.add_argument("--config", help="read etcd settings from this understudyd TOML file", **kw)
+    p.add_argument("--ca", help="etcd CA certificate (TLS)", **kw)
+    p.add_argument("--cert", help="client certificate for etcd", **kw)
+    p.add_argument("--key", help="client key for etcd", **kw)
+    p.add_argument("--user", help="etcd user (password from UNDERSTUDY_ETCD_PASSWORD)", **kw)
+    p.add_argument("--timeout", type=float, help="per-request timeout, seconds", **kw)
 
 
 def _store(args: argparse.Namespace) -> tuple[EtcdStore, Keys]:

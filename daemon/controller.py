@@ -24,7 +24,7 @@ from understudy.daemon.node import NodeAgent
 from understudy.daemon.planner import ClusterView, MarkFailed, PruneEvents, plan
 from understudy.daemon.records import ControllerRecord, NodeRecord, RegistryEntry
 from understudy.daemon.states import NodeState
-from understudy.daemon.store import KV, EtcdStore, WatchEvent
+from understudy.daemon.store import KV, EtcdStore, WatchEvent, wait_any
 
 
 class Controller:
@@ -111,8 +111,7 @@ class Controller:
                 asyncio.create_task(self._watch_leadership(lost), name="ctl-leadership"),
             ]
             while not self.stop.is_set() and not lost.is_set() and self.agent.lease == lease:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._changed.wait(), self.tick)
+                await wait_any((self._changed, self.stop, lost), self.tick)
                 self._changed.clear()
                 try:
                     if self._need_relist or self.wall() - last_list > self.relist_interval:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import itertools
 import time
@@ -24,6 +25,7 @@ class EventLog:
         self._clock = clock
         self._seq = itertools.count()
         self._pending: collections.deque[tuple[str, Event]] = collections.deque(maxlen=backlog)
+        self._flushing = asyncio.Lock()
 
     async def emit(self, kind: str, message: str, node: str | None = None,
                    **details: Any) -> None:
@@ -35,10 +37,11 @@ class EventLog:
         await self.flush()
 
     async def flush(self) -> None:
-        while self._pending:
-            key, ev = self._pending[0]
-            try:
-                await self._store.put(key, ev.encode())
-            except StoreError:
-                return
-            self._pending.popleft()
+        async with self._flushing:  # one writer at a time: events keep their order
+            while self._pending:
+                key, ev = self._pending[0]
+                try:
+                    await self._store.put(key, ev.encode())
+                except StoreError:
+                    return
+                self._pending.popleft()

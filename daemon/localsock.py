@@ -105,7 +105,7 @@ class LocalServer:
                     if not isinstance(req, dict):
                         raise RequestError("a request must be a JSON object")
                     rid = req.get("id")
-                    op = Op(req.get("op"))
+                    op = Op(str(req.get("op")))
                     if op == Op.HELLO:
                         namespace = self._hello(req)
                         reply: dict[str, Any] = {}
@@ -166,31 +166,38 @@ class LocalServer:
         if op == Op.DELETE:
             return {"deleted": await self.store.delete(key)}
         if op == Op.ADD:
-            amount = req.get("amount")
-            if not isinstance(amount, int) or isinstance(amount, bool):
-                raise RequestError(f"add needs an integer amount, got {amount!r}")
-            for _ in range(100):
-                kv = await self.store.get(key)
-                try:
-                    current = int(kv.value) if kv else 0
-                except ValueError:
-                    raise RequestError(f"key {req['key']!r} does not hold an integer") from None
-                if await self.store.cas(key, str(current + amount).encode(),
-                                        kv.mod_revision if kv else 0):
-                    return {"value": current + amount}
-            raise StoreError("add kept losing its compare-and-swap race")
+            return {"value": await self._add(key, req.get("amount"))}
         if op == Op.COMPARE_SET:
-            expected, desired = _bytes_arg(req, "expected"), _bytes_arg(req, "desired")
-            for _ in range(100):
-                kv = await self.store.get(key)
-                if (kv is None and expected == b"") or (kv is not None and kv.value == expected):
-                    if await self.store.cas(key, desired, kv.mod_revision if kv else 0):
-                        return {"value": base64.b64encode(desired).decode()}
-                    continue
-                current = b"" if kv is None else kv.value
-                return {"value": base64.b64encode(current if kv else expected).decode()}
-            raise StoreError("compare_set kept losing its compare-and-swap race")
+            value = await self._compare_set(key, _bytes_arg(req, "expected"),
+                                            _bytes_arg(req, "desired"))
+            return {"value": base64.b64encode(value).decode()}
         raise RequestError(f"unknown op {op!r}")
+
+    async def _add(self, key: str, amount: Any) -> int:
+        if not isinstance(amount, int) or isinstance(amount, bool):
+            raise RequestError(f"add needs an integer amount, got {amount!r}")
+        for _ in range(100):
+            kv = await self.store.get(key)
+            try:
+                current = int(kv.value) if kv else 0
+            except ValueError:
+                raise RequestError(f"key {key!r} does not hold an integer") from None
+            if await self.store.cas(key, str(current + amount).encode(),
+                                    kv.mod_revision if kv else 0):
+                return current + amount
+        raise StoreError("add kept losing its compare-and-swap race")
+
+    async def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        """torch Store semantics: set ``desired`` if the value is ``expected`` (empty:
+        absent); return the value now stored, or ``expected`` for an absent key."""
+        for _ in range(100):
+            kv = await self.store.get(key)
+            matches = kv.value == expected if kv is not None else expected == b""
+            if not matches:
+                return expected if kv is None else kv.value
+            if await self.store.cas(key, desired, kv.mod_revision if kv else 0):
+                return desired
+        raise StoreError("compare_set kept losing its compare-and-swap race")
 
     async def _get_waiting(self, key: str, timeout: float) -> bytes | None:
         kvs, rev = await self.store.get_prefix(key)

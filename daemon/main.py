@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import io
 import signal
 import sys
 from typing import Any
@@ -74,6 +75,7 @@ class Daemon:
         self.stop = asyncio.Event()
         self.shutdown_requested = asyncio.Event()
         self.signals = 0
+        self.exit_code = 0
         self.metrics = Metrics()
         self.store = EtcdStore(cfg.etcd, on_request=lambda op: self.metrics.etcd_requests
                                .labels(op=op).inc())
@@ -93,6 +95,14 @@ class Daemon:
         self.shutdown_requested.set()
         if self.signals > 1:
             self.stop.set()
+
+    def _dump_tasks(self) -> None:
+        """SIGUSR1: log where every task is waiting (for a daemon that seems stuck)."""
+        for task in asyncio.all_tasks():
+            buf = io.StringIO()
+            with contextlib.suppress(Exception):  # frames without line numbers
+                task.print_stack(limit=8, file=buf)
+            self.log.warning("Task stack (SIGUSR1).", task=task.get_name(), stack=buf.getvalue())
 
     async def _on_child_exit(self, child: ChildExit) -> None:
         self.metrics.workers.set(self.supervisor.running_count)
@@ -173,6 +183,7 @@ class Daemon:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
+        loop.add_signal_handler(signal.SIGUSR1, self._dump_tasks)
         self.cfg.run_dir.mkdir(parents=True, exist_ok=True)
         if self.cfg.metrics_listen:
             port = self.metrics.serve(self.cfg.metrics_listen)
@@ -195,6 +206,8 @@ class Daemon:
             asyncio.create_task(self._watchdog_loop(), name="watchdog"),
             asyncio.create_task(self._flush_events(), name="events-flush"),
         ]
+        for t in tasks:
+            t.add_done_callback(self._watch_task)
         await self.stop.wait()
         self.notifier.stopping()
         await self.supervisor.close(self.cfg.drain.stop_grace)
@@ -207,8 +220,19 @@ class Daemon:
         await self.local.close()
         await self.store.close()
         self.metrics.close()
-        self.log.info("Daemon stopped.")
-        return 0
+        self.log.info("Daemon stopped.", exit_code=self.exit_code)
+        return self.exit_code
+
+    def _watch_task(self, task: asyncio.Task[None]) -> None:
+        """A task that ends on its own before stop is a bug: log it, stop, exit non-zero."""
+        if task.cancelled() or self.stop.is_set():
+            return
+        exc = task.exception()
+        if exc is not None:
+            self.log.error("Task crashed; stopping the daemon.", task=task.get_name(),
+                           exc_info=exc)
+            self.exit_code = 1
+            self.stop.set()
 
     async def _flush_events(self) -> None:
         while not self.stop.is_set():

@@ -29,7 +29,7 @@ from understudy.daemon.keys import Keys
 from understudy.daemon.metrics import Metrics
 from understudy.daemon.records import DrainRequest, NodeRecord, RegistryEntry
 from understudy.daemon.states import NodeLifecycle, NodeState
-from understudy.daemon.store import EtcdStore, WatchEvent
+from understudy.daemon.store import EtcdStore, WatchEvent, wait_any
 
 VERSION = "0.1.0"
 
@@ -254,8 +254,7 @@ class NodeAgent:
         tasks = [asyncio.create_task(self._watch_key(k), name=f"watch {k}") for k in watched]
         try:
             while not self.stop.is_set():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._changed.wait(), resync_interval)
+                await wait_any((self._changed, self.stop), resync_interval)
                 self._changed.clear()
                 if self.lease is None or self.stop.is_set():
                     continue

@@ -29,7 +29,7 @@ class Record:
     KIND: ClassVar[str] = ""
 
     def encode(self) -> bytes:
-        body = {"schema": SCHEMA, "kind": self.KIND, **dataclasses.asdict(self)}
+        body = {**dataclasses.asdict(self), "schema": SCHEMA, "record": self.KIND}
         data = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
         assert len(data) <= MAX_VALUE_BYTES, f"{self.KIND} record too large ({len(data)} bytes)"
         return data
@@ -47,8 +47,8 @@ class Record:
             raise RecordError("value is not a JSON object")
         if body.get("schema") != SCHEMA:
             raise RecordError(f"value has schema {body.get('schema')!r}, expected {SCHEMA!r}")
-        if body.get("kind") != cls.KIND:
-            raise RecordError(f"value has kind {body.get('kind')!r}, expected {cls.KIND!r}")
+        if body.get("record") != cls.KIND:
+            raise RecordError(f"value is a {body.get('record')!r} record, expected {cls.KIND!r}")
         hints = typing.get_type_hints(cls)
         kwargs: dict[str, Any] = {}
         for f in dataclasses.fields(cls):

@@ -121,6 +121,7 @@ class EtcdStore:
         self._client: _Client | None = None
         self._on_request = on_request or (lambda op: None)
         self._credentials = self._load_credentials(cfg)
+        self._closing: set[asyncio.Task[None]] = set()
 
     @staticmethod
     def _load_credentials(cfg: EtcdConfig) -> grpc.ChannelCredentials | None:
@@ -178,14 +179,23 @@ class EtcdStore:
             self._endpoint_index = (self._endpoint_index + 1) % len(self.cfg.endpoints)
 
     async def reset(self) -> None:
-        """Drop the connection; the next call reconnects (to the next endpoint, if any)."""
+        """Drop the connection; the next call reconnects (to the next endpoint, if any).
+
+        The old channel is closed in the background: closing a channel to a partitioned server
+        can block, and aetcd's watcher swallows cancellation, so ``wait_for`` would hang too.
+        """
         client, self._client = self._client, None
         if client is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(client.close(), self.cfg.timeout)
+            self._closing.add(asyncio.create_task(_close_quietly(client), name="etcd-close"))
+            self._closing = {t for t in self._closing if not t.done()}
 
     async def close(self) -> None:
         await self.reset()
+        if self._closing:
+            await asyncio.wait(self._closing, timeout=self.cfg.timeout)
+        for t in self._closing:
+            t.cancel()
+        self._closing.clear()
 
     async def _call(self, op: str, fn: Callable[[_Client], Any], timeout: float | None = None
                     ) -> Any:
@@ -203,6 +213,11 @@ class EtcdStore:
             raise StoreError(f"etcd {op} failed at {self.endpoint}: {exc or 'timed out'}") from exc
         except (aexc.ClientError, grpc.aio.AioRpcError) as exc:
             raise StoreError(f"etcd {op} failed: {exc}") from exc
+        except asyncio.CancelledError:
+            _reraise_if_we_are_cancelled()
+            # grpc cancels calls on a channel that was closed under them (reset()): that is a
+            # failed request, not a request to stop this task.
+            raise StoreError(f"etcd {op} was cut off by a closed connection") from None
 
     # -- reads ------------------------------------------------------------------------------
 
@@ -310,22 +325,19 @@ class EtcdStore:
                     client.watch_prefix(prefix.encode(), start_revision=next_rev),
                     self.cfg.timeout,
                 )
-                it = watch.__aiter__()
-                while not stop.is_set():
-                    stop_wait = asyncio.ensure_future(stop.wait())
-                    nxt = asyncio.ensure_future(it.__anext__())
-                    done, _ = await asyncio.wait({stop_wait, nxt},
-                                                 return_when=asyncio.FIRST_COMPLETED)
-                    if nxt not in done:
-                        nxt.cancel()
-                        with contextlib.suppress(BaseException):
-                            await nxt
-                        break
-                    stop_wait.cancel()
-                    ev = nxt.result()
-                    kv = _kv(ev.kv)
-                    next_rev = kv.mod_revision + 1
-                    yield WatchEvent("put" if ev.kind == "PUT" else "delete", kv)
+                # aetcd's cancel() ends its iterator cleanly: cancel when stop is set.
+                canceller = asyncio.create_task(_cancel_when(stop, watch), name="watch-cancel")
+                try:
+                    async for ev in watch:
+                        kv = _kv(ev.kv)
+                        next_rev = kv.mod_revision + 1
+                        yield WatchEvent("put" if ev.kind == "PUT" else "delete", kv)
+                        if stop.is_set():
+                            break
+                finally:
+                    canceller.cancel()
+                if not stop.is_set():
+                    raise StoreError("the watch stream ended")
             except aexc.RevisionCompactedError as exc:
                 next_rev = 0
                 with contextlib.suppress(Exception):
@@ -333,14 +345,52 @@ class EtcdStore:
                     next_rev += 1
                 del exc
                 yield RESYNC
-            except StopAsyncIteration:
-                pass
-            except (aexc.ClientError, StoreError, TimeoutError, grpc.aio.AioRpcError):
+            except (aexc.ClientError, StoreError, TimeoutError, grpc.aio.AioRpcError,
+                    asyncio.CancelledError) as exc:
+                if isinstance(exc, asyncio.CancelledError):
+                    _reraise_if_we_are_cancelled()
                 await self.reset()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), retry_delay)
             finally:
                 if watch is not None:
-                    with contextlib.suppress(Exception):
-                        await asyncio.wait_for(watch.cancel(), self.cfg.timeout)
+                    await bounded(watch.cancel(), self.cfg.timeout)
 
+
+def _reraise_if_we_are_cancelled() -> None:
+    task = asyncio.current_task()
+    if task is None or task.cancelling():
+        raise asyncio.CancelledError
+
+
+async def _cancel_when(stop: asyncio.Event, watch: Any) -> None:
+    await stop.wait()
+    with contextlib.suppress(Exception):
+        await watch.cancel()
+
+
+async def _close_quietly(client: _Client) -> None:
+    with contextlib.suppress(Exception):
+        await client.close()
+
+
+async def bounded(coro: Any, timeout: float) -> None:
+    """Run ``coro`` for at most ``timeout`` seconds without ever blocking past that, even if it
+    ignores cancellation (it is cancelled and left to finish on its own)."""
+    task = asyncio.ensure_future(coro)
+    done, _ = await asyncio.wait({task}, timeout=timeout)
+    if not done:
+        task.cancel()
+    elif not task.cancelled():
+        task.exception()  # retrieved: failures of cleanup calls are not interesting
+
+
+async def wait_any(events: tuple[asyncio.Event, ...], timeout: float) -> None:
+    """Return when any of ``events`` is set or ``timeout`` seconds have passed."""
+    waiters = [asyncio.create_task(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)

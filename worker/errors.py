@@ -16,6 +16,7 @@ This module is imported by the daemon as well as by workers: it must never impor
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -128,7 +129,9 @@ def _dump(rec: ErrorRecord) -> bytes:
 
 def _type_name(exc: BaseException) -> str:
     cls = type(exc)
-    return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+    if cls.__module__ == "builtins":
+        return cls.__qualname__
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _where(tb: types.TracebackType | None) -> str:
@@ -164,21 +167,19 @@ def record_error(exc: BaseException, path: str | os.PathLike[str] | None = None)
         try:
             os.link(tmp, target)
         except FileExistsError:
-            pass
+            pass  # an earlier error won
         except OSError:
             # A filesystem without hard links: rename, accepting a narrow race between writers.
             if not target.exists():
                 os.replace(tmp, target)
                 tmp = None
-    except Exception as write_exc:  # noqa: BLE001 - see docstring
+    except Exception as write_exc:  # never mask the cause (see docstring)
         print(f"understudy: could not record the error in {target}: {write_exc}",
               file=sys.stderr)
     finally:
         if tmp is not None:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            except OSError:
-                pass
 
 
 def read_error(path: str | os.PathLike[str]) -> ErrorRecord | None:

@@ -160,11 +160,11 @@ def test_bad_values_are_ignored_and_counted(cluster: LocalCluster, etcd: Embedde
     p = cluster.prefix
     garbage = {
         f"{p}/registry/ghost": b"\xff\xfe not json",
-        f"{p}/registry/node-x": json.dumps({"schema": "other/v9", "kind": "registry"}).encode(),
-        f"{p}/nodes/imposter": b'{"schema":"understudy/v1","kind":"node","name":1}',
+        f"{p}/registry/node-x": json.dumps({"schema": "other/v9", "record": "registry"}).encode(),
+        f"{p}/nodes/imposter": b'{"schema":"understudy/v1","record":"node","name":1}',
         f"{p}/drains/node-a": b"[1,2,3]",
         f"{p}/events/zzz": b"x" * (200 * 1024),
-        f"{p}/registry/node-b": b'{"schema":"understudy/v1","kind":"registry","name":"node-b"}',
+        f"{p}/registry/node-b": b'{"schema":"understudy/v1","record":"registry","name":"node-b"}',
     }
 
     async def write() -> None:
