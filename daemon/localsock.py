@@ -133,7 +133,8 @@ class LocalServer:
 
     def _hello(self, req: dict[str, Any]) -> str:
         ns, epoch = req.get("namespace"), req.get("epoch", 0)
-        if not isinstance(ns, str) or not NAMESPACE_RE.match(ns) or len(ns) > 200:
+        if not isinstance(ns, str) or not NAMESPACE_RE.match(ns) or len(ns) > 200 \
+                or any(part in (".", "..") for part in ns.split("/")):
             raise RequestError(f"namespace {ns!r} is not a valid path of names")
         if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
             raise RequestError(f"epoch {epoch!r} is not a non-negative integer")

@@ -36,7 +36,11 @@ class DaemonClient:
             self._sock.close()
             raise DaemonError(f"cannot reach the daemon at {path}: {exc.strerror}") from exc
         self._file = self._sock.makefile("rwb")
-        self._call("hello", namespace=namespace, epoch=epoch)
+        try:
+            self._call("hello", namespace=namespace, epoch=epoch)
+        except DaemonError:
+            self.close()
+            raise
 
     def close(self) -> None:
         self._file.close()
