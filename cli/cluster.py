@@ -8,9 +8,12 @@ from typing import Any
 from understudy.daemon.errors import RecordError
 from understudy.daemon.keys import Keys
 from understudy.daemon.records import (
+    Assignment,
     ControllerRecord,
     DrainRequest,
     Event,
+    JobSpec,
+    JobStatus,
     NodeRecord,
     RegistryEntry,
 )
@@ -48,18 +51,44 @@ class NodeView:
 
 
 @dataclass
+class JobView:
+    spec: JobSpec
+    status: JobStatus | None
+    assignment: Assignment | None
+
+    @property
+    def state(self) -> str:
+        return str(self.status.state) if self.status else "pending"
+
+    def as_json(self) -> dict[str, Any]:
+        a = self.assignment
+        return {
+            "name": self.spec.name, "state": self.state,
+            "reason": self.status.reason if self.status else "",
+            "tp": self.spec.tp, "dp": self.spec.dp, "standby": self.spec.standby,
+            "argv": list(self.spec.argv), "epoch": a.epoch if a else 0,
+            "ranks": list(a.ranks) if a else [], "standbys": list(a.standbys) if a else [],
+        }
+
+
+@dataclass
 class ClusterStatus:
     nodes: list[NodeView]
     controller: str | None
     revision: int
     ignored: list[str] = field(default_factory=list)
+    jobs: list[JobView] = field(default_factory=list)
 
     def node(self, name: str) -> NodeView | None:
         return next((n for n in self.nodes if n.name == name), None)
 
+    def job(self, name: str) -> JobView | None:
+        return next((j for j in self.jobs if j.spec.name == name), None)
+
     def as_json(self) -> dict[str, Any]:
         return {"controller": self.controller, "revision": self.revision,
-                "nodes": [n.as_json() for n in self.nodes], "ignored_keys": self.ignored}
+                "nodes": [n.as_json() for n in self.nodes],
+                "jobs": [j.as_json() for j in self.jobs], "ignored_keys": self.ignored}
 
 
 async def read_cluster(store: EtcdStore, keys: Keys) -> ClusterStatus:
@@ -107,7 +136,27 @@ async def read_cluster(store: EtcdStore, keys: Keys) -> ClusterStatus:
         view.cordoned = bool(entry and entry.cordoned)
         view.drain = drains.get(name)
         nodes.append(view)
-    return ClusterStatus(nodes=nodes, controller=controller, revision=revision, ignored=ignored)
+    return ClusterStatus(nodes=nodes, controller=controller, revision=revision, ignored=ignored,
+                         jobs=await _read_jobs(store, keys, ignored))
+
+
+async def _read_jobs(store: EtcdStore, keys: Keys, ignored: list[str]) -> list[JobView]:
+    specs: dict[str, JobSpec] = {}
+    statuses: dict[str, JobStatus] = {}
+    assignments: dict[str, Assignment] = {}
+    for kv in (await store.get_prefix(keys.jobs))[0]:
+        job, _, rest = Keys.name_of(kv.key, keys.jobs).partition("/")
+        try:
+            if rest == "spec":
+                specs[job] = JobSpec.decode(kv.value)
+            elif rest == "status":
+                statuses[job] = JobStatus.decode(kv.value)
+            elif rest == "assignment":
+                assignments[job] = Assignment.decode(kv.value)
+        except RecordError:
+            ignored.append(kv.key)
+    return [JobView(spec, statuses.get(name), assignments.get(name))
+            for name, spec in sorted(specs.items())]
 
 
 async def read_events(store: EtcdStore, keys: Keys) -> tuple[list[Event], int]:

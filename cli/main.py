@@ -13,6 +13,7 @@ import contextlib
 import datetime
 import getpass
 import json
+import os
 import socket
 import sys
 import time
@@ -22,7 +23,7 @@ from understudy.cli.cluster import ClusterStatus, read_cluster, read_events
 from understudy.daemon import config as config_mod
 from understudy.daemon.errors import ConfigError, UnderstudyError
 from understudy.daemon.keys import Keys
-from understudy.daemon.records import DrainRequest, Event, RegistryEntry
+from understudy.daemon.records import DrainRequest, Event, JobSpec, RegistryEntry
 from understudy.daemon.store import EtcdStore, WatchEvent
 
 EXIT_FAILED = 1
@@ -58,6 +59,21 @@ def build_parser() -> argparse.ArgumentParser:
                        ("uncordon", "allow new work on a node again")):
         c = sub.add_parser(name, parents=[common], help=text)
         c.add_argument("node")
+
+    r = sub.add_parser("run", parents=[common], help="start a training job on the cluster",
+                       usage="understudy run --job NAME --tp T --dp D [--standby N] "
+                             "[--env K=V] [--cwd DIR] [--no-wait] -- COMMAND [ARGS...]")
+    r.add_argument("--job", required=True, help="job name (lowercase letters, digits, '-')")
+    r.add_argument("--tp", type=int, required=True, help="tensor-parallel size")
+    r.add_argument("--dp", type=int, required=True, help="data-parallel size")
+    r.add_argument("--standby", type=int, default=0, help="standby nodes to reserve")
+    r.add_argument("--env", action="append", default=[], metavar="K=V",
+                   help="extra environment for every rank")
+    r.add_argument("--cwd", default=None, help="working directory of the ranks "
+                   "(default: the current directory)")
+    r.add_argument("--no-wait", action="store_true", help="do not wait for the placement")
+    r.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND",
+                   help="the training command, after --")
 
     e = sub.add_parser("events", parents=[common], help="show the cluster's events")
     e.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
@@ -118,6 +134,30 @@ def _print_status(status: ClusterStatus) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(r[:5], widths, strict=True)) + "  " + r[5])
     if status.ignored:
         print(f"({len(status.ignored)} unreadable value(s) ignored: {', '.join(status.ignored)})")
+
+
+def _print_jobs(status: ClusterStatus) -> None:
+    if not status.jobs:
+        return
+    print()
+    rows = [("JOB", "STATE", "EPOCH", "LAYOUT", "RANKS")]
+    for j in status.jobs:
+        a = j.assignment
+        placement = ""
+        if a is not None:
+            by_node: dict[str, list[str]] = {}
+            for rank, node in enumerate(a.ranks):
+                by_node.setdefault(node, []).append(str(rank))
+            placement = "  ".join(f"{n}: {','.join(r)}" for n, r in by_node.items())
+            if a.standbys:
+                placement += f"  standby: {','.join(a.standbys)}"
+        elif j.status is not None:
+            placement = j.status.reason
+        rows.append((j.spec.name, j.state, str(a.epoch) if a else "-",
+                     f"tp{j.spec.tp}xdp{j.spec.dp}", placement))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r[:4], widths, strict=True)) + "  " + r[4])
 
 
 def _print_event(ev: Event, as_json: bool) -> None:
@@ -202,6 +242,59 @@ async def _undrain(store: EtcdStore, keys: Keys, name: str) -> str:
     return f"node {name} is back in service" + ("" if node.online else " when it rejoins")
 
 
+async def _run_job(store: EtcdStore, keys: Keys, args: argparse.Namespace) -> int:
+    argv = list(args.argv)
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    env: dict[str, str] = {}
+    for item in args.env:
+        k, sep, v = item.partition("=")
+        if not sep or not k:
+            raise CliError(f"--env {item!r} is not KEY=VALUE")
+        env[k] = v
+    try:
+        spec = JobSpec(name=args.job, argv=tuple(argv), cwd=args.cwd or os.getcwd(),
+                       tp=args.tp, dp=args.dp, standby=args.standby, created_at=time.time(),
+                       created_by=f"{getpass.getuser()}@{socket.gethostname()}", env=env)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    status = await read_cluster(store, keys)
+    free = sum(max(n.slots - _ranks_on(status, n.name), 0) for n in status.nodes
+               if n.online and n.state == "active" and not n.cordoned)
+    if free < spec.world_size:
+        raise CliError(f"cannot place job {spec.name!r}: it needs {spec.world_size} slots on "
+                       f"active nodes and {free} are free")
+    standbys = [n for n in status.nodes if n.online and n.state == "standby"
+                and not n.cordoned]
+    if len(standbys) < spec.standby:
+        raise CliError(f"cannot place job {spec.name!r}: it needs {spec.standby} standby "
+                       f"nodes and {len(standbys)} are online")
+    if not await store.txn(compare=[("create", keys.job_spec(spec.name), 0)],
+                           success=[("put", keys.job_spec(spec.name), spec.encode(), None)]):
+        raise CliError(f"a job named {spec.name!r} already exists")
+    print(f"job {spec.name} submitted: {spec.world_size} ranks (tp {spec.tp} x dp {spec.dp}), "
+          f"{spec.standby} standby", flush=True)
+    if args.no_wait:
+        return 0
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        job = (await read_cluster(store, keys)).job(spec.name)
+        if job is not None and job.assignment is not None:
+            placement = ", ".join(f"rank {r} on {n}" for r, n in enumerate(job.assignment.ranks))
+            print(f"job {spec.name} placed (epoch {job.assignment.epoch}): {placement}"
+                  + (f"; standby {', '.join(job.assignment.standbys)}"
+                     if job.assignment.standbys else ""))
+            return 0
+        await asyncio.sleep(0.1)
+    raise CliError(f"job {spec.name!r} was submitted but not placed within 15s "
+                   "(is a controller running?)")
+
+
+def _ranks_on(status: ClusterStatus, node: str) -> int:
+    return sum(1 for j in status.jobs if j.assignment is not None
+               and j.state not in ("done", "failed") for n in j.assignment.ranks if n == node)
+
+
 async def _events(store: EtcdStore, keys: Keys, args: argparse.Namespace) -> int:
     events, rev = await read_events(store, keys)
     for ev in events[-args.limit:] if args.limit > 0 else events:
@@ -225,7 +318,10 @@ async def _run(args: argparse.Namespace) -> int:
                 print(json.dumps(status.as_json(), indent=2))
             else:
                 _print_status(status)
+                _print_jobs(status)
             return 0
+        if args.command == "run":
+            return await _run_job(store, keys, args)
         if args.command == "drain":
             return await _drain(store, keys, args)
         if args.command == "undrain":
@@ -246,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "deadline", 1.0) <= 0:
         parser.error("--deadline must be positive")
+    if args.command == "run" and not [a for a in args.argv if a != "--"]:
+        parser.error("run needs the training command after --")
     try:
         return asyncio.run(_run(args))
     except ConfigError as exc:

@@ -21,8 +21,25 @@ from understudy.daemon.events import EventLog
 from understudy.daemon.keys import Keys
 from understudy.daemon.metrics import Metrics
 from understudy.daemon.node import NodeAgent
-from understudy.daemon.planner import ClusterView, MarkFailed, PruneEvents, plan
-from understudy.daemon.records import ControllerRecord, NodeRecord, RegistryEntry
+from understudy.daemon.planner import (
+    Action,
+    AssignJob,
+    ClusterView,
+    JobView,
+    MarkFailed,
+    SetJobState,
+    plan,
+)
+from understudy.daemon.records import (
+    Assignment,
+    ControllerRecord,
+    JobSpec,
+    JobState,
+    JobStatus,
+    NodeRecord,
+    RankExit,
+    RegistryEntry,
+)
 from understudy.daemon.states import NodeState
 from understudy.daemon.store import KV, EtcdStore, WatchEvent, wait_any
 
@@ -40,6 +57,7 @@ class Controller:
         self._registry: dict[str, tuple[RegistryEntry, int]] = {}
         self._live: dict[str, NodeRecord] = {}
         self._event_keys: list[str] = []
+        self._jobs = _JobTables()
         self._changed = asyncio.Event()
         self._need_relist = False
         self._bad_seen: set[tuple[str, int]] = set()
@@ -108,6 +126,7 @@ class Controller:
                 asyncio.create_task(self._watch(self.keys.nodes, rev, lost), name="ctl-nodes"),
                 asyncio.create_task(self._watch(self.keys.registry, rev, lost),
                                     name="ctl-registry"),
+                asyncio.create_task(self._watch(self.keys.jobs, rev, lost), name="ctl-jobs"),
                 asyncio.create_task(self._watch_leadership(lost), name="ctl-leadership"),
             ]
             while not self.stop.is_set() and not lost.is_set() and self.agent.lease == lease:
@@ -164,6 +183,10 @@ class Controller:
         kvs, _ = await self.store.get_prefix(self.keys.nodes)
         for kv in kvs:
             self._ingest(self.keys.nodes, kv, deleted=False)
+        self._jobs = _JobTables()
+        kvs, _ = await self.store.get_prefix(self.keys.jobs)
+        for kv in kvs:
+            self._ingest(self.keys.jobs, kv, deleted=False)
         events, _ = await self.store.get_prefix(self.keys.events)
         self._event_keys = [kv.key for kv in events]
         # Watches replay from the first read on: replaying events the second read already saw
@@ -171,6 +194,12 @@ class Controller:
         return first_rev
 
     def _ingest(self, prefix: str, kv: KV, deleted: bool) -> None:
+        if prefix == self.keys.jobs:
+            try:
+                self._jobs.ingest(Keys.name_of(kv.key, prefix), kv, deleted)
+            except RecordError as exc:
+                self._bad(kv, "jobs", exc)
+            return
         name = Keys.name_of(kv.key, prefix)
         table: dict[str, object] = self._registry if prefix == self.keys.registry \
             else self._live  # type: ignore[assignment]
@@ -191,19 +220,23 @@ class Controller:
         except RecordError as exc:
             # Ignored, never acted on: a garbage value must not fail a node or crash us.
             table.pop(name, None)
-            if (kv.key, kv.mod_revision) not in self._bad_seen:
-                self._bad_seen.add((kv.key, kv.mod_revision))
-                self.metrics.bad_values.labels(collection=prefix.rstrip("/").rsplit("/", 1)[-1]
-                                               ).inc()
-                self.log.warning("Ignoring a bad value in etcd.", key=kv.key, problem=str(exc))
+            self._bad(kv, prefix.rstrip("/").rsplit("/", 1)[-1], exc)
+
+    def _bad(self, kv: KV, collection: str, exc: RecordError) -> None:
+        if (kv.key, kv.mod_revision) not in self._bad_seen:
+            self._bad_seen.add((kv.key, kv.mod_revision))
+            self.metrics.bad_values.labels(collection=collection).inc()
+            self.log.warning("Ignoring a bad value in etcd.", key=kv.key, problem=str(exc))
 
     def _view(self) -> ClusterView:
         return ClusterView(registry=dict(self._registry), live=dict(self._live),
-                           event_keys=tuple(self._event_keys))
+                           event_keys=tuple(self._event_keys), jobs=self._jobs.views())
 
-    async def _apply(self, actions: list[MarkFailed | PruneEvents]) -> None:
+    async def _apply(self, actions: list[Action]) -> None:
         for action in actions:
-            if isinstance(action, MarkFailed):
+            if isinstance(action, AssignJob | SetJobState):
+                await self._apply_job(action)
+            elif isinstance(action, MarkFailed):
                 entry, rev = self._registry[action.node]
                 failed = dataclasses.replace(entry, state=NodeState.FAILED, reason=action.reason,
                                              updated_at=self.wall())
@@ -220,3 +253,99 @@ class Controller:
                 for key in action.keys:
                     await self.store.delete(key)
                 self._event_keys = self._event_keys[len(action.keys):]
+
+    async def _apply_job(self, action: AssignJob | SetJobState) -> None:
+        now = self.wall()
+        if isinstance(action, AssignJob):
+            a = action.assignment
+            status = JobStatus(job=a.job, state=JobState.RUNNING, reason=action.reason,
+                               updated_at=now)
+            ok = await self.store.txn(
+                compare=[("create", self.keys.job_assignment(a.job), 0),
+                         ("mod", self.keys.job_status(a.job), self._jobs.status_rev(a.job))],
+                success=[("put", self.keys.job_assignment(a.job), a.encode(), None),
+                         ("put", self.keys.job_status(a.job), status.encode(), None)])
+            if ok:
+                self.log.info(f"Job {a.job} placed: {action.reason}.", job=a.job, epoch=a.epoch)
+                await self.events.emit("job-started", f"Job {a.job} started: {action.reason}.",
+                                       job=a.job, ranks=list(a.ranks),
+                                       standbys=list(a.standbys), epoch=a.epoch)
+            self._changed.set()
+            return
+        status = JobStatus(job=action.job, state=action.state, reason=action.reason,
+                           updated_at=now)
+        if await self.store.cas(self.keys.job_status(action.job), status.encode(),
+                                self._jobs.status_rev(action.job)):
+            self.log.info(f"Job {action.job} is {action.state}: {action.reason}.",
+                          job=action.job)
+            await self.events.emit(f"job-{action.state}",
+                                   f"Job {action.job} is {action.state}: {action.reason}.",
+                                   job=action.job)
+        self._changed.set()
+
+
+class _JobTables:
+    """The controller's cache of ``<prefix>/jobs/``, fed by list and watch events."""
+
+    def __init__(self) -> None:
+        self.specs: dict[str, JobSpec] = {}
+        self.assignments: dict[str, tuple[Assignment, int]] = {}
+        self.statuses: dict[str, tuple[JobStatus, int]] = {}
+        self.exits: dict[str, dict[tuple[int, int], RankExit]] = {}
+
+    def ingest(self, path: str, kv: KV, deleted: bool) -> None:
+        """``path`` is ``<job>/spec`` etc. Raises RecordError for a value that does not fit."""
+        job, _, rest = path.partition("/")
+        if rest == "spec":
+            if deleted:
+                self.specs.pop(job, None)
+            else:
+                spec = JobSpec.decode(kv.value)
+                if spec.name != job:
+                    raise RecordError(f"job spec under {job!r} names {spec.name!r}")
+                self.specs[job] = spec
+        elif rest == "assignment":
+            if deleted:
+                self.assignments.pop(job, None)
+            else:
+                a = Assignment.decode(kv.value)
+                if a.job != job:
+                    raise RecordError(f"assignment under {job!r} names job {a.job!r}")
+                self.assignments[job] = (a, kv.mod_revision)
+        elif rest == "status":
+            if deleted:
+                self.statuses.pop(job, None)
+            else:
+                st = JobStatus.decode(kv.value)
+                if st.job != job:
+                    raise RecordError(f"status under {job!r} names job {st.job!r}")
+                self.statuses[job] = (st, kv.mod_revision)
+        elif rest.startswith("exits/"):
+            table = self.exits.setdefault(job, {})
+            try:
+                _, epoch, rank = rest.split("/")
+                key = (int(epoch), int(rank))
+            except ValueError:
+                raise RecordError(f"unexpected key jobs/{path}") from None
+            if deleted:
+                table.pop(key, None)
+            else:
+                table[key] = RankExit.decode(kv.value)
+        else:
+            raise RecordError(f"unexpected key jobs/{path}")
+
+    def status_rev(self, job: str) -> int:
+        return self.statuses[job][1] if job in self.statuses else 0
+
+    def views(self) -> dict[str, JobView]:
+        out = {}
+        for name, spec in self.specs.items():
+            a = self.assignments.get(name)
+            st = self.statuses.get(name)
+            exits = {}
+            if a is not None:
+                exits = {rank: e for (epoch, rank), e in self.exits.get(name, {}).items()
+                         if epoch == a[0].epoch}
+            out[name] = JobView(spec=spec, status=st[0] if st else None,
+                                assignment=a[0] if a else None, exits=exits)
+        return out

@@ -25,6 +25,18 @@ CHILD_ERROR_FILE = "UNDERSTUDY_ERROR_FILE"
 CHILD_NODE = "UNDERSTUDY_NODE"
 CHILD_NAME = "UNDERSTUDY_CHILD"
 
+# A rank's coordinates, set by understudyd for each worker it starts.
+JOB = "UNDERSTUDY_JOB"
+RANK = "UNDERSTUDY_RANK"
+WORLD_SIZE = "UNDERSTUDY_WORLD_SIZE"
+TP = "UNDERSTUDY_TP"
+DP = "UNDERSTUDY_DP"
+TP_INDEX = "UNDERSTUDY_TP_INDEX"
+DP_INDEX = "UNDERSTUDY_DP_INDEX"
+EPOCH = "UNDERSTUDY_EPOCH"
+#: "rank" for a worker holding a rank, "standby" for a standby worker.
+WORKER_ROLE = "UNDERSTUDY_WORKER_ROLE"
+
 # Set by systemd for Type=notify services.
 NOTIFY_SOCKET = "NOTIFY_SOCKET"
 WATCHDOG_USEC = "WATCHDOG_USEC"

@@ -5,6 +5,10 @@
     <prefix>/drains/<node>       drain request (operator, SIGTERM, cloud notice, health)
     <prefix>/controller          elected controller, bound to its daemon's lease
     <prefix>/events/<id>         events, oldest pruned by the controller
+    <prefix>/jobs/<job>/spec     what `understudy run` asked for
+    <prefix>/jobs/<job>/assignment   rank -> node, standbys, epoch (controller, CAS)
+    <prefix>/jobs/<job>/status   pending | running | done | failed (controller)
+    <prefix>/jobs/<job>/exits/<epoch>/<rank>   how a rank's process ended (its daemon)
     <prefix>/kv/<namespace>/...  workers' key-value service (process-group bootstrap)
 """
 
@@ -48,6 +52,22 @@ class Keys:
 
     def event(self, event_id: str) -> str:
         return f"{self.events}{event_id}"
+
+    @property
+    def jobs(self) -> str:
+        return f"{self.prefix}/jobs/"
+
+    def job_spec(self, job: str) -> str:
+        return f"{self.jobs}{job}/spec"
+
+    def job_assignment(self, job: str) -> str:
+        return f"{self.jobs}{job}/assignment"
+
+    def job_status(self, job: str) -> str:
+        return f"{self.jobs}{job}/status"
+
+    def rank_exit(self, job: str, epoch: int, rank: int) -> str:
+        return f"{self.jobs}{job}/exits/{epoch}/{rank}"
 
     def kv(self, namespace: str) -> str:
         return f"{self.prefix}/kv/{namespace}/"

@@ -23,6 +23,7 @@ from understudy.daemon.controller import Controller
 from understudy.daemon.errors import ConfigError, StoreError, UnderstudyError
 from understudy.daemon.events import EventLog
 from understudy.daemon.health import HealthMonitor
+from understudy.daemon.jobs import JobRunner
 from understudy.daemon.localsock import LocalServer
 from understudy.daemon.metrics import Metrics
 from understudy.daemon.node import NodeAgent
@@ -85,6 +86,8 @@ class Daemon:
                                self.stop)
         self.controller = Controller(self.agent, self.store, self.metrics, self.events,
                                      self.stop)
+        self.jobs = JobRunner(self.agent, self.store, self.supervisor, self.stop)
+        self.agent.listeners.append(self.jobs.poke)
         self.local = LocalServer(cfg.socket_path, self.store, _keys(cfg), cfg.node)
         self.notifier = Notifier.from_env()
         self.log = logs.get(node=cfg.node)
@@ -108,7 +111,10 @@ class Daemon:
         self.metrics.workers.set(self.supervisor.running_count)
         if self.supervisor.first_failure is child:
             self.agent.first_failure = child.describe()
+            with contextlib.suppress(StoreError):
+                await self.agent.publish()
         self.log.info(child.describe())
+        await self.jobs.on_exit(child)
 
     async def _on_notice(self, notice: Notice) -> None:
         deadline = self.cfg.drain.deadline
@@ -201,6 +207,7 @@ class Daemon:
             asyncio.create_task(self.agent.fence_watch(), name="fence-watch"),
             asyncio.create_task(self.agent.watch_own_keys(), name="own-keys"),
             asyncio.create_task(self.controller.run(), name="controller"),
+            asyncio.create_task(self.jobs.run(), name="jobs"),
             asyncio.create_task(self._health_loop(), name="health"),
             asyncio.create_task(self._notices_loop(), name="notices"),
             asyncio.create_task(self._watchdog_loop(), name="watchdog"),

@@ -67,6 +67,8 @@ class NodeAgent:
         #: Set when a drain finishes; the daemon exits after a SIGTERM drain.
         self.drained = asyncio.Event()
         self._changed = asyncio.Event()
+        #: Called after every state change (the job runner re-checks what it should run).
+        self.listeners: list[Callable[[], None]] = []
         self._drain_task: asyncio.Task[None] | None = None
         self._bad_seen: set[tuple[str, int]] = set()
         self.log = logs.get(node=cfg.node)
@@ -141,6 +143,8 @@ class NodeAgent:
             self.log.info(f"Node went from {old} to {new}: {reason}.", state=str(new))
             with contextlib.suppress(StoreError):
                 await self.publish()
+            for listener in self.listeners:
+                listener()
 
     # -- joining ----------------------------------------------------------------------------
 

@@ -9,7 +9,9 @@ counted), never acted on.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -83,9 +85,9 @@ def _check(kind: str, name: str, hint: Any, value: Any) -> Any:
     elif origin is dict:
         if isinstance(value, dict) and all(isinstance(k, str) for k in value):
             return value
-    elif isinstance(hint, type) and issubclass(hint, NodeState):
-        if value in NodeState._value2member_map_:
-            return NodeState(value)
+    elif isinstance(hint, type) and issubclass(hint, enum.Enum):
+        if value in hint._value2member_map_:
+            return hint(value)
     elif hint is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
             return float(value)
@@ -161,6 +163,95 @@ class Event(Record):
     node: str
     message: str
     details: dict[str, Any] = field(default_factory=dict)
+
+
+class JobState(enum.StrEnum):
+    """A job's lifecycle, changed only by the controller::
+
+        pending -> running -> done | failed
+        pending -> failed      (cannot be placed)
+    """
+
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+
+
+JOB_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class JobSpec(Record):
+    """What ``understudy run`` asked for. Written once, never changed."""
+
+    KIND: ClassVar[str] = "job"
+    name: str
+    argv: tuple[str, ...]
+    cwd: str
+    tp: int
+    dp: int
+    standby: int
+    created_at: float
+    created_by: str = ""
+    env: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.dp
+
+    def __post_init__(self) -> None:
+        if not JOB_NAME_RE.match(self.name):
+            raise ValueError(f"job name {self.name!r} must be 1-40 lowercase letters, digits "
+                             "or '-'")
+        if self.tp < 1 or self.dp < 1 or self.standby < 0:
+            raise ValueError(f"tp ({self.tp}) and dp ({self.dp}) must be >= 1, standby "
+                             f"({self.standby}) >= 0")
+        if not self.argv:
+            raise ValueError("a job needs a command")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()):
+            raise ValueError("job environment must map strings to strings")
+
+
+@dataclass(frozen=True)
+class Assignment(Record):
+    """Which node holds each rank, and which standby nodes serve the job. Written by the
+    controller by compare-and-swap; every change raises ``epoch``."""
+
+    KIND: ClassVar[str] = "assignment"
+    job: str
+    epoch: int
+    ranks: tuple[str, ...]
+    standbys: tuple[str, ...]
+    reason: str
+    updated_at: float
+
+    def ranks_on(self, node: str) -> list[int]:
+        return [r for r, n in enumerate(self.ranks) if n == node]
+
+
+@dataclass(frozen=True)
+class JobStatus(Record):
+    KIND: ClassVar[str] = "job-status"
+    job: str
+    state: JobState
+    reason: str
+    updated_at: float
+
+
+@dataclass(frozen=True)
+class RankExit(Record):
+    """Written by a node's daemon when one of its ranks' processes ends."""
+
+    KIND: ClassVar[str] = "rank-exit"
+    job: str
+    rank: int
+    epoch: int
+    node: str
+    returncode: int
+    failed: bool
+    description: str
+    time: float
 
 
 def event_id(time_s: float, node: str, seq: int) -> str:

@@ -235,6 +235,11 @@ class EtcdStore:
         result: tuple[list[KV], int] = await self._call("range", run)
         return result
 
+    async def current_revision(self) -> int:
+        """The store's revision now (a read of an empty range: no values cross the wire)."""
+        _, rev = await self.get_prefix("\x00understudy-revision-probe")
+        return rev
+
     # -- writes -----------------------------------------------------------------------------
 
     async def put(self, key: str, value: bytes, lease: int | None = None) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -65,10 +66,25 @@ def test_partitioned_node_fences_before_it_is_replaced_and_rejoins_clean(
             c.cli("undrain", "node-p")
             c.add("node-p", "active", wrap=host.wrap())
             c.wait_state("node-p", "active")
+        # A rank on each active node; the one on node-p must die before node-p is replaced.
+        probe = str(Path(__file__).parents[1] / "workers" / "probe.py")
+        out = c.cli("run", "--job", "pj", "--tp", "1", "--dp", "2", "--env", "PROBE_SLEEP=120",
+                    "--", sys.executable, probe)
+        assert out.returncode == 0, out.stderr
+        assert "rank 1 on node-p" in out.stdout, out.stdout
+        pid = _wait_kv(etcd, f"{c.prefix}/kv/pj/probe/pid1")
         t_cut = time.time()
         host.partition()
-        c.wait_state("node-p", "failed", timeout=c.lease_ttl + 5)
+        t_worker_gone = None
+        while time.time() - t_cut < c.lease_ttl + 5:
+            if t_worker_gone is None and not _alive(pid):
+                t_worker_gone = time.time()
+            st = c.status()
+            if st.node("node-p").state == "failed":  # type: ignore[union-attr]
+                break
+            time.sleep(0.02)
         t_failed = time.time()
+        assert t_worker_gone is not None, "the partitioned node's worker was not killed"
         p_log = c.daemons["node-p"].log_text()
         fenced = [t for t in _log_times(p_log, "fenced itself") if t >= t_cut]
         assert fenced, "the partitioned daemon never fenced itself"
@@ -78,6 +94,7 @@ def test_partitioned_node_fences_before_it_is_replaced_and_rejoins_clean(
         assert failed_at, events
         # The node stopped its workers before the controller could declare it failed.
         assert fenced[0] < failed_at[0] <= t_failed
+        assert t_worker_gone < failed_at[0], "the worker outlived the node's lease"
         assert c.daemons["node-p"].alive(), "fencing must not kill the daemon itself"
         old_incarnation = _incarnation(c, "node-p")
         host.heal()
@@ -89,6 +106,37 @@ def test_partitioned_node_fences_before_it_is_replaced_and_rejoins_clean(
     finally:
         c.stop_all(timeout=5)
         etcd.cleanup()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_kv(etcd: EmbeddedEtcd, key: str, timeout: float = 20.0) -> int:
+    import asyncio
+
+    from understudy.daemon import config
+    from understudy.daemon.store import EtcdStore
+
+    async def read() -> int:
+        s = EtcdStore(config.load(overrides={"etcd.endpoints": etcd.endpoint}, environ={},
+                                  require_node=False).etcd)
+        try:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                kv = await s.get(key)
+                if kv is not None:
+                    return int(kv.value)
+                await asyncio.sleep(0.05)
+            raise AssertionError(f"{key} never appeared")
+        finally:
+            await s.close()
+
+    return asyncio.run(read())
 
 
 def _incarnation(c: LocalCluster, node: str) -> str:

@@ -8,11 +8,24 @@ import pytest
 
 from understudy.daemon.errors import RecordError
 from understudy.daemon.fencing import FenceTimer
-from understudy.daemon.planner import ClusterView, MarkFailed, PruneEvents, plan
+from understudy.daemon.planner import (
+    AssignJob,
+    ClusterView,
+    JobView,
+    MarkFailed,
+    PruneEvents,
+    SetJobState,
+    plan,
+)
 from understudy.daemon.records import (
     MAX_VALUE_BYTES,
+    Assignment,
     DrainRequest,
+    JobSpec,
+    JobState,
+    JobStatus,
     NodeRecord,
+    RankExit,
     RegistryEntry,
 )
 from understudy.daemon.states import IllegalTransition, NodeLifecycle, NodeState
@@ -108,3 +121,56 @@ def test_registry_entry_rejects_bool_for_float() -> None:
     body["updated_at"] = True
     with pytest.raises(RecordError):
         RegistryEntry.decode(json.dumps(body).encode())
+
+
+def _spec(name: str = "j", tp: int = 2, dp: int = 2, standby: int = 1) -> JobSpec:
+    return JobSpec(name=name, argv=("python", "t.py"), cwd="/", tp=tp, dp=dp, standby=standby,
+                   created_at=0.0)
+
+
+def _live(name: str, state: NodeState, slots: int) -> NodeRecord:
+    return NodeRecord(name=name, incarnation="i", lease=1, state=state, role=str(state),
+                      slots=slots)
+
+
+def _cluster(**jobs: JobView) -> ClusterView:
+    live = {"a": _live("a", NodeState.ACTIVE, 2), "b": _live("b", NodeState.ACTIVE, 2),
+            "c": _live("c", NodeState.DRAINING, 8), "s": _live("s", NodeState.STANDBY, 1)}
+    return ClusterView(registry={n: (_entry(n), 1) for n in live}, live=live, jobs=jobs)
+
+
+def test_placement_fills_active_slots_in_order_and_reserves_standbys() -> None:
+    (action,) = plan(_cluster(j=JobView(_spec())), now=5.0)
+    assert isinstance(action, AssignJob)
+    a = action.assignment
+    assert (a.ranks, a.standbys, a.epoch) == (("a", "a", "b", "b"), ("s",), 1)
+
+
+def test_placement_that_cannot_fit_says_why_once() -> None:
+    view = _cluster(j=JobView(_spec(tp=4, dp=2)))
+    (action,) = plan(view, now=5.0)
+    assert isinstance(action, SetJobState) and action.state == JobState.PENDING
+    assert "needs 8 slots" in action.reason
+    status = JobStatus(job="j", state=JobState.PENDING, reason=action.reason, updated_at=5.0)
+    assert plan(_cluster(j=JobView(_spec(tp=4, dp=2), status=status)), now=6.0) == []
+
+
+def test_job_ends_done_failed_or_failed_with_a_lost_node() -> None:
+    a = Assignment(job="j", epoch=1, ranks=("a", "b"), standbys=(), reason="", updated_at=0)
+    running = JobStatus(job="j", state=JobState.RUNNING, reason="", updated_at=0)
+
+    def exit_(rank: int, code: int) -> RankExit:
+        return RankExit(job="j", rank=rank, epoch=1, node="a", returncode=code,
+                        failed=code != 0, description=f"code {code}", time=float(rank))
+
+    spec = _spec(tp=1, dp=2, standby=0)
+    done = plan(_cluster(j=JobView(spec, running, a, {0: exit_(0, 0), 1: exit_(1, 0)})), 1.0)
+    assert done == [SetJobState("j", JobState.DONE, "every rank finished")]
+    (failed,) = plan(_cluster(j=JobView(spec, running, a, {1: exit_(1, 3)})), 1.0)
+    assert isinstance(failed, SetJobState) and "rank 1 failed: code 3" in failed.reason
+    lost_view = _cluster(j=JobView(spec, running, a))
+    del lost_view.live["b"]  # type: ignore[attr-defined]
+    actions = plan(lost_view, 1.0)
+    assert any(isinstance(x, MarkFailed) and x.node == "b" for x in actions)
+    (lost,) = [x for x in actions if isinstance(x, SetJobState)]
+    assert "node b holding rank 1 is gone" in lost.reason

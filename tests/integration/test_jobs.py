@@ -1,0 +1,96 @@
+"""Launching a job: `understudy run` -> controller placement (epoch, CAS) -> daemons spawn
+their ranks -> each rank's exit is recorded -> the job ends done or failed with the cause."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from understudy.daemon import config
+from understudy.daemon.embedded_etcd import EmbeddedEtcd
+from understudy.daemon.localcluster import LocalCluster
+from understudy.daemon.store import EtcdStore
+
+pytestmark = pytest.mark.slow
+PROBE = str(Path(__file__).parents[1] / "workers" / "probe.py")
+
+
+@pytest.fixture
+def cluster(etcd: EmbeddedEtcd, tmp_path: Path) -> Iterator[LocalCluster]:
+    c = LocalCluster(etcd_endpoint=etcd.endpoint, base_dir=tmp_path / "cluster")
+    try:
+        c.add("node-a", "active", extra=["--slots", "2"])
+        c.add("node-b", "active", extra=["--slots", "2"])
+        c.add("node-s", "standby")
+        for n, s in (("node-a", "active"), ("node-b", "active"), ("node-s", "standby")):
+            c.wait_state(n, s)
+        c.wait_for("a controller", lambda s: s.controller is not None)
+        yield c
+    finally:
+        c.stop_all(timeout=5)
+
+
+def _kv(etcd: EmbeddedEtcd, key: str) -> bytes | None:
+    async def read() -> bytes | None:
+        s = EtcdStore(config.load(overrides={"etcd.endpoints": etcd.endpoint}, environ={},
+                                  require_node=False).etcd)
+        kv = await s.get(key)
+        await s.close()
+        return None if kv is None else kv.value
+
+    return asyncio.run(read())
+
+
+def test_job_runs_on_the_assigned_nodes_and_finishes(cluster: LocalCluster,
+                                                     etcd: EmbeddedEtcd) -> None:
+    out = cluster.cli("run", "--job", "j1", "--tp", "2", "--dp", "2", "--standby", "1", "--",
+                      sys.executable, PROBE)
+    assert out.returncode == 0, out.stderr
+    assert "rank 0 on node-a" in out.stdout and "rank 3 on node-b" in out.stdout
+    cluster.wait_for("j1 done", lambda s: s.job("j1") is not None
+                     and s.job("j1").state == "done", timeout=30)  # type: ignore[union-attr]
+    for rank, node in enumerate(["node-a", "node-a", "node-b", "node-b"]):
+        coords = _kv(etcd, f"{cluster.prefix}/kv/j1/probe/rank{rank}")
+        assert coords == f"4,2,2,{rank % 2},{rank // 2},{node}".encode()
+    status = json.loads(cluster.cli("status", "--json").stdout)
+    (job,) = status["jobs"]
+    assert job["epoch"] == 1 and job["standbys"] == ["node-s"]
+    kinds = [json.loads(line)["kind"] for line in cluster.cli("events", "--json").stdout
+             .splitlines()]
+    assert "job-started" in kinds and "job-done" in kinds
+
+
+def test_a_failing_rank_fails_the_job_with_its_cause(cluster: LocalCluster) -> None:
+    out = cluster.cli("run", "--job", "j2", "--tp", "1", "--dp", "2", "--env",
+                      "PROBE_FAIL_RANK=1", "--", sys.executable, PROBE)
+    assert out.returncode == 0, out.stderr
+    cluster.wait_for("j2 failed", lambda s: s.job("j2") is not None
+                     and s.job("j2").state == "failed", timeout=30)  # type: ignore[union-attr]
+    job = cluster.status().job("j2")
+    assert job is not None and job.status is not None
+    assert "rank 1 failed" in job.status.reason
+    assert "RuntimeError: probe rank 1 failed on purpose" in job.status.reason
+
+
+def test_submissions_that_cannot_be_satisfied_change_nothing(cluster: LocalCluster) -> None:
+    before = cluster.status().revision
+    too_big = cluster.cli("run", "--job", "big", "--tp", "4", "--dp", "2", "--", "true")
+    assert too_big.returncode == 1 and "needs 8 slots" in too_big.stderr
+    no_standby = cluster.cli("run", "--job", "sb", "--tp", "1", "--dp", "1", "--standby", "2",
+                             "--", "true")
+    assert no_standby.returncode == 1 and "standby" in no_standby.stderr
+    bad_name = cluster.cli("run", "--job", "Bad_Name", "--tp", "1", "--dp", "1", "--", "true")
+    assert bad_name.returncode == 1 and "job name" in bad_name.stderr
+    no_cmd = cluster.cli("run", "--job", "x", "--tp", "1", "--dp", "1")
+    assert no_cmd.returncode == 2
+    assert cluster.status().revision == before
+    ok = cluster.cli("run", "--job", "dup", "--tp", "1", "--dp", "1", "--env", "PROBE_SLEEP=5",
+                     "--", sys.executable, PROBE)
+    assert ok.returncode == 0, ok.stderr
+    again = cluster.cli("run", "--job", "dup", "--tp", "1", "--dp", "1", "--", "true")
+    assert again.returncode == 1 and "already exists" in again.stderr

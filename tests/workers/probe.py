@@ -1,0 +1,28 @@
+"""A tiny worker for control-plane tests: reports its coordinates through the daemon's
+key-value service, then exits with the code given in PROBE_EXIT_RANK (rank:code)."""
+
+import os
+import sys
+import time
+
+from understudy.worker.daemon_client import DaemonClient
+from understudy.worker.errors import record
+
+
+@record
+def main() -> int:
+    job, rank = os.environ["UNDERSTUDY_JOB"], int(os.environ["UNDERSTUDY_RANK"])
+    with DaemonClient(f"{job}/probe", epoch=int(os.environ["UNDERSTUDY_EPOCH"])) as client:
+        coords = ",".join(os.environ[f"UNDERSTUDY_{k}"] for k in
+                          ("WORLD_SIZE", "TP", "DP", "TP_INDEX", "DP_INDEX", "NODE"))
+        client.set(f"rank{rank}", coords.encode())
+        client.set(f"pid{rank}", str(os.getpid()).encode())
+    time.sleep(float(os.environ.get("PROBE_SLEEP", "0")))
+    fail = os.environ.get("PROBE_FAIL_RANK")
+    if fail is not None and int(fail) == rank:
+        raise RuntimeError(f"probe rank {rank} failed on purpose")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
