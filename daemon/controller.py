@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
+from typing import Any
 
 from understudy.daemon import logs
 from understudy.daemon.errors import RecordError, StoreError
@@ -23,19 +24,24 @@ from understudy.daemon.metrics import Metrics
 from understudy.daemon.node import NodeAgent
 from understudy.daemon.planner import (
     Action,
+    AdvanceMigration,
     AssignJob,
     ClusterView,
     JobView,
     MarkFailed,
     SetJobState,
+    StartMigration,
     plan,
 )
 from understudy.daemon.records import (
     Assignment,
     ControllerRecord,
+    DrainRequest,
     JobSpec,
     JobState,
     JobStatus,
+    Migration,
+    MigrationPhase,
     NodeRecord,
     RankExit,
     RegistryEntry,
@@ -47,7 +53,7 @@ from understudy.daemon.store import KV, EtcdStore, WatchEvent, wait_any
 class Controller:
     def __init__(self, agent: NodeAgent, store: EtcdStore, metrics: Metrics, events: EventLog,
                  stop: asyncio.Event, wall: Callable[[], float] = time.time,
-                 tick: float = 0.25, relist_interval: float = 10.0) -> None:
+                 tick: float = 1.0, relist_interval: float = 10.0) -> None:
         self.agent, self.store, self.metrics, self.events = agent, store, metrics, events
         self.keys = Keys(agent.cfg.etcd.prefix)
         self.stop, self.wall = stop, wall
@@ -58,6 +64,7 @@ class Controller:
         self._live: dict[str, NodeRecord] = {}
         self._event_keys: list[str] = []
         self._jobs = _JobTables()
+        self._drain_deadlines: dict[str, float] = {}
         self._changed = asyncio.Event()
         self._need_relist = False
         self._bad_seen: set[tuple[str, int]] = set()
@@ -127,6 +134,8 @@ class Controller:
                 asyncio.create_task(self._watch(self.keys.registry, rev, lost),
                                     name="ctl-registry"),
                 asyncio.create_task(self._watch(self.keys.jobs, rev, lost), name="ctl-jobs"),
+                asyncio.create_task(self._watch(self.keys.kv_root, rev, lost), name="ctl-kv"),
+                asyncio.create_task(self._watch(self.keys.drains, rev, lost), name="ctl-drains"),
                 asyncio.create_task(self._watch_leadership(lost), name="ctl-leadership"),
             ]
             while not self.stop.is_set() and not lost.is_set() and self.agent.lease == lease:
@@ -187,6 +196,9 @@ class Controller:
         kvs, _ = await self.store.get_prefix(self.keys.jobs)
         for kv in kvs:
             self._ingest(self.keys.jobs, kv, deleted=False)
+        for prefix in (self.keys.drains, self.keys.kv_root):
+            for kv in (await self.store.get_prefix(prefix))[0]:
+                self._ingest(prefix, kv, deleted=False)
         events, _ = await self.store.get_prefix(self.keys.events)
         self._event_keys = [kv.key for kv in events]
         # Watches replay from the first read on: replaying events the second read already saw
@@ -199,6 +211,18 @@ class Controller:
                 self._jobs.ingest(Keys.name_of(kv.key, prefix), kv, deleted)
             except RecordError as exc:
                 self._bad(kv, "jobs", exc)
+            return
+        if prefix == self.keys.kv_root:
+            self._jobs.ingest_progress(Keys.name_of(kv.key, prefix), deleted)
+            return
+        if prefix == self.keys.drains:
+            name = Keys.name_of(kv.key, prefix)
+            self._drain_deadlines.pop(name, None)
+            if not deleted:
+                try:
+                    self._drain_deadlines[name] = DrainRequest.decode(kv.value).deadline
+                except RecordError as exc:
+                    self._bad(kv, "drains", exc)
             return
         name = Keys.name_of(kv.key, prefix)
         table: dict[str, object] = self._registry if prefix == self.keys.registry \
@@ -230,12 +254,15 @@ class Controller:
 
     def _view(self) -> ClusterView:
         return ClusterView(registry=dict(self._registry), live=dict(self._live),
-                           event_keys=tuple(self._event_keys), jobs=self._jobs.views())
+                           event_keys=tuple(self._event_keys), jobs=self._jobs.views(),
+                           drain_deadlines=dict(self._drain_deadlines))
 
     async def _apply(self, actions: list[Action]) -> None:
         for action in actions:
             if isinstance(action, AssignJob | SetJobState):
                 await self._apply_job(action)
+            elif isinstance(action, StartMigration | AdvanceMigration):
+                await self._apply_migration(action)
             elif isinstance(action, MarkFailed):
                 entry, rev = self._registry[action.node]
                 failed = dataclasses.replace(entry, state=NodeState.FAILED, reason=action.reason,
@@ -253,6 +280,44 @@ class Controller:
                 for key in action.keys:
                     await self.store.delete(key)
                 self._event_keys = self._event_keys[len(action.keys):]
+
+    async def _apply_migration(self, action: StartMigration | AdvanceMigration) -> None:
+        now = self.wall()
+        if isinstance(action, StartMigration):
+            m = action.migration
+            key = self.keys.job_migration(m.job)
+            if await self.store.cas(key, m.encode(), self._jobs.migration_rev(m.job)):
+                self.log.info(f"Migration {m.id} of job {m.job} planned: {action.reason}.",
+                              job=m.job, epoch=m.from_epoch)
+                await self.events.emit("migration-planned",
+                                       f"Job {m.job}: migration {m.id} planned "
+                                       f"({m.reason}): {action.reason}.", job=m.job, id=m.id)
+            self._changed.set()
+            return
+        current = self._jobs.migrations.get(action.job)
+        if current is None or current[0].id != action.id:
+            return
+        m, rev = current
+        timings = {**m.timings, str(action.phase): now}
+        new = dataclasses.replace(m, phase=action.phase, updated_at=now, timings=timings)
+        key = self.keys.job_migration(action.job)
+        ops: list[tuple[Any, ...]] = [("put", key, new.encode(), None)]
+        compare: list[tuple[Any, ...]] = [("mod", key, rev)]
+        if action.assignment is not None:
+            a_key = self.keys.job_assignment(action.job)
+            compare.append(("mod", a_key, self._jobs.assignments[action.job][1]))
+            ops.append(("put", a_key, action.assignment.encode(), None))
+        if await self.store.txn(compare=compare, success=ops):
+            self.log.info(f"Migration {m.id} of job {m.job} is {action.phase}: "
+                          f"{action.reason}.", job=m.job, epoch=m.from_epoch)
+            details: dict[str, Any] = {"id": m.id, "phase": str(action.phase)}
+            if action.phase in (MigrationPhase.DONE, MigrationPhase.ABORTED):
+                details["timings"] = {k: round(v - m.created_at, 4) for k, v in
+                                      timings.items() if isinstance(v, int | float)}
+            await self.events.emit(f"migration-{action.phase}",
+                                   f"Job {m.job}: migration {m.id} {action.phase} "
+                                   f"({action.reason}).", job=m.job, **details)
+        self._changed.set()
 
     async def _apply_job(self, action: AssignJob | SetJobState) -> None:
         now = self.wall()
@@ -292,6 +357,24 @@ class _JobTables:
         self.assignments: dict[str, tuple[Assignment, int]] = {}
         self.statuses: dict[str, tuple[JobStatus, int]] = {}
         self.exits: dict[str, dict[tuple[int, int], RankExit]] = {}
+        self.migrations: dict[str, tuple[Migration, int]] = {}
+        #: job -> migration id -> progress keys ("prepared/3", ...)
+        self.progress: dict[str, dict[str, set[str]]] = {}
+
+    def ingest_progress(self, path: str, deleted: bool) -> None:
+        """``path`` is ``<job>/migration/<id>/<report>`` under the workers' KV root."""
+        parts = path.split("/", 3)
+        if len(parts) != 4 or parts[1] != "migration":
+            return
+        job, _, mig_id, report = parts
+        reports = self.progress.setdefault(job, {}).setdefault(mig_id, set())
+        if deleted:
+            reports.discard(report)
+        else:
+            reports.add(report)
+
+    def migration_rev(self, job: str) -> int:
+        return self.migrations[job][1] if job in self.migrations else 0
 
     def ingest(self, path: str, kv: KV, deleted: bool) -> None:
         """``path`` is ``<job>/spec`` etc. Raises RecordError for a value that does not fit."""
@@ -320,6 +403,14 @@ class _JobTables:
                 if st.job != job:
                     raise RecordError(f"status under {job!r} names job {st.job!r}")
                 self.statuses[job] = (st, kv.mod_revision)
+        elif rest == "migration":
+            if deleted:
+                self.migrations.pop(job, None)
+            else:
+                m = Migration.decode(kv.value)
+                if m.job != job:
+                    raise RecordError(f"migration under {job!r} names job {m.job!r}")
+                self.migrations[job] = (m, kv.mod_revision)
         elif rest.startswith("exits/"):
             table = self.exits.setdefault(job, {})
             try:
@@ -346,6 +437,10 @@ class _JobTables:
             if a is not None:
                 exits = {rank: e for (epoch, rank), e in self.exits.get(name, {}).items()
                          if epoch == a[0].epoch}
+            m = self.migrations.get(name)
+            progress = frozenset(self.progress.get(name, {}).get(m[0].id, set())) if m \
+                else frozenset()
             out[name] = JobView(spec=spec, status=st[0] if st else None,
-                                assignment=a[0] if a else None, exits=exits)
+                                assignment=a[0] if a else None, exits=exits,
+                                migration=m[0] if m else None, progress=progress)
         return out

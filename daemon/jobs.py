@@ -13,21 +13,48 @@ import contextlib
 import re
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from understudy.daemon import env, logs
 from understudy.daemon.errors import RecordError, StoreError
 from understudy.daemon.keys import Keys
 from understudy.daemon.node import NodeAgent
-from understudy.daemon.records import Assignment, JobSpec, JobState, JobStatus, RankExit
+from understudy.daemon.records import (
+    Assignment,
+    JobSpec,
+    JobState,
+    JobStatus,
+    Migration,
+    MigrationPhase,
+    RankExit,
+)
 from understudy.daemon.states import NodeState
 from understudy.daemon.store import EtcdStore, wait_any
-from understudy.daemon.supervisor import ChildExit, Supervisor
+from understudy.daemon.supervisor import ChildExit, ChildState, Supervisor
 
-_CHILD_RE = re.compile(r"^(?P<job>[a-z0-9-]+)\.r(?P<rank>\d+)\.e(?P<epoch>\d+)$")
+_CHILD_RE = re.compile(r"^(?P<job>[a-z0-9-]+)\.(r(?P<rank>\d+)|standby)$")
+#: A standby worker that failed this many times is not started again (no crash loop).
+MAX_STANDBY_FAILURES = 3
 
 
-def child_name(job: str, rank: int, epoch: int) -> str:
-    return f"{job}.r{rank}.e{epoch}"
+def rank_child(job: str, rank: int) -> str:
+    return f"{job}.r{rank}"
+
+
+def standby_child(job: str) -> str:
+    return f"{job}.standby"
+
+
+@dataclass
+class _Job:
+    spec: JobSpec | None = None
+    assignment: Assignment | None = None
+    status: JobStatus | None = None
+    migration: Migration | None = None
+
+    @property
+    def complete(self) -> bool:
+        return None not in (self.spec, self.assignment, self.status)
 
 
 class JobRunner:
@@ -42,9 +69,13 @@ class JobRunner:
         self.log = logs.get(node=self.node)
         self._changed = asyncio.Event()
         self._bad_seen: set[tuple[str, int]] = set()
-        #: Ranks whose process ended here, even if etcd has not heard yet: never started again
-        #: under the same epoch (after a fence, the old epoch's rank must not come back).
-        self._ended: set[str] = set()
+        #: (job, rank, epoch) whose process ended here, even if etcd has not heard yet: never
+        #: started again under that epoch (after a fence, the old epoch's rank stays dead).
+        self._ended: set[tuple[str, int, int]] = set()
+        #: child name -> the newest epoch under which this node held that rank
+        self._held_epoch: dict[str, int] = {}
+        self._standby_failures: dict[str, int] = {}
+        self._jobs: dict[str, _Job] = {}
 
     async def run(self) -> None:
         watch = asyncio.create_task(self._watch(), name="jobs-watch")
@@ -76,80 +107,137 @@ class JobRunner:
             async for _ in self.store.watch_prefix(self.keys.jobs, rev + 1, self.stop):
                 self._changed.set()
 
-    async def _read_jobs(self) -> dict[str, tuple[JobSpec, Assignment, JobStatus]]:
+    async def _read_jobs(self) -> dict[str, _Job]:
         kvs, _ = await self.store.get_prefix(self.keys.jobs)
-        specs: dict[str, JobSpec] = {}
-        assignments: dict[str, Assignment] = {}
-        statuses: dict[str, JobStatus] = {}
+        jobs: dict[str, _Job] = {}
         for kv in kvs:
             job, _, rest = Keys.name_of(kv.key, self.keys.jobs).partition("/")
+            entry = jobs.setdefault(job, _Job())
             try:
                 if rest == "spec":
-                    specs[job] = JobSpec.decode(kv.value)
+                    entry.spec = JobSpec.decode(kv.value)
                 elif rest == "assignment":
-                    assignments[job] = Assignment.decode(kv.value)
+                    entry.assignment = Assignment.decode(kv.value)
                 elif rest == "status":
-                    statuses[job] = JobStatus.decode(kv.value)
+                    entry.status = JobStatus.decode(kv.value)
+                elif rest == "migration":
+                    entry.migration = Migration.decode(kv.value)
             except RecordError as exc:
                 if (kv.key, kv.mod_revision) not in self._bad_seen:
                     self._bad_seen.add((kv.key, kv.mod_revision))
                     self.agent.metrics.bad_values.labels(collection="jobs").inc()
                     self.log.warning("Ignoring a bad value in etcd.", key=kv.key,
                                      problem=str(exc))
-        return {j: (specs[j], assignments[j], statuses[j]) for j in specs
-                if j in assignments and j in statuses}
+        return {name: j for name, j in jobs.items() if j.complete}
 
     async def _reconcile(self) -> None:
         jobs = await self._read_jobs()
-        wanted: dict[str, tuple[JobSpec, Assignment, int]] = {}
-        if self.agent.state == NodeState.ACTIVE and self.agent.lease is not None:
-            for spec, assignment, status in jobs.values():
-                if status.state != JobState.RUNNING:
+        self._jobs = jobs
+        children = self.supervisor.children
+        running = {n for n, c in children.items() if c.state == ChildState.RUNNING}
+        self._promote(jobs, running)
+        running = {n for n, c in self.supervisor.children.items()
+                   if c.state == ChildState.RUNNING}
+        wanted: dict[str, tuple[_Job, int | None]] = {}
+        state = self.agent.state
+        if self.agent.lease is not None:
+            for job in jobs.values():
+                assert job.spec and job.assignment and job.status
+                if job.status.state != JobState.RUNNING:
                     continue
-                for rank in assignment.ranks_on(self.node):
-                    name = child_name(spec.name, rank, assignment.epoch)
-                    wanted[name] = (spec, assignment, rank)
-        running = self.supervisor.children
-        for name, (spec, assignment, rank) in sorted(wanted.items()):
-            if name in running or name in self._ended \
-                    or await self._exited(spec.name, assignment.epoch, rank):
+                for rank in job.assignment.ranks_on(self.node):
+                    name = rank_child(job.spec.name, rank)
+                    self._held_epoch[name] = job.assignment.epoch
+                    # A draining node keeps its ranks until they have moved (or its deadline).
+                    if state in (NodeState.ACTIVE, NodeState.DRAINING):
+                        wanted[name] = (job, rank)
+                if self.node in job.assignment.standbys and state == NodeState.STANDBY:
+                    wanted[standby_child(job.spec.name)] = (job, None)
+        for name, (job, rank) in sorted(wanted.items()):
+            if name in running:
                 continue
-            await self._spawn(spec, assignment, rank)
+            assert job.spec and job.assignment
+            if rank is None:
+                if self._standby_failures.get(name, 0) >= MAX_STANDBY_FAILURES:
+                    continue
+            elif state != NodeState.ACTIVE or \
+                    (job.spec.name, rank, job.assignment.epoch) in self._ended or \
+                    await self._exited(job.spec.name, job.assignment.epoch, rank):
+                continue
+            await self._spawn(job.spec, job.assignment, rank)
         for name in running:
             if _CHILD_RE.match(name) and name not in wanted:
-                self.log.info("Stopping a rank this node no longer holds.", child=name)
+                self.log.info("Stopping a worker this node no longer needs.", child=name)
                 await self.supervisor.stop(name, self.agent.cfg.drain.stop_grace)
+
+    def _promote(self, jobs: dict[str, _Job], running: set[str]) -> None:
+        """A standby chosen as a joiner becomes the rank's child once the switch is agreed."""
+        for job in jobs.values():
+            m = job.migration
+            if m is None or m.phase not in (MigrationPhase.SWITCHING, MigrationPhase.DONE):
+                continue
+            standby = standby_child(m.job)
+            if standby not in running:
+                continue
+            for rank, joiner in zip(m.ranks, m.joiners, strict=True):
+                if joiner == self.node:
+                    name = rank_child(m.job, rank)
+                    self.supervisor.rename(standby, name)
+                    self._held_epoch[name] = m.to_epoch
+                    self.log.info(f"Standby promoted to rank {rank} of job {m.job}.",
+                                  job=m.job, rank=rank, epoch=m.to_epoch)
+                    break
+
+    async def ranks_moved(self, deadline: float) -> bool:
+        """Wait (until wall time ``deadline``) for this node to hold no rank of a running job
+        with a standby to move to. True if nothing is left to move."""
+        while self.wall() < deadline and not self.stop.is_set():
+            try:
+                jobs = await self._read_jobs()
+            except StoreError:
+                jobs = None
+            if jobs is not None and not any(
+                    j.status and j.status.state == JobState.RUNNING and j.assignment
+                    and j.assignment.ranks_on(self.node) and j.assignment.standbys
+                    for j in jobs.values()):
+                return True
+            await wait_any((self.stop, self._changed), 0.2)
+        return False
 
     async def _exited(self, job: str, epoch: int, rank: int) -> bool:
         return await self.store.get(self.keys.rank_exit(job, epoch, rank)) is not None
 
-    async def _spawn(self, spec: JobSpec, assignment: Assignment, rank: int) -> None:
-        tp_index, dp_index = rank % spec.tp, rank // spec.tp
+    async def _spawn(self, spec: JobSpec, assignment: Assignment, rank: int | None) -> None:
         worker_env = {
             **spec.env,
             env.CHILD_SOCKET: str(self.agent.cfg.socket_path),
             env.CHILD_NODE: self.node,
             env.JOB: spec.name,
-            env.RANK: str(rank),
             env.WORLD_SIZE: str(spec.world_size),
             env.TP: str(spec.tp),
             env.DP: str(spec.dp),
-            env.TP_INDEX: str(tp_index),
-            env.DP_INDEX: str(dp_index),
             env.EPOCH: str(assignment.epoch),
-            env.WORKER_ROLE: "rank",
+            env.WORKER_ROLE: "standby" if rank is None else "rank",
         }
-        name = child_name(spec.name, rank, assignment.epoch)
+        if rank is not None:
+            worker_env.update({env.RANK: str(rank), env.TP_INDEX: str(rank % spec.tp),
+                               env.DP_INDEX: str(rank // spec.tp)})
+            name = rank_child(spec.name, rank)
+        else:
+            name = standby_child(spec.name)
         try:
             pid = await self.supervisor.spawn(name, list(spec.argv), env=worker_env,
                                               cwd=spec.cwd or None)
         except (OSError, ValueError) as exc:
-            self.log.error("Could not start a rank.", job=spec.name, rank=rank, error=str(exc))
-            self._ended.add(name)
-            await self._write_exit(spec.name, rank, assignment.epoch, 127, True,
-                                   f"could not start {spec.argv[0]!r}: {exc}")
+            self.log.error("Could not start a worker.", job=spec.name, rank=rank,
+                           error=str(exc))
+            if rank is not None:
+                self._ended.add((spec.name, rank, assignment.epoch))
+                await self._write_exit(spec.name, rank, assignment.epoch, 127, True,
+                                       f"could not start {spec.argv[0]!r}: {exc}")
             return
-        self.log.info(f"Started rank {rank} of job {spec.name}.", job=spec.name, rank=rank,
+        what = "a standby worker" if rank is None else f"rank {rank}"
+        self.log.info(f"Started {what} of job {spec.name}.", job=spec.name, rank=rank,
                       epoch=assignment.epoch, pid=pid)
         with contextlib.suppress(StoreError):
             await self.agent.publish()  # the node record carries the worker count
@@ -158,11 +246,20 @@ class JobRunner:
         m = _CHILD_RE.match(child.name)
         if m is None:
             return
-        self._ended.add(child.name)
-        code = child.returncode if child.returncode is not None else -(child.signal or 0)
-        await self._write_exit(m["job"], int(m["rank"]), int(m["epoch"]), code, code != 0,
-                               child.describe())
         self._changed.set()
+        if m["rank"] is None:
+            if child.failed:
+                self._standby_failures[child.name] = \
+                    self._standby_failures.get(child.name, 0) + 1
+                if self._standby_failures[child.name] >= MAX_STANDBY_FAILURES:
+                    self.log.error("A standby worker keeps failing; not starting it again.",
+                                   child=child.name, cause=child.describe())
+            return
+        rank = int(m["rank"])
+        epoch = self._held_epoch.get(child.name, 0)
+        self._ended.add((m["job"], rank, epoch))
+        code = child.returncode if child.returncode is not None else -(child.signal or 0)
+        await self._write_exit(m["job"], rank, epoch, code, code != 0, child.describe())
 
     async def _write_exit(self, job: str, rank: int, epoch: int, code: int, failed: bool,
                           description: str) -> None:

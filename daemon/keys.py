@@ -8,6 +8,7 @@
     <prefix>/jobs/<job>/spec     what `understudy run` asked for
     <prefix>/jobs/<job>/assignment   rank -> node, standbys, epoch (controller, CAS)
     <prefix>/jobs/<job>/status   pending | running | done | failed (controller)
+    <prefix>/jobs/<job>/migration    the job's current or last migration (controller)
     <prefix>/jobs/<job>/exits/<epoch>/<rank>   how a rank's process ended (its daemon)
     <prefix>/kv/<namespace>/...  workers' key-value service (process-group bootstrap)
 """
@@ -66,8 +67,16 @@ class Keys:
     def job_status(self, job: str) -> str:
         return f"{self.jobs}{job}/status"
 
+    def job_migration(self, job: str) -> str:
+        """The job's current (or last) migration; one at a time per job."""
+        return f"{self.jobs}{job}/migration"
+
     def rank_exit(self, job: str, epoch: int, rank: int) -> str:
         return f"{self.jobs}{job}/exits/{epoch}/{rank}"
+
+    @property
+    def kv_root(self) -> str:
+        return f"{self.prefix}/kv/"
 
     def kv(self, namespace: str) -> str:
         return f"{self.prefix}/kv/{namespace}/"

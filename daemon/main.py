@@ -29,7 +29,7 @@ from understudy.daemon.metrics import Metrics
 from understudy.daemon.node import NodeAgent
 from understudy.daemon.notices import Notice, NoticeWatcher, pollers_from_config
 from understudy.daemon.sdnotify import Notifier
-from understudy.daemon.store import EtcdStore
+from understudy.daemon.store import EtcdStore, wait_any
 from understudy.daemon.supervisor import ChildExit, Supervisor
 
 EXIT_CONFIG = 2
@@ -88,6 +88,7 @@ class Daemon:
                                      self.stop)
         self.jobs = JobRunner(self.agent, self.store, self.supervisor, self.stop)
         self.agent.listeners.append(self.jobs.poke)
+        self.agent.before_stop = self.jobs.ranks_moved
         self.local = LocalServer(cfg.socket_path, self.store, _keys(cfg), cfg.node)
         self.notifier = Notifier.from_env()
         self.log = logs.get(node=cfg.node)
@@ -173,8 +174,11 @@ class Daemon:
         self.log.info("Stop requested: draining this node before exiting.")
         self.notifier.status("draining before stop")
         self.notifier.extend_timeout(self.cfg.drain.deadline + 10)
+        await wait_any((self.agent.registered, self.stop), self.cfg.drain.deadline)
+        if not self.agent.registered.is_set():
+            self.stop.set()  # never joined: nothing to drain
+            return
         with contextlib.suppress(StoreError):
-            await self.agent.registered.wait()
             await self._request_drain("sigterm", "the daemon was asked to stop",
                                       self.cfg.drain.deadline)
         stop_wait = asyncio.create_task(self.stop.wait())

@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from understudy.daemon import logs
@@ -69,6 +69,8 @@ class NodeAgent:
         self._changed = asyncio.Event()
         #: Called after every state change (the job runner re-checks what it should run).
         self.listeners: list[Callable[[], None]] = []
+        #: Awaited by a drain before the workers are stopped, with a wall-clock deadline.
+        self.before_stop: Callable[[float], Awaitable[Any]] | None = None
         self._drain_task: asyncio.Task[None] | None = None
         self._bad_seen: set[tuple[str, int]] = set()
         self.log = logs.get(node=cfg.node)
@@ -153,6 +155,7 @@ class NodeAgent:
         ``stop`` is set; waits out a previous incarnation's record that is still leased."""
         self._started_at = self._started_at or self.wall()
         waited_for: str | None = None
+        last_error = ""
         while not self.stop.is_set():
             try:
                 if await self._try_register():
@@ -164,7 +167,9 @@ class NodeAgent:
                     self.log.warning("Node name is held by a live lease (a previous incarnation "
                                      "or another daemon); waiting for it to expire.")
             except StoreError as exc:
-                self.log.warning("Cannot register with etcd yet; retrying.", error=str(exc))
+                if str(exc) != last_error:  # repeated status is logged only when it changes
+                    last_error = str(exc)
+                    self.log.warning("Cannot register with etcd yet; retrying.", error=str(exc))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stop.wait(), self.cfg.lease.keepalive_interval)
 
@@ -228,11 +233,17 @@ class NodeAgent:
                 await asyncio.wait_for(self.stop.wait(), interval)
 
     async def fence_watch(self) -> None:
+        """Sleeps until the fence deadline (re-checked at least every half second, since each
+        acknowledged keep-alive moves it later) and fences if it is reached."""
         while not self.stop.is_set():
-            if self.lease is not None and self.fence.expired(self.clock()):
+            deadline = self.fence.deadline
+            now = self.clock()
+            if self.lease is not None and deadline is not None and now >= deadline:
                 await self.fence_now("no keep-alive acknowledged in time: the lease may expire")
+                continue
+            wait = 0.5 if deadline is None else min(0.5, max(0.005, deadline - now))
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.stop.wait(), 0.05)
+                await asyncio.wait_for(self.stop.wait(), wait)
 
     async def fence_now(self, reason: str) -> None:
         """Stop every worker at once, forget the lease, and join again as a clean node."""
@@ -347,6 +358,9 @@ class NodeAgent:
         await self.events.emit("node-draining",
                                f"Node {self.cfg.node} is draining ({request.source}): "
                                f"{request.reason}.", deadline=request.deadline)
+        if self.before_stop is not None:
+            # Live migration first: the ranks move to standbys while the node is draining.
+            await self.before_stop(request.deadline - self.cfg.drain.stop_grace)
         budget = max(0.1, request.deadline - self.wall())
         grace = min(self.cfg.drain.stop_grace, budget)
         try:

@@ -15,6 +15,8 @@ from understudy.daemon.records import (
     JobSpec,
     JobState,
     JobStatus,
+    Migration,
+    MigrationPhase,
     NodeRecord,
     RankExit,
     RegistryEntry,
@@ -52,7 +54,27 @@ class SetJobState:
     reason: str
 
 
-Action = MarkFailed | PruneEvents | AssignJob | SetJobState
+@dataclass(frozen=True)
+class StartMigration:
+    """Write a new migration (only if the job has no active one)."""
+
+    migration: Migration
+    reason: str
+
+
+@dataclass(frozen=True)
+class AdvanceMigration:
+    """Move the job's migration to ``phase``; with DONE, commit ``assignment`` in the same
+    transaction (the joiners now hold the ranks, under the new epoch)."""
+
+    job: str
+    id: str
+    phase: MigrationPhase
+    reason: str
+    assignment: Assignment | None = None
+
+
+Action = MarkFailed | PruneEvents | AssignJob | SetJobState | StartMigration | AdvanceMigration
 
 
 @dataclass(frozen=True)
@@ -62,6 +84,9 @@ class JobView:
     assignment: Assignment | None = None
     #: exits of the current epoch's ranks, by rank
     exits: Mapping[int, RankExit] = field(default_factory=dict)
+    migration: Migration | None = None
+    #: workers' progress reports for the current migration: "bound/3", "prepared/0", ...
+    progress: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -73,6 +98,8 @@ class ClusterView:
     #: event keys, oldest first
     event_keys: tuple[str, ...] = ()
     jobs: Mapping[str, JobView] = field(default_factory=dict)
+    #: node name -> deadline of its drain request, for nodes being drained
+    drain_deadlines: Mapping[str, float] = field(default_factory=dict)
 
 
 def plan(view: ClusterView, now: float, max_events: int = 1000) -> list[Action]:
@@ -159,7 +186,14 @@ def _plan_jobs(view: ClusterView, now: float) -> list[Action]:
             else:
                 actions.append(AssignJob(placed, "placed on " + ", ".join(
                     sorted(set(placed.ranks)))))
+        elif state == JobState.RUNNING and job.assignment is not None and \
+                job.migration is not None and job.migration.active:
+            actions.extend(_advance_migration(job, job.migration, view, now))
         elif state == JobState.RUNNING and job.assignment is not None:
+            migration = _plan_migration(job, job.assignment, view, now)
+            if migration is not None:
+                actions.append(migration)
+                continue
             failed = [e for e in job.exits.values() if e.failed]
             lost = [(r, n) for r, n in enumerate(job.assignment.ranks)
                     if n not in view.live and r not in job.exits]
@@ -175,3 +209,66 @@ def _plan_jobs(view: ClusterView, now: float) -> list[Action]:
             elif len(job.exits) == job.spec.world_size:
                 actions.append(SetJobState(name, JobState.DONE, "every rank finished"))
     return actions
+
+
+def _plan_migration(job: JobView, a: Assignment, view: ClusterView,
+                    now: float) -> StartMigration | None:
+    """Pair every rank on a draining node with one of the job's free standbys."""
+    leaving = [(r, n) for r, n in enumerate(a.ranks)
+               if n in view.live and view.live[n].state == NodeState.DRAINING]
+    if not leaving:
+        return None
+    free = [n for n in a.standbys if n in view.live and view.live[n].state == NodeState.STANDBY]
+    if len(free) < len(leaving):
+        return None  # the drain cannot be satisfied live; its deadline stops the ranks
+    deadline = min((d for d in (view.drain_deadlines.get(n) for _, n in leaving) if d),
+                   default=now + 60.0)
+    # One id per attempt: an aborted attempt's reports never count for the next one.
+    mig_id = f"e{a.epoch + 1}-{int(now * 1000)}"
+    migration = Migration(
+        job=a.job, id=mig_id, from_epoch=a.epoch, to_epoch=a.epoch + 1,
+        ranks=tuple(r for r, _ in leaving), leavers=tuple(n for _, n in leaving),
+        joiners=tuple(free[:len(leaving)]), phase=MigrationPhase.PLANNED,
+        reason=f"drain of {', '.join(sorted({n for _, n in leaving}))}", created_at=now,
+        deadline=deadline, updated_at=now, timings={"planned": now})
+    moves = ", ".join(f"rank {r} {n} -> {j}" for r, n, j in
+                      zip(migration.ranks, migration.leavers, migration.joiners, strict=True))
+    return StartMigration(migration, moves)
+
+
+def _advance_migration(job: JobView, m: Migration, view: ClusterView,
+                       now: float) -> list[Action]:
+    def reported(kind: str, ranks: range | tuple[int, ...]) -> bool:
+        return all(f"{kind}/{r}" in job.progress for r in ranks)
+
+    if "aborted" in job.progress:
+        return [AdvanceMigration(m.job, m.id, MigrationPhase.ABORTED,
+                                 "the ranks aborted the switch")]
+    gone = [n for n in m.joiners if n not in view.live]
+    if gone and m.phase != MigrationPhase.SWITCHING:
+        return [AdvanceMigration(m.job, m.id, MigrationPhase.ABORTED,
+                                 f"joiner node {gone[0]} is gone")]
+    if now > m.deadline and m.phase != MigrationPhase.SWITCHING:
+        return [AdvanceMigration(m.job, m.id, MigrationPhase.ABORTED, "the deadline passed")]
+    world = range(job.spec.world_size)
+    if m.phase == MigrationPhase.PLANNED and reported("bound", m.ranks):
+        return [AdvanceMigration(m.job, m.id, MigrationPhase.PREPARING, "joiners are bound")]
+    if m.phase == MigrationPhase.PREPARING and reported("prepared", world) \
+            and reported("joiner-prepared", m.ranks):
+        return [AdvanceMigration(m.job, m.id, MigrationPhase.READY, "every member prepared")]
+    if m.phase == MigrationPhase.READY and "switching" in job.progress:
+        return [AdvanceMigration(m.job, m.id, MigrationPhase.SWITCHING,
+                                 "the ranks agreed on the switch step")]
+    if m.phase in (MigrationPhase.READY, MigrationPhase.SWITCHING) \
+            and reported("switched", m.ranks):
+        a = job.assignment
+        assert a is not None
+        ranks = list(a.ranks)
+        for r, joiner in zip(m.ranks, m.joiners, strict=True):
+            ranks[r] = joiner
+        new = Assignment(job=a.job, epoch=m.to_epoch, ranks=tuple(ranks),
+                         standbys=tuple(n for n in a.standbys if n not in m.joiners),
+                         reason=f"migration {m.id}: {m.reason}", updated_at=now)
+        return [AdvanceMigration(m.job, m.id, MigrationPhase.DONE, "the joiners took over",
+                                 assignment=new)]
+    return []

@@ -254,6 +254,58 @@ class RankExit(Record):
     time: float
 
 
+class MigrationPhase(enum.StrEnum):
+    """A migration's lifecycle, changed only by the controller::
+
+        planned -> preparing -> ready -> switching -> done
+        any of the first four -> aborted   (joiner died, deadline passed: the leaver stays)
+
+    planned: joiners bind to their ranks; preparing: every member of a group that contains a
+    leaver builds that group's next version in the background (phase 1); ready: all reported
+    prepared; switching: the ranks agreed (by the step vote) on the boundary where the state
+    moves and the new versions take over (phase 2); done: the new assignment is committed.
+    """
+
+    PLANNED = "planned"
+    PREPARING = "preparing"
+    READY = "ready"
+    SWITCHING = "switching"
+    DONE = "done"
+    ABORTED = "aborted"
+
+
+@dataclass(frozen=True)
+class Migration(Record):
+    """Moves ``ranks[i]`` from node ``leavers[i]`` to the standby on node ``joiners[i]``."""
+
+    KIND: ClassVar[str] = "migration"
+    job: str
+    id: str
+    from_epoch: int
+    to_epoch: int
+    ranks: tuple[int, ...]
+    leavers: tuple[str, ...]
+    joiners: tuple[str, ...]
+    phase: MigrationPhase
+    reason: str
+    created_at: float
+    deadline: float
+    updated_at: float
+    #: phase name -> wall time it was entered, and measured durations reported by workers
+    timings: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not len(self.ranks) == len(self.leavers) == len(self.joiners) > 0:
+            raise ValueError("a migration moves at least one rank, with a leaver and a joiner "
+                             "for each")
+        if self.to_epoch != self.from_epoch + 1:
+            raise ValueError("a migration raises the epoch by exactly one")
+
+    @property
+    def active(self) -> bool:
+        return self.phase not in (MigrationPhase.DONE, MigrationPhase.ABORTED)
+
+
 def event_id(time_s: float, node: str, seq: int) -> str:
     """Sortable event key: time first, so a prefix read is chronological."""
     return f"{int(time_s * 1e9):020d}-{node}-{seq:06d}"

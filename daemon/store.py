@@ -186,7 +186,9 @@ class EtcdStore:
         """
         client, self._client = self._client, None
         if client is not None:
-            self._closing.add(asyncio.create_task(_close_quietly(client), name="etcd-close"))
+            closing = asyncio.create_task(_close_quietly(client), name="etcd-close")
+            closing.add_done_callback(lambda t: t.cancelled() or t.exception())
+            self._closing.add(closing)
             self._closing = {t for t in self._closing if not t.done()}
 
     async def close(self) -> None:
@@ -208,9 +210,13 @@ class EtcdStore:
             await self.reset()
             raise StoreError(f"etcd {op} was refused: {exc}") from exc
         except (aexc.ConnectionFailedError, aexc.ConnectionTimeoutError, TimeoutError) as exc:
+            failed_at = self.endpoint
             self._rotate()
             await self.reset()
-            raise StoreError(f"etcd {op} failed at {self.endpoint}: {exc or 'timed out'}") from exc
+            hint = (" (with TLS: check etcd.ca, and that etcd trusts the client certificate)"
+                    if self.cfg.tls and "TSI_" in str(exc) else "")
+            raise StoreError(f"etcd {op} failed at {failed_at}: {exc or 'timed out'}{hint}"
+                             ) from exc
         except (aexc.ClientError, grpc.aio.AioRpcError) as exc:
             raise StoreError(f"etcd {op} failed: {exc}") from exc
         except asyncio.CancelledError:
@@ -237,7 +243,8 @@ class EtcdStore:
 
     async def current_revision(self) -> int:
         """The store's revision now (a read of an empty range: no values cross the wire)."""
-        _, rev = await self.get_prefix("\x00understudy-revision-probe")
+        # Inside the cluster prefix: a role limited to the prefix may read nothing else.
+        _, rev = await self.get_prefix(f"{self.cfg.prefix}/\x00revision-probe")
         return rev
 
     # -- writes -----------------------------------------------------------------------------
@@ -383,11 +390,11 @@ async def bounded(coro: Any, timeout: float) -> None:
     """Run ``coro`` for at most ``timeout`` seconds without ever blocking past that, even if it
     ignores cancellation (it is cancelled and left to finish on its own)."""
     task = asyncio.ensure_future(coro)
+    # Retrieved whenever it ends: failures of cleanup calls are not interesting.
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
     done, _ = await asyncio.wait({task}, timeout=timeout)
     if not done:
         task.cancel()
-    elif not task.cancelled():
-        task.exception()  # retrieved: failures of cleanup calls are not interesting
 
 
 async def wait_any(events: tuple[asyncio.Event, ...], timeout: float) -> None:

@@ -183,6 +183,21 @@ class Supervisor:
     def running_count(self) -> int:
         return sum(1 for c in self._children.values() if c.exit is None)
 
+    def rename(self, old: str, new: str) -> None:
+        """Give running child ``old`` the name ``new`` (a standby promoted into a rank keeps its
+        process). Raises ValueError if ``old`` is not running or ``new`` is taken by a live
+        child."""
+        child = self._children.get(old)
+        if child is None or child.exit is not None:
+            raise ValueError(f"no running child named {old!r}")
+        taken = self._children.get(new)
+        if taken is not None and taken.exit is None:
+            raise ValueError(f"a child named {new!r} is already running")
+        del self._children[old]
+        child.name = new
+        self._children[new] = child
+        self.log.info(f"Worker {old} is now {new}.", child=new, pid=child.pid)
+
     # -- starting --------------------------------------------------------------------------
 
     async def spawn(self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None,

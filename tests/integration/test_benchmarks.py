@@ -1,0 +1,73 @@
+"""The benchmarks run end to end: their smoke modes, as the operator would run them.
+
+Behaviour, not speed: the commands exit 0 and write plausible figures. The design targets are
+reported by the full runs (docs/benchmarks.md), never asserted here.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_benchmark(script: str, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run a benchmark script; on timeout, SIGTERM it so it stops its own etcd and daemons."""
+    proc = subprocess.Popen([sys.executable, str(REPO / "benchmarks" / script), *args],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+        pytest.fail(f"{script} {' '.join(args)} ran past {timeout}s:\n{out}\n{err}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.mark.timeout(120)
+def test_control_plane_smoke(tmp_path: Path) -> None:
+    if shutil.which("etcd") is None:
+        pytest.fail("etcd is not installed: the test command installs it (scripts/test)")
+    out_file = tmp_path / "control_plane.json"
+    res = run_benchmark("control_plane.py", "--smoke", "--out", str(out_file), timeout=90)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "kill -9 -> failed" in res.stdout
+
+    data = json.loads(out_file.read_text())
+    assert {"benchmark", "command", "machine", "config", "failure_detection", "idle",
+            "daemon_log_tracebacks"} <= set(data)
+    assert {"platform", "cpu_count", "python", "etcd_version"} <= set(data["machine"])
+    assert "--smoke" in data["command"]
+    cfg = data["config"]
+    assert cfg["smoke"] is True and cfg["nodes"] == 2 and cfg["repeats"] == 1
+
+    fd = data["failure_detection"]
+    assert len(fd["samples"]) == cfg["repeats"]
+    for s in fd["samples"]:
+        assert s["victim"] != s["controller"]
+        assert 0 < s["kill_to_lease_gone_s"] <= s["kill_to_failed_s"] < cfg["ttl"] + 10
+    assert {"median", "min", "max", "p90", "spread"} <= set(fd["summary"])
+    assert fd["summary"]["min"] <= fd["summary"]["median"] <= fd["summary"]["max"]
+    assert fd["target_s"] == cfg["ttl"] + 0.5
+
+    idle = data["idle"]
+    assert idle["window_s"] >= cfg["idle_seconds"]
+    assert idle["etcd"]["requests_per_s_per_node"] > 0
+    assert idle["daemons"]["requests_per_s_per_node"] > 0
+    # Every daemon keeps its lease alive while idle, and etcd sees those keep-alives.
+    assert idle["etcd"]["by_method"]["LeaseKeepAlive"]["count"] > 0
+    assert idle["daemons"]["by_op"]["lease_keepalive"]["count"] > 0
+    assert set(idle["daemons"]["per_node"]) == {"node-00", "node-01"}
+    fp = idle["footprint"]
+    assert 1 < fp["rss_mib"]["median"] <= fp["rss_mib"]["max"]
+    assert 0 <= fp["cpu_percent_of_one_core"]["median"] <= fp["cpu_percent_of_one_core"]["max"]
+    assert sum(data["daemon_log_tracebacks"].values()) == 0
