@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from understudy.daemon import env, logs
 from understudy.daemon.errors import RecordError, StoreError
@@ -187,6 +189,23 @@ class JobRunner:
                     self.log.info(f"Standby promoted to rank {rank} of job {m.job}.",
                                   job=m.job, rank=rank, epoch=m.to_epoch)
                     break
+
+    def epoch_check(self, namespace: str, epoch: int) -> str | None:
+        """Refuse a worker whose epoch is older than its job's assignment: it was fenced out
+        (its rank moved, or its node lost its lease) and must not touch the job's groups."""
+        j = self._jobs.get(namespace.split("/", 1)[0])
+        if j is None or j.assignment is None or epoch >= j.assignment.epoch:
+            return None
+        return f"job {j.assignment.job} is at epoch {j.assignment.epoch}"
+
+    def job_info(self, job: str) -> dict[str, Any] | None:
+        """What a worker of ``job`` may know about it, from the last reconcile."""
+        j = self._jobs.get(job)
+        if j is None:
+            return None
+        return {name: json.loads(rec.encode()) if rec is not None else None
+                for name, rec in (("assignment", j.assignment), ("status", j.status),
+                                  ("migration", j.migration))}
 
     async def ranks_moved(self, deadline: float) -> bool:
         """Wait (until wall time ``deadline``) for this node to hold no rank of a running job

@@ -43,6 +43,8 @@ class Op(enum.StrEnum):
     CHECK = "check"
     DELETE = "delete"
     NUM_KEYS = "num_keys"
+    #: the job's assignment, status and migration, as the daemon last saw them (no etcd call)
+    JOB = "job"
 
 
 class RequestError(ValueError):
@@ -50,17 +52,23 @@ class RequestError(ValueError):
 
 
 EpochCheck = Callable[[str, int], str | None]
+JobInfo = Callable[[str], dict[str, Any] | None]
 
 
 def _accept_all(namespace: str, epoch: int) -> str | None:
     return None
 
 
+def _no_jobs(job: str) -> dict[str, Any] | None:
+    return None
+
+
 class LocalServer:
     def __init__(self, path: Path, store: EtcdStore, keys: Keys, node: str,
-                 epoch_check: EpochCheck = _accept_all) -> None:
+                 epoch_check: EpochCheck = _accept_all, job_info: JobInfo = _no_jobs) -> None:
         self.path, self.store, self.keys = path, store, keys
         self.epoch_check = epoch_check
+        self.job_info = job_info
         self.log = logs.get(node=node)
         self._server: asyncio.AbstractServer | None = None
         self._conns: set[asyncio.Task[None]] = set()
@@ -111,6 +119,9 @@ class LocalServer:
                         reply: dict[str, Any] = {}
                     elif namespace is None:
                         raise RequestError("the first request must be hello")
+                    elif op == Op.JOB:
+                        job = namespace.split("/", 1)[0]
+                        reply = {"job": self.job_info(job)}
                     else:
                         reply = await self._handle(op, req, self.keys.kv(namespace))
                     out = {"id": rid, "ok": True, **reply}

@@ -89,7 +89,9 @@ class Daemon:
         self.jobs = JobRunner(self.agent, self.store, self.supervisor, self.stop)
         self.agent.listeners.append(self.jobs.poke)
         self.agent.before_stop = self.jobs.ranks_moved
-        self.local = LocalServer(cfg.socket_path, self.store, _keys(cfg), cfg.node)
+        self.local = LocalServer(cfg.socket_path, self.store, _keys(cfg), cfg.node,
+                                 epoch_check=self.jobs.epoch_check,
+                                 job_info=self.jobs.job_info)
         self.notifier = Notifier.from_env()
         self.log = logs.get(node=cfg.node)
 

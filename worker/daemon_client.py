@@ -95,5 +95,11 @@ class DaemonClient:
     def delete(self, key: str) -> bool:
         return bool(self._call("delete", key=key)["deleted"])
 
+    def job(self) -> dict[str, Any] | None:
+        """The job's assignment, status and migration records (JSON objects) as the daemon
+        last saw them, or None if the daemon does not know the job."""
+        info: dict[str, Any] | None = self._call("job")["job"]
+        return info
+
     def num_keys(self) -> int:
         return int(self._call("num_keys")["count"])

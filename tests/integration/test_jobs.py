@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -94,3 +95,26 @@ def test_submissions_that_cannot_be_satisfied_change_nothing(cluster: LocalClust
     assert ok.returncode == 0, ok.stderr
     again = cluster.cli("run", "--job", "dup", "--tp", "1", "--dp", "1", "--", "true")
     assert again.returncode == 1 and "already exists" in again.stderr
+
+
+def test_workers_see_their_job_and_a_stale_epoch_is_refused(cluster: LocalCluster) -> None:
+    from understudy.worker.daemon_client import DaemonClient, DaemonError
+
+    out = cluster.cli("run", "--job", "j3", "--tp", "1", "--dp", "1", "--env", "PROBE_SLEEP=30",
+                      "--", sys.executable, PROBE)
+    assert out.returncode == 0, out.stderr
+    sock = str(cluster.daemons["node-a"].run_dir / "understudyd.sock")
+    cluster.wait_for("j3 running", lambda s: s.job("j3") is not None
+                     and s.job("j3").state == "running")  # type: ignore[union-attr]
+    deadline = time.monotonic() + 10
+    info = None
+    while time.monotonic() < deadline:
+        with DaemonClient("j3/probe", epoch=1, path=sock, timeout=5) as c:
+            info = c.job()
+        if info is not None:
+            break
+        time.sleep(0.1)
+    assert info is not None and info["assignment"]["epoch"] == 1
+    assert info["status"]["state"] == "running" and info["migration"] is None
+    with pytest.raises(DaemonError, match="epoch 0 refused: job j3 is at epoch 1"):
+        DaemonClient("j3/tp/v1", epoch=0, path=sock, timeout=5)
