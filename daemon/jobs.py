@@ -137,10 +137,10 @@ class JobRunner:
         self._jobs = jobs
         children = self.supervisor.children
         running = {n for n, c in children.items() if c.state == ChildState.RUNNING}
-        self._promote(jobs, running)
-        running = {n for n, c in self.supervisor.children.items()
-                   if c.state == ChildState.RUNNING}
-        wanted: dict[str, tuple[_Job, int | None]] = {}
+        promotions = self._promotions(jobs)
+        await self._promote(promotions, running)
+        wanted: dict[str, tuple[_Job, int | None]] = {
+            name: (job, rank) for name, (job, rank, _) in promotions.items()}
         state = self.agent.state
         if self.agent.lease is not None:
             for job in jobs.values():
@@ -172,23 +172,39 @@ class JobRunner:
                 self.log.info("Stopping a worker this node no longer needs.", child=name)
                 await self.supervisor.stop(name, self.agent.cfg.drain.stop_grace)
 
-    def _promote(self, jobs: dict[str, _Job], running: set[str]) -> None:
-        """A standby chosen as a joiner becomes the rank's child once the switch is agreed."""
+    def _promotions(self, jobs: dict[str, _Job]) -> dict[str, tuple[_Job, int, int]]:
+        """Ranks this node takes over in a migration that reached its switch: child name ->
+        (job, rank, new epoch). Held from the switch on, before the new assignment lands."""
+        out = {}
         for job in jobs.values():
             m = job.migration
             if m is None or m.phase not in (MigrationPhase.SWITCHING, MigrationPhase.DONE):
                 continue
-            standby = standby_child(m.job)
-            if standby not in running:
+            if job.assignment is not None and job.assignment.epoch > m.to_epoch:
                 continue
             for rank, joiner in zip(m.ranks, m.joiners, strict=True):
                 if joiner == self.node:
-                    name = rank_child(m.job, rank)
-                    self.supervisor.rename(standby, name)
-                    self._held_epoch[name] = m.to_epoch
-                    self.log.info(f"Standby promoted to rank {rank} of job {m.job}.",
-                                  job=m.job, rank=rank, epoch=m.to_epoch)
-                    break
+                    out[rank_child(m.job, rank)] = (job, rank, m.to_epoch)
+        return out
+
+    async def _promote(self, promotions: dict[str, tuple[_Job, int, int]],
+                       running: set[str]) -> None:
+        """A standby chosen as a joiner becomes the rank's child once the switch is agreed,
+        and its node becomes active."""
+        for name, (job, rank, epoch) in promotions.items():
+            self._held_epoch[name] = max(self._held_epoch.get(name, 0), epoch)
+            assert job.spec is not None
+            standby = standby_child(job.spec.name)
+            if name in running or standby not in running:
+                continue
+            self.supervisor.rename(standby, name)
+            running.discard(standby)
+            running.add(name)
+            self.log.info(f"Standby promoted to rank {rank} of job {job.spec.name}.",
+                          job=job.spec.name, rank=rank, epoch=epoch)
+            if self.agent.state == NodeState.STANDBY:
+                await self.agent.set_state(NodeState.ACTIVE,
+                                           f"holds rank {rank} of job {job.spec.name}")
 
     def epoch_check(self, namespace: str, epoch: int) -> str | None:
         """Refuse a worker whose epoch is older than its job's assignment: it was fenced out

@@ -1,0 +1,49 @@
+"""The exception family of ``understudy.groups``. ``str(exc)`` is one sentence for operators."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from understudy.daemon.errors import UnderstudyError
+
+
+class GroupError(UnderstudyError):
+    """Base of every error the groups subsystem raises on purpose."""
+
+
+class GroupStoreError(GroupError):
+    """The bootstrap store (the daemon's key-value service) refused a request or is unreachable,
+    including a hello refused for a stale epoch."""
+
+
+class StoreTimeout(GroupStoreError, dist.DistStoreError):
+    """A key did not appear within the store's timeout. Also a ``DistStoreError``, so torch code
+    that expects its own stores' timeout type sees the one it knows."""
+
+
+class StoreCancelled(GroupStoreError):
+    """A wait in the store was cancelled (the build it served was abandoned)."""
+
+
+class GroupBuildError(GroupError):
+    """Building a group version failed; nothing was switched."""
+
+
+class RetiredVersionError(GroupError):
+    """A collective was issued on a group version that is no longer current."""
+
+
+class NoCurrentVersionError(GroupError):
+    """A collective was issued on a group that has no current version (fenced or not yet built)."""
+
+
+class CollectiveAborted(GroupError):
+    """A collective was given up on the caller's word (a peer is known to be gone)."""
+
+
+class CollectiveTimeout(GroupError):
+    """A collective did not complete within the caller's deadline."""
+
+
+class CollectiveFailed(GroupError):
+    """The backend reported that a collective failed (peer reset, backend timeout)."""

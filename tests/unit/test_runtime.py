@@ -1,0 +1,489 @@
+"""The worker API and runtime: the step loop, the vote, abortable waits, RNG capture; and the
+plain-PyTorch example as four real processes (TP=2 x DP=2 on gloo), compared bitwise."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+from understudy.daemon import env
+from understudy.worker import rng
+from understudy.worker.api import (
+    CollectiveAborted,
+    JobContext,
+    TrainingJob,
+    group_ranks,
+    wait_abortable,
+)
+from understudy.worker.errors import read_error
+from understudy.worker.runtime import (
+    Action,
+    Outcome,
+    Runtime,
+    StaticGroups,
+    StepFailed,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "plain_torch" / "train.py"
+
+
+# --- layout and context ---------------------------------------------------------------------
+
+
+def test_layout_is_tp_fastest() -> None:
+    assert group_ranks("tp", 0, 4, 2) == (0, 1)
+    assert group_ranks("tp", 3, 4, 2) == (2, 3)
+    assert group_ranks("dp", 0, 4, 2) == (0, 2)
+    assert group_ranks("dp", 3, 4, 2) == (1, 3)
+    assert group_ranks("world", 2, 4, 2) == (0, 1, 2, 3)
+    with pytest.raises(ValueError, match="'pp'"):
+        group_ranks("pp", 0, 4, 2)
+
+
+class _NoGroups:
+    def current(self, name: str) -> Any:
+        raise AssertionError("not used")
+
+
+def test_context_derives_coordinates_and_rejects_bad_layouts() -> None:
+    ctx = JobContext(job="j", rank=3, world_size=4, tp=2, groups=_NoGroups())
+    assert (ctx.dp, ctx.tp_index, ctx.dp_index) == (2, 1, 1)
+    with pytest.raises(ValueError, match="tp=3"):
+        JobContext(job="j", rank=0, world_size=4, tp=3, groups=_NoGroups())
+    with pytest.raises(ValueError, match="rank 4"):
+        JobContext(job="j", rank=4, world_size=4, tp=2, groups=_NoGroups())
+
+
+# --- abortable waits ------------------------------------------------------------------------
+
+
+class FakeWork:
+    def __init__(self) -> None:
+        self.future: torch.futures.Future[Any] = torch.futures.Future()
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        return self.future
+
+    def wait(self) -> Any:
+        return self.future.wait()
+
+
+def test_wait_returns_when_the_work_completes_not_at_the_end_of_a_slice() -> None:
+    work = FakeWork()
+    timer = threading.Timer(0.05, work.future.set_result, args=(None,))
+    timer.start()
+    start = time.monotonic()
+    wait_abortable(work, what="x", timeout=30, should_abort=lambda: False, poll_interval=10)
+    assert time.monotonic() - start < 5
+    timer.join()
+
+
+def test_wait_turns_a_communicator_error_into_collective_aborted() -> None:
+    work = FakeWork()
+    work.future.set_exception(RuntimeError("Connection reset by peer"))
+    with pytest.raises(CollectiveAborted, match=r"the vote failed .*Connection reset") as info:
+        wait_abortable(work, what="the vote", timeout=30, should_abort=lambda: False)
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_wait_gives_up_when_told_to_abort() -> None:
+    polls = iter([False, True])
+    with pytest.raises(CollectiveAborted, match="told to abort") as info:
+        wait_abortable(FakeWork(), what="the vote", timeout=30,
+                       should_abort=lambda: next(polls), poll_interval=0.001)
+    assert info.value.what == "the vote"
+
+
+def test_wait_times_out_on_a_silent_peer() -> None:
+    ticks = iter(range(100))
+    with pytest.raises(CollectiveAborted, match=r"timed out after 3\.00 s") as info:
+        wait_abortable(FakeWork(), what="the vote", timeout=3, should_abort=lambda: False,
+                       poll_interval=0.001, clock=lambda: float(next(ticks)))
+    assert info.value.waited == 3
+
+
+# --- RNG ------------------------------------------------------------------------------------
+
+
+class FakeTracker:
+    def __init__(self) -> None:
+        self.states = {"model-parallel-rng": torch.get_rng_state()}
+
+    def get_states(self) -> dict[str, Any]:
+        return self.states
+
+    def set_states(self, states: dict[str, Any]) -> None:
+        self.states = states
+
+
+def _draw() -> tuple[torch.Tensor, float, Any]:
+    return torch.rand(8), random.random(), numpy.random.rand(4)
+
+
+def test_rng_restore_is_bitwise_and_survives_torch_save(tmp_path: Path) -> None:
+    tracker = FakeTracker()
+    saved = rng.capture(tracker)
+    expected = _draw()
+    _draw()
+    tracker.states = {"model-parallel-rng": torch.zeros_like(tracker.states["model-parallel-rng"])}
+    torch.save(saved, tmp_path / "rng.pt")
+    rng.restore(torch.load(tmp_path / "rng.pt", weights_only=True), tracker)
+    again = _draw()
+    assert torch.equal(again[0], expected[0])
+    assert again[1] == expected[1]
+    assert (again[2] == expected[2]).all()
+    assert torch.equal(tracker.states["model-parallel-rng"],
+                       saved["tracker"]["model-parallel-rng"])
+
+
+def test_rng_restore_rejects_states_it_cannot_place() -> None:
+    with pytest.raises(ValueError, match="no 'cpu' entry"):
+        rng.restore({"python": random.getstate()})
+    with pytest.raises(ValueError, match="no tracker"):
+        rng.restore(rng.capture(FakeTracker()))
+    devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    state = {**rng.capture(), "cuda": [torch.get_rng_state()] * (devices + 1)}
+    with pytest.raises(ValueError, match="CUDA devices"):
+        rng.restore(state)
+
+
+# --- the loop, on one rank ------------------------------------------------------------------
+
+
+class ScriptedJob(TrainingJob):
+    """Draws from the global generator in compute; fails as ``failures`` says."""
+
+    def __init__(self, failures: dict[int, list[BaseException]] | None = None) -> None:
+        self.failures = failures or {}
+        self.calls: list[tuple[str, int]] = []
+        self.draws: list[tuple[int, float]] = []
+        self.applied: list[int] = []
+
+    def build(self, ctx: JobContext) -> None:
+        self.ctx = ctx
+        torch.manual_seed(7)
+
+    def compute(self, step: int) -> float:
+        self.calls.append(("compute", step))
+        self.draws.append((step, torch.rand(1).item()))
+        if self.failures.get(step):
+            raise self.failures[step].pop(0)
+        return 0.0
+
+    def apply(self, step: int) -> None:
+        self.calls.append(("apply", step))
+        self.applied.append(step)
+
+    def discard(self, step: int) -> None:
+        self.calls.append(("discard", step))
+
+    def state(self) -> dict[str, Any]:
+        return {"applied": list(self.applied)}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.applied = list(state["applied"])
+
+
+@pytest.fixture
+def solo(tmp_path: Path) -> JobContext:
+    """A one-rank job on real gloo groups."""
+    groups = StaticGroups(dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1,
+                          tp=1, timeout=10)
+    return JobContext(job="solo", rank=0, world_size=1, tp=1, groups=groups,
+                      collective_timeout=5)
+
+
+def _runtime(job: TrainingJob, ctx: JobContext, **kwargs: Any) -> Runtime:
+    runtime = Runtime(job, ctx, **kwargs)
+    runtime.build()
+    return runtime
+
+
+def test_run_commits_every_step_and_times_it(solo: JobContext) -> None:
+    job = ScriptedJob()
+    runtime = _runtime(job, solo)
+    assert runtime.run(4) is Outcome.COMPLETED
+    assert job.applied == [0, 1, 2, 3] and runtime.step == 4
+    assert [(t.step, t.attempt, t.committed) for t in runtime.timings] == [
+        (0, 1, True), (1, 1, True), (2, 1, True), (3, 1, True)]
+    assert all(t.compute >= 0 and t.vote >= 0 and t.apply >= 0 for t in runtime.timings)
+
+
+def test_a_failed_compute_is_redone_from_the_same_rng_state(solo: JobContext) -> None:
+    job = ScriptedJob({2: [ValueError("bad batch")]})
+    runtime = _runtime(job, solo)
+    assert runtime.run(4) is Outcome.COMPLETED
+    assert job.applied == [0, 1, 2, 3] and runtime.redone == 1
+    assert ("discard", 2) in job.calls and job.calls.count(("compute", 2)) == 2
+    first, second = [value for step, value in job.draws if step == 2]
+    assert first == second
+    failed = [t for t in runtime.timings if not t.committed]
+    assert [(t.step, t.attempt, t.error) for t in failed] == [(2, 1, "ValueError: bad batch")]
+
+
+def test_a_step_that_keeps_failing_stops_the_run(solo: JobContext) -> None:
+    job = ScriptedJob({1: [ValueError("nan loss")] * 5})
+    runtime = _runtime(job, solo, max_attempts=3)
+    with pytest.raises(StepFailed, match="step 1 failed its vote 3 times in a row; this "
+                       "rank's last error was ValueError: nan loss") as info:
+        runtime.run(4)
+    assert (info.value.step, info.value.attempts) == (1, 3)
+    assert job.applied == [0] and runtime.step == 1
+
+
+def test_an_aborted_collective_rolls_back_and_propagates(solo: JobContext) -> None:
+    aborted = CollectiveAborted("the TP all-reduce timed out", what="the TP all-reduce",
+                                waited=2.0)
+    job = ScriptedJob({1: [aborted]})
+    runtime = _runtime(job, solo)
+    with pytest.raises(CollectiveAborted):
+        runtime.run(3)
+    assert job.calls[-1] == ("discard", 1) and runtime.step == 1
+    assert runtime.run(3) is Outcome.COMPLETED  # resumes at the step that aborted
+    assert job.applied == [0, 1, 2]
+
+
+class ScriptedHook:
+    def __init__(self, actions: dict[int, Action], log: list[tuple[str, int]]) -> None:
+        self.actions, self.log = actions, log
+        self.handed: dict[str, Any] | None = None
+
+    def on_boundary(self, step: int) -> Action:
+        return self.actions.get(step, Action.CONTINUE)
+
+    def switch_groups(self, step: int) -> None:
+        self.log.append(("switch", step))
+
+    def hand_off(self, step: int, state: dict[str, Any]) -> bool:
+        self.handed = state
+        return self.accept_hand_off
+
+    accept_hand_off = True
+    flags: dict[int, int] = {}
+    agreed: list[tuple[int, int]] = []
+
+    def vote_flag(self, step: int) -> int:
+        return self.flags.get(step, 0)
+
+    def on_vote(self, step: int, flag: int) -> None:
+        self.agreed.append((step, flag))
+
+
+def test_boundary_hook_switches_stops_and_hands_off(solo: JobContext) -> None:
+    job = ScriptedJob()
+    hook = ScriptedHook({1: Action.SWITCH_GROUPS, 2: Action.STOP}, job.calls)
+    runtime = _runtime(job, solo, hook=hook)
+    assert runtime.run(5) is Outcome.STOPPED
+    assert job.calls.index(("switch", 1)) < job.calls.index(("compute", 1))
+    assert runtime.step == 2
+    hook.actions = {3: Action.HAND_OFF}
+    assert runtime.run(5) is Outcome.HANDED_OFF
+    assert hook.handed is not None
+    assert hook.handed["runtime"]["step"] == 3 and hook.handed["job"]["applied"] == [0, 1, 2]
+
+
+def test_declined_hand_off_keeps_training_and_the_vote_carries_the_flag(
+        solo: JobContext) -> None:
+    job = ScriptedJob()
+    hook = ScriptedHook({1: Action.HAND_OFF}, job.calls)
+    hook.accept_hand_off, hook.flags, hook.agreed = False, {0: 7, 2: 9}, []
+    runtime = _runtime(job, solo, hook=hook)
+    assert runtime.run(3) is Outcome.COMPLETED
+    assert job.applied == [0, 1, 2], "a declined hand-off runs the step"
+    assert hook.agreed == [(0, 7), (1, 0), (2, 9)], "one rank: the minimum is its own flag"
+
+
+def test_state_moves_to_a_new_runtime(solo: JobContext) -> None:
+    source = _runtime(ScriptedJob(), solo)
+    source.run(3)
+    state = source.state()
+    expected = torch.rand(1).item()
+    target_job = ScriptedJob()
+    target = _runtime(target_job, solo)  # build reseeds the generator
+    target.load_state(state)
+    assert target.step == 3 and target_job.applied == [0, 1, 2]
+    assert torch.rand(1).item() == expected
+    with pytest.raises(ValueError, match="lacks"):
+        target.load_state({"job": {}})
+
+
+# --- the example job as four real processes -------------------------------------------------
+
+WORLD, TP = 4, 2
+STEPS, SNAPSHOT_AT, FAIL_AT, FREEZE_AT = 10, 4, 6, 3
+LAUNCH_TIMEOUT = 60.0  # four processes importing torch on two cores take ~13 s
+
+
+@contextmanager
+def ranks(base: Path, name: str, *args: str,
+          per_rank: dict[int, list[str]] | None = None) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Start the example as ranks 0..3 under ``base/name``; kill what is left on the way out."""
+    where = base / name
+    where.mkdir()
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for r in range(WORLD):
+            child_env = {**os.environ, "OMP_NUM_THREADS": "1",
+                         env.CHILD_ERROR_FILE: str(where / f"error-rank{r}.json")}
+            with open(where / f"log-rank{r}.txt", "wb") as log:
+                procs.append(subprocess.Popen(
+                    [sys.executable, str(EXAMPLE), "--rank", str(r), "--world-size", str(WORLD),
+                     "--tp", str(TP), "--store", str(where / "store"), "--save",
+                     str(where / "out"), *args, *(per_rank or {}).get(r, [])],
+                    stdout=log, stderr=subprocess.STDOUT, env=child_env))
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()  # SIGKILL also ends a SIGSTOPped process
+        for p in procs:
+            p.wait(timeout=10)
+
+
+def _logs(where: Path) -> str:
+    return "\n".join(f"--- rank {r}:\n" + (where / f"log-rank{r}.txt").read_text()[-3000:]
+                     for r in range(WORLD))
+
+
+def _wait_for(ready: Callable[[], bool], procs: list[subprocess.Popen[bytes]], where: Path,
+              what: str, failure_ends_it: bool = True) -> None:
+    deadline = time.monotonic() + LAUNCH_TIMEOUT
+    while not ready():
+        codes = [p.poll() for p in procs]
+        if failure_ends_it and any(c not in (None, 0) for c in codes):
+            pytest.fail(f"a rank failed (exit codes {codes}) while waiting for {what}:\n"
+                        f"{_logs(where)}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"no {what} after {LAUNCH_TIMEOUT:g} s:\n{_logs(where)}")
+        time.sleep(0.05)
+
+
+def run_job(base: Path, name: str, *args: str,
+            per_rank: dict[int, list[str]] | None = None) -> Path:
+    """Run the example to completion on every rank; its output directory."""
+    with ranks(base, name, *args, per_rank=per_rank) as procs:
+        _wait_for(lambda: all(p.poll() == 0 for p in procs), procs, base / name,
+                  "clean exit of every rank")
+    return base / name / "out"
+
+
+def load(out: Path, rank: int) -> dict[str, Any]:
+    state: dict[str, Any] = torch.load(out / f"rank{rank}.pt", weights_only=True)
+    return state
+
+
+def assert_bitwise_equal(a: Any, b: Any, where: str = "state") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), where
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), where
+        assert torch.equal(a.reshape(-1).contiguous().view(torch.uint8),
+                           b.reshape(-1).contiguous().view(torch.uint8)), f"{where} differs"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for key in a:
+            assert_bitwise_equal(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, list | tuple):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_bitwise_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def assert_same_training(a: dict[str, Any], b: dict[str, Any]) -> None:
+    """Same parameters, optimizer, schedule, data position, RNGs and step."""
+    assert_bitwise_equal(a["job"], b["job"], "job")
+    assert_bitwise_equal(a["rng"], b["rng"], "rng")
+    assert a["runtime"]["step"] == b["runtime"]["step"]
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted run of STEPS steps, with a snapshot after SNAPSHOT_AT."""
+    return run_job(tmp_path_factory.mktemp("runs"), "baseline", "--steps", str(STEPS),
+                   "--snapshot-at", str(SNAPSHOT_AT))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_two_runs_are_bitwise_identical(baseline: Path, tmp_path: Path) -> None:
+    again = run_job(tmp_path, "again", "--steps", str(STEPS))
+    for r in range(WORLD):
+        final = load(baseline, r)
+        assert final["runtime"]["step"] == STEPS
+        assert_same_training(final, load(again, r))
+        # It trained, and the DP all-reduce kept the replicas of each shard in step.
+        snapshot = load(baseline / "snapshot", r)
+        assert not torch.equal(final["job"]["params"]["w1"], snapshot["job"]["params"]["w1"])
+        replica = load(baseline, (r + TP) % WORLD)
+        assert_bitwise_equal(final["job"]["params"], replica["job"]["params"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_state_moved_to_fresh_processes_continues_bitwise(baseline: Path,
+                                                          tmp_path: Path) -> None:
+    resumed = run_job(tmp_path, "resumed", "--steps", str(STEPS), "--load",
+                      str(baseline / "snapshot"))
+    for r in range(WORLD):
+        assert load(baseline / "snapshot", r)["runtime"]["step"] == SNAPSHOT_AT
+        assert_same_training(load(baseline, r), load(resumed, r))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_step_failing_on_one_rank_applies_nowhere_and_is_redone(baseline: Path,
+                                                                   tmp_path: Path) -> None:
+    out = run_job(tmp_path, "fault", "--steps", str(STEPS),
+                  per_rank={1: ["--fail-at", str(FAIL_AT)]})
+    for r in range(WORLD):
+        state = load(out, r)
+        assert state["runtime"]["redone"] == 1
+        # Transient: the redone step leaves exactly what an uninterrupted run has.
+        assert_same_training(load(baseline, r), state)
+        timings = [t for t in _summary(out, r)["timings"] if t["step"] == FAIL_AT]
+        assert [(t["attempt"], t["committed"]) for t in timings] == [(1, False), (2, True)]
+        expected = f"RuntimeError: injected fault at step {FAIL_AT}" if r == 1 else None
+        assert timings[0]["error"] == expected
+
+
+def _summary(out: Path, rank: int) -> dict[str, Any]:
+    summary: dict[str, Any] = json.loads((out / f"rank{rank}.json").read_text())
+    return summary
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_the_vote_is_released_when_a_peer_freezes(tmp_path: Path) -> None:
+    timeout = 2.0
+    where = tmp_path / "freeze"
+    errors = [where / f"error-rank{r}.json" for r in range(WORLD - 1)]
+    with ranks(tmp_path, "freeze", "--steps", str(STEPS), "--collective-timeout", str(timeout),
+               "--group-timeout", "60", per_rank={3: ["--freeze-at", str(FREEZE_AT)]}) as procs:
+        _wait_for(lambda: all(e.exists() for e in errors), procs, where,
+                  "CollectiveAborted from every survivor", failure_ends_it=False)
+        frozen_at = float((where / "out" / "frozen-rank3").read_text())
+        assert psutil.Process(procs[3].pid).status() == psutil.STATUS_STOPPED
+        for path in errors:
+            record = read_error(path)
+            assert record is not None
+            assert record.exc_type == "understudy.worker.api.CollectiveAborted"
+            assert f"the vote on step {FREEZE_AT} timed out" in record.message
+            assert timeout - 0.5 <= record.time - frozen_at <= timeout + 1.0

@@ -1,0 +1,308 @@
+"""The contract between a training script and the understudy worker runtime.
+
+A training script implements :class:`TrainingJob`: six methods, and the runtime
+(:mod:`understudy.worker.runtime`) owns the loop around them. It splits every step in two, and
+votes in between, so that a step applies on every rank or on none::
+
+    build(ctx)                         once: the model and optimizer, from the context
+    loop, at each iteration boundary:  (the migration protocol may act here)
+        compute(step)                  forward, backward, gradient synchronisation
+        -- vote: did every rank's compute succeed? --
+        apply(step)                    yes: the optimizer step; the step is committed
+        discard(step)                  no: drop the gradients; the step is run again
+    state() / load_state(state)        the rank's full state, to hand to a standby
+
+A minimal data-parallel job (``examples/plain_torch/train.py`` adds tensor parallelism)::
+
+    class Job(TrainingJob):
+        def build(self, ctx: JobContext) -> None:
+            self.ctx = ctx
+            torch.manual_seed(ctx.seed)
+            self.model = torch.nn.Linear(8, 1)
+            self.opt = torch.optim.Adam(self.model.parameters())
+
+        def compute(self, step: int) -> float:
+            x, y = batch(self.ctx.seed, step, self.ctx.dp_index)  # the data position is the step
+            self.opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(self.model(x), y)
+            loss.backward()
+            flat = torch.cat([p.grad.flatten() for p in self.model.parameters()])
+            sum_ = allreduce_options(dist.ReduceOp.SUM)
+            self.ctx.wait(self.ctx.group("dp").allreduce([flat], sum_), "the DP all-reduce")
+            ...  # copy flat / ctx.dp back into the gradients
+            return loss.item()
+
+        def apply(self, step: int) -> None:
+            self.opt.step()
+
+        def discard(self, step: int) -> None:
+            self.opt.zero_grad()
+
+        def state(self) -> dict[str, Any]:
+            return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict()}
+
+        def load_state(self, state: dict[str, Any]) -> None:
+            self.model.load_state_dict(state["model"])
+            self.opt.load_state_dict(state["optimizer"])
+
+    # On each rank (the runtime keeps the step counter and the process-global RNG states):
+    groups = StaticGroups(store, rank=rank, world_size=4, tp=1)
+    ctx = JobContext(job="demo", rank=rank, world_size=4, tp=1, groups=groups)
+    runtime = Runtime(Job(), ctx)
+    runtime.build()
+    runtime.run(steps=1000)
+
+**Rule: fetch groups at call time.** ``ctx.group("dp")`` returns the group's *current* version.
+A migration replaces the communicator of every group that contained the leaving rank, at an
+iteration boundary; a job that calls ``ctx.group(name)`` inside ``compute`` uses the new version
+without noticing. A job that keeps a group from ``build`` keeps talking to the old one, which
+hangs or fails. (Megatron-core modules hold their groups; their adapter deals with that.)
+
+**Layout.** Ranks form a TP x DP grid with TP fastest: ``rank = dp_index * tp + tp_index``. A
+TP group is ``tp`` consecutive ranks; a DP group takes every ``tp``-th rank.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from understudy.daemon.errors import UnderstudyError
+
+#: The groups every job has. ``world`` is every rank of the job.
+GROUP_NAMES = ("tp", "dp", "world")
+
+
+class TrainingError(UnderstudyError):
+    """Base of the errors the worker runtime raises on purpose."""
+
+
+class CollectiveAborted(TrainingError):
+    """A collective did not complete: a peer failed, stayed silent past the timeout, or the
+    runtime was told to abort. The group it ran on must be considered broken.
+
+    ``what`` names the collective, ``waited`` is how long this rank waited, in seconds.
+    """
+
+    def __init__(self, message: str, *, what: str, waited: float) -> None:
+        super().__init__(message)
+        self.what = what
+        self.waited = waited
+
+
+class Work(Protocol):
+    """What :meth:`JobContext.wait` needs from an asynchronous collective's handle."""
+
+    def get_future(self) -> torch.futures.Future[Any]: ...
+
+    def wait(self) -> Any: ...
+
+
+class Communicator(Protocol):
+    """A process group as this API uses it: a ``torch.distributed.ProcessGroup``, or a
+    standalone backend such as ``ProcessGroupGloo`` (which needs no default group).
+
+    Ranks are the group's own, from 0 to ``size() - 1``; point-to-point calls address peers by
+    group rank. Jobs may call any collective the object has; this lists what the runtime uses.
+    """
+
+    def rank(self) -> int: ...
+
+    def size(self) -> int: ...
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: dist.AllreduceOptions) -> Any: ...
+
+
+class GroupsProvider(Protocol):
+    """Hands out the current version of each of the job's groups."""
+
+    def current(self, name: str) -> Communicator:
+        """The current version of group ``name`` (one of :data:`GROUP_NAMES`) of this rank.
+
+        Raises:
+            ValueError: ``name`` is not a group of the job.
+        """
+        ...
+
+
+def _never() -> bool:
+    return False
+
+
+def allreduce_options(op: Any) -> dist.AllreduceOptions:
+    """Options for ``allreduce(tensors, opts)`` with reduction ``op`` (``dist.ReduceOp.SUM``,
+    ``MIN``...): the form that both process groups and standalone backends take."""
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp(op)
+    return opts
+
+
+def group_ranks(name: str, rank: int, world_size: int, tp: int) -> tuple[int, ...]:
+    """The global ranks of group ``name`` that contains ``rank``, in group-rank order.
+
+    Raises:
+        ValueError: ``name`` is not one of :data:`GROUP_NAMES`.
+    """
+    dp_index, tp_index = divmod(rank, tp)
+    if name == "tp":
+        return tuple(range(dp_index * tp, (dp_index + 1) * tp))
+    if name == "dp":
+        return tuple(range(tp_index, world_size, tp))
+    if name == "world":
+        return tuple(range(world_size))
+    raise ValueError(f"unknown group {name!r}: a job's groups are {', '.join(GROUP_NAMES)}")
+
+
+@dataclass(frozen=True)
+class JobContext:
+    """What a job learns about its place in the run, and how it reaches its peers.
+
+    ``collective_timeout`` bounds every :meth:`wait` (seconds); ``should_abort`` is polled every
+    ``poll_interval`` seconds while waiting, and a true answer releases the wait at once (the
+    daemon's word that a peer is gone). Both must be cheap and must not raise.
+    """
+
+    job: str
+    rank: int
+    world_size: int
+    tp: int
+    groups: GroupsProvider
+    seed: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    collective_timeout: float = 60.0
+    poll_interval: float = 0.05
+    should_abort: Callable[[], bool] = _never
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be at least 1, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside a world of {self.world_size}")
+        if self.tp < 1 or self.world_size % self.tp:
+            raise ValueError(f"tp={self.tp} does not divide world_size={self.world_size}")
+        if self.collective_timeout <= 0 or self.poll_interval <= 0:
+            raise ValueError(f"collective_timeout ({self.collective_timeout}) and poll_interval "
+                             f"({self.poll_interval}) must be positive")
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // self.tp
+
+    @property
+    def tp_index(self) -> int:
+        """This rank's place in its TP group (its group rank there)."""
+        return self.rank % self.tp
+
+    @property
+    def dp_index(self) -> int:
+        """This rank's place in its DP group: which data-parallel replica it belongs to."""
+        return self.rank // self.tp
+
+    def group(self, name: str) -> Communicator:
+        """The current version of group ``name``: call it at each use, do not keep the result
+        (see the module docstring).
+
+        Raises:
+            ValueError: ``name`` is not a group of the job.
+        """
+        return self.groups.current(name)
+
+    def wait(self, work: Work, what: str, timeout: float | None = None) -> None:
+        """Wait for an asynchronous collective, abortably (see :func:`wait_abortable`).
+
+        ``timeout`` defaults to ``collective_timeout``.
+
+        Raises:
+            CollectiveAborted: as :func:`wait_abortable`.
+        """
+        wait_abortable(work, what=what,
+                       timeout=self.collective_timeout if timeout is None else timeout,
+                       should_abort=self.should_abort, poll_interval=self.poll_interval)
+
+
+def wait_abortable(work: Work, *, what: str, timeout: float, should_abort: Callable[[], bool],
+                   poll_interval: float = 0.05,
+                   clock: Callable[[], float] = time.monotonic) -> None:
+    """Wait for ``work`` in slices of ``poll_interval`` seconds; between slices, give up if
+    ``should_abort()`` or if ``timeout`` seconds have passed. Returns as soon as the work
+    completes, not at the end of a slice.
+
+    A frozen peer sends no reset, so a blocking wait would last the communicator's own timeout
+    (30 minutes by default); this one lasts ``timeout`` at most, plus one slice. The collective
+    itself is not cancelled: the group must not be used again.
+
+    Raises:
+        CollectiveAborted: the collective failed, timed out or was aborted; chained from the
+            communicator's error when it failed.
+    """
+    done = threading.Event()
+    # The callback runs on the communicator's thread and only sets a flag.
+    work.get_future().add_done_callback(lambda _: done.set())
+    start = clock()
+    while not done.wait(poll_interval):
+        waited = clock() - start
+        if should_abort():
+            raise CollectiveAborted(f"{what} aborted after {waited:.2f} s: told to abort",
+                                    what=what, waited=waited)
+        if waited >= timeout:
+            raise CollectiveAborted(f"{what} timed out after {waited:.2f} s (timeout "
+                                    f"{timeout:g} s): a peer did not take part", what=what,
+                                    waited=waited)
+    try:
+        work.wait()
+    except Exception as exc:  # the communicator's error, whatever its type
+        waited = clock() - start
+        raise CollectiveAborted(f"{what} failed after {waited:.2f} s: {exc}", what=what,
+                                waited=waited) from exc
+
+
+class TrainingJob(abc.ABC):
+    """A training script, split where the runtime needs to see it. All methods run on the
+    runtime's thread, one at a time.
+
+    Compute must be repeatable: when the vote fails, the runtime calls :meth:`discard` and then
+    ``compute(step)`` again, and the second attempt must do what the first would have. The
+    runtime restores the process-global RNGs (see :mod:`understudy.worker.rng`) before the
+    second attempt; anything else ``compute`` consumes (batches, private generators) must be
+    derived from the step or rewound by :meth:`discard`. An exception from ``compute`` fails the
+    step on every rank (the runtime records it and votes no); it must not be raised while a peer
+    still waits in one of this rank's collectives, or that peer waits until its timeout.
+    """
+
+    @abc.abstractmethod
+    def build(self, ctx: JobContext) -> None:
+        """Build the model, optimizer and data source for the role ``ctx`` describes."""
+
+    @abc.abstractmethod
+    def compute(self, step: int) -> float | None:
+        """Forward, backward and gradient synchronisation of ``step``, leaving the gradients
+        ready for :meth:`apply`. Returns the loss, or None. Must not change the parameters,
+        the optimizer state or anything else :meth:`state` returns."""
+
+    @abc.abstractmethod
+    def apply(self, step: int) -> None:
+        """Every rank computed ``step``: apply it (optimizer step, schedule step)."""
+
+    @abc.abstractmethod
+    def discard(self, step: int) -> None:
+        """Some rank failed ``step``: drop what :meth:`compute` left (gradients) so that it can
+        run again."""
+
+    @abc.abstractmethod
+    def state(self) -> dict[str, Any]:
+        """This rank's full training state, after the last committed step: parameters,
+        optimizer, schedule, data position, and RNGs the job owns beyond the process-global
+        ones. Tensors may be the live ones; the caller is done with them before the next step.
+        """
+
+    @abc.abstractmethod
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Take a state :meth:`state` returned on a rank with the same role. Called after
+        :meth:`build`, before the first step."""

@@ -1,0 +1,124 @@
+"""Running a training script under ``understudy run``.
+
+The script builds its :class:`~understudy.worker.api.TrainingJob` and hands it to
+:func:`main`; everything else comes from the environment the node daemon sets::
+
+    from understudy.worker.launch import main
+
+    if __name__ == "__main__":
+        sys.exit(main(MyJob, steps=1000))
+
+A worker started for a rank joins the job's groups (bootstrapped through its daemon, under the
+assignment's epoch), runs the loop, and takes part in migrations through the boundary hook. A
+worker started as a standby waits until a migration names its node, builds the job for the rank
+it takes, joins the new group versions, receives the leaver's state, and carries on from the
+step the leaver stopped at. ``on_finish(runtime)`` is called once the last step is committed
+(for example to save the final state).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Callable
+
+from understudy.daemon import env
+from understudy.daemon import logs as daemon_logs
+from understudy.groups.groupset import GroupSet
+from understudy.worker.api import JobContext, TrainingJob
+from understudy.worker.daemon_client import DaemonClient
+from understudy.worker.errors import install_excepthook
+from understudy.worker.migration import (
+    JobGroups,
+    Joiner,
+    MigrationHook,
+    group_members,
+    member,
+    wait_for_plan,
+)
+from understudy.worker.runtime import Outcome, Runtime
+
+
+class LaunchError(RuntimeError):
+    """The worker's environment is not one ``understudy run`` sets up."""
+
+
+def _env(name: str) -> str:
+    value = os.environ.get(name)
+    if value is None:
+        raise LaunchError(f"{name} is not set: start this script with `understudy run`")
+    return value
+
+
+def main(make_job: Callable[[], TrainingJob], steps: int, *, seed: int = 0,
+         on_finish: Callable[[Runtime], None] | None = None,
+         collective_timeout: float = 60.0) -> int:
+    """Run this worker's part of the job. Returns the process exit code."""
+    install_excepthook()
+    daemon_logs.configure("info", "json")
+    job = _env(env.JOB)
+    node = _env(env.CHILD_NODE)
+    world, tp = int(_env(env.WORLD_SIZE)), int(_env(env.TP))
+    epoch = int(_env(env.EPOCH))
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    control = DaemonClient(f"{job}/control", epoch=epoch)
+    info = control.job()
+    if info is None or info.get("assignment") is None:
+        raise LaunchError(f"the daemon does not know job {job!r}")
+    nodes = tuple(info["assignment"]["ranks"])
+    log = daemon_logs.get(job=job, node=node)
+
+    if _env(env.WORKER_ROLE) == "standby":
+        found = wait_for_plan(control, node, stop)
+        if found is None:
+            return 0
+        plan, rank = found
+        log.info(f"Standby chosen to take over rank {rank}.", migration=plan.id)
+        groups = GroupSet(job, member(rank, node), epoch=plan.to_epoch,
+                          timeout=collective_timeout)
+        runtime = _runtime(make_job, job, rank, world, tp, seed, groups, collective_timeout)
+        runtime.build()
+        joiner = Joiner(control, groups, plan, job=job, rank=rank, node=node, tp=tp,
+                        nodes=nodes, timeout=collective_timeout)
+        joiner.bound()
+        names = joiner.prepare()
+        runtime.load_state(joiner.receive(names))
+        joiner.switched()
+        nodes = joiner.nodes
+        finished: tuple[str, ...] = (plan.id,)
+    else:
+        rank = int(_env(env.RANK))
+        groups = GroupSet(job, member(rank, node), epoch=epoch, timeout=collective_timeout)
+        for name in ("world", f"tp-{rank // tp}", f"dp-{rank % tp}"):
+            groups.prepare(name, epoch, group_members(name, nodes, tp))
+        groups.switch(groups.pending())
+        runtime = _runtime(make_job, job, rank, world, tp, seed, groups, collective_timeout)
+        runtime.build()
+        finished = ()
+
+    hook = MigrationHook(control, groups, job=job, rank=rank, node=node, world_size=world,
+                         tp=tp, nodes=nodes, transfer_timeout=collective_timeout,
+                         finished=finished, stop=stop)
+    runtime.hook = hook
+    outcome = runtime.run(steps)
+    log.info(f"Rank {rank} finished: {outcome.value} at step {runtime.step}.", rank=rank)
+    if outcome is Outcome.HANDED_OFF:
+        # The joiner holds the state now; tearing down communicators whose peers moved on can
+        # block, and there is nothing left to save: leave at once.
+        control.close()
+        os._exit(0)
+    if outcome is Outcome.COMPLETED and on_finish is not None:
+        on_finish(runtime)
+    groups.close()
+    control.close()
+    return 0
+
+
+def _runtime(make_job: Callable[[], TrainingJob], job: str, rank: int, world: int, tp: int,
+             seed: int, groups: GroupSet, timeout: float) -> Runtime:
+    ctx = JobContext(job=job, rank=rank, world_size=world, tp=tp,
+                     groups=JobGroups(groups, rank, world, tp), seed=seed,
+                     collective_timeout=timeout)
+    return Runtime(make_job(), ctx)

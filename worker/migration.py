@@ -1,0 +1,362 @@
+"""The worker side of a live migration (the controller's side is ``daemon/planner.py``).
+
+Every rank runs a :class:`MigrationHook` at its iteration boundaries; a standby chosen as a
+joiner runs :func:`join`. They follow the job's migration record (read from the daemon's cache,
+no etcd round trip per step) and report progress as keys under the key-value namespace
+``<job>/migration/<id>``, which the controller turns into phase changes:
+
+    bound/<rank>            the joiner for <rank> has built the model for that rank
+    prepared/<rank>         phase 1 done on <rank>: its rebuilt groups' next versions are up
+    joiner-prepared/<rank>  phase 1 done on the joiner for <rank>
+    switching               the ranks agreed on the switch boundary (by the step vote)
+    transferred/<rank>      "ok", or why the leaver's state did not reach its joiner
+    switched/<rank>         the joiner for <rank> holds the state and the new groups
+    aborted                 the switch was called off; everyone stays on the old versions
+
+Agreement: once the migration is ``ready``, each rank adds "ready for epoch E" to the step vote
+(MIN over the world group). When the vote says every rank is ready, all of them know it in the
+same step, and the switch happens at the next boundary: the leaver streams its state to the
+joiner over their pair group, the survivors wait for ``transferred`` and only then switch (so a
+joiner that dies mid-stream leaves everyone on the old versions, with the leaver still
+training), and the joiner loads the state, switches, and carries on at that step.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from understudy.daemon import logs
+from understudy.groups.groupset import GroupSet
+from understudy.worker.daemon_client import DaemonClient, DaemonError
+from understudy.worker.runtime import Action
+from understudy.worker.transfer import PairGroupTransport, TransferError, receive_state, send_state
+
+READY_PHASES = ("ready", "switching")
+
+
+def member(rank: int, node: str) -> str:
+    """A rank's name in its groups: the same rank on another node is another member."""
+    return f"r{rank}-{node}"
+
+
+def group_names(rank: int, world_size: int, tp: int) -> dict[str, str]:
+    """The job's logical group names -> this rank's concrete group in the group set."""
+    dp_index, tp_index = divmod(rank, tp)
+    return {"world": "world", "tp": f"tp-{dp_index}", "dp": f"dp-{tp_index}"}
+
+
+def group_members(name: str, nodes: tuple[str, ...], tp: int) -> tuple[str, ...]:
+    """Members of concrete group ``name`` when rank ``i`` lives on ``nodes[i]``."""
+    world = len(nodes)
+    if name == "world":
+        ranks: range = range(world)
+    elif name.startswith("tp-"):
+        k = int(name[3:])
+        ranks = range(k * tp, (k + 1) * tp)
+    elif name.startswith("dp-"):
+        ranks = range(int(name[3:]), world, tp)
+    else:
+        raise ValueError(f"unknown group {name!r}")
+    return tuple(member(r, nodes[r]) for r in ranks)
+
+
+def pair_name(rank: int) -> str:
+    return f"pair-r{rank}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A migration record as a worker sees it."""
+
+    id: str
+    phase: str
+    from_epoch: int
+    to_epoch: int
+    moves: dict[int, tuple[str, str]]  # rank -> (leaver node, joiner node)
+    deadline: float
+
+    @classmethod
+    def from_info(cls, info: dict[str, Any] | None) -> Plan | None:
+        m = (info or {}).get("migration")
+        if not m:
+            return None
+        return cls(id=m["id"], phase=m["phase"], from_epoch=m["from_epoch"],
+                   to_epoch=m["to_epoch"],
+                   moves={r: (ln, jn) for r, ln, jn in
+                          zip(m["ranks"], m["leavers"], m["joiners"], strict=True)},
+                   deadline=m["deadline"])
+
+    def nodes_after(self, nodes: tuple[str, ...]) -> tuple[str, ...]:
+        out = list(nodes)
+        for r, (_, joiner) in self.moves.items():
+            out[r] = joiner
+        return tuple(out)
+
+
+class JobGroups:
+    """The runtime's groups provider: ``tp``/``dp``/``world`` -> this rank's current group."""
+
+    def __init__(self, groups: GroupSet, rank: int, world_size: int, tp: int) -> None:
+        self.groups = groups
+        self.names = group_names(rank, world_size, tp)
+
+    def current(self, name: str) -> Any:
+        return self.groups.current(self.names[name])
+
+
+class MigrationHook:
+    """The boundary hook of a rank that holds its role (see the module docstring)."""
+
+    def __init__(self, control: DaemonClient, groups: GroupSet, *, job: str, rank: int,
+                 node: str, world_size: int, tp: int, nodes: tuple[str, ...],
+                 transfer_timeout: float = 60.0, finished: tuple[str, ...] = (),
+                 stop: threading.Event | None = None) -> None:
+        self.control, self.groups = control, groups
+        self.job, self.rank, self.node = job, rank, node
+        self.world_size, self.tp = world_size, tp
+        #: node of each rank under the current epoch
+        self.nodes = nodes
+        self.transfer_timeout = transfer_timeout
+        self.log = logs.get(job=job, rank=rank, node=node)
+        self._plan: Plan | None = None
+        self._prepared: list[str] = []
+        self._reported_prepared = False
+        self._switch_next = False
+        #: set by SIGTERM: the rank stops at its next boundary
+        self.stop = stop or threading.Event()
+        #: migrations this rank is done with (a joiner starts with the one that brought it in)
+        self._finished: set[str] = set(finished)
+        self._reports: DaemonClient | None = None
+        #: seconds spent in phase 2 on this rank, for the events
+        self.last_switch_s: float | None = None
+
+    # -- following the plan -------------------------------------------------------------------
+
+    def _current_plan(self) -> Plan | None:
+        plan = Plan.from_info(self.control.job())
+        if plan is None or plan.id in self._finished or plan.phase in ("done", "aborted"):
+            if self._plan is not None and plan is not None and plan.id == self._plan.id:
+                self._forget(plan.phase)
+            return None
+        if self._plan is None or self._plan.id != plan.id:
+            self._plan = plan
+            self._prepared, self._reported_prepared, self._switch_next = [], False, False
+            self._reports = DaemonClient(f"{self.job}/migration/{plan.id}",
+                                         epoch=plan.from_epoch, timeout=10)
+        else:
+            self._plan = plan
+        return plan
+
+    def _forget(self, why: str) -> None:
+        assert self._plan is not None
+        if self._prepared:
+            self.groups.abandon(self._prepared)
+        self.log.info(f"Migration {self._plan.id} ended ({why}); staying on current groups.")
+        self._finished.add(self._plan.id)
+        self._plan, self._prepared, self._switch_next = None, [], False
+        if self._reports is not None:
+            self._reports.close()
+            self._reports = None
+
+    def _report(self, key: str, value: bytes = b"1") -> None:
+        assert self._reports is not None
+        self._reports.set(key, value)
+
+    def _start_phase1(self, plan: Plan) -> None:
+        after = plan.nodes_after(self.nodes)
+        if self.rank in plan.moves:
+            leaver, joiner = plan.moves[self.rank]
+            self.groups.prepare(pair_name(self.rank), plan.to_epoch,
+                                (member(self.rank, leaver), member(self.rank, joiner)))
+            self._prepared = [pair_name(self.rank)]
+            return
+        for name in self.groups.names():
+            before = group_members(name, self.nodes, self.tp)
+            new = group_members(name, after, self.tp)
+            if before != new:
+                self.groups.prepare(name, plan.to_epoch, new)
+                self._prepared.append(name)
+        self.log.info(f"Phase 1 of migration {plan.id}: rebuilding {self._prepared}.",
+                      untouched=[n for n in self.groups.names() if n not in self._prepared])
+
+    # -- the runtime's hook -----------------------------------------------------------------
+
+    def on_boundary(self, step: int) -> Action:
+        if self.stop.is_set() and not self._switch_next:
+            return Action.STOP
+        if self._switch_next:
+            return self._switch_action(step)
+        plan = self._current_plan()
+        if plan is None:
+            return Action.CONTINUE
+        if plan.phase in ("preparing", *READY_PHASES) and not self._prepared:
+            self._start_phase1(plan)
+        if self._prepared and not self._reported_prepared and self.groups.ready(self._prepared):
+            self._report(f"prepared/{self.rank}")
+            self._reported_prepared = True
+        return Action.CONTINUE
+
+    def vote_flag(self, step: int) -> int:
+        plan = self._plan
+        if plan is not None and plan.phase in READY_PHASES and self._reported_prepared:
+            return plan.to_epoch
+        return 0
+
+    def on_vote(self, step: int, flag: int) -> None:
+        plan = self._plan
+        if plan is not None and flag == plan.to_epoch and not self._switch_next:
+            self._switch_next = True
+            if self.rank == 0:
+                self._report("switching")
+
+    def _switch_action(self, step: int) -> Action:
+        assert self._plan is not None
+        if self.rank in self._plan.moves:
+            return Action.HAND_OFF
+        t0 = time.monotonic()
+        outcomes = {}
+        for r in self._plan.moves:
+            assert self._reports is not None
+            try:
+                outcomes[r] = self._reports.get(f"transferred/{r}",
+                                                timeout=self.transfer_timeout).decode()
+            except DaemonError as exc:
+                outcomes[r] = f"no word from the leaver: {exc}"
+        if all(v == "ok" for v in outcomes.values()):
+            return Action.SWITCH_GROUPS
+        self.log.warning("The state transfer failed; the migration is aborted.",
+                         outcomes=outcomes, waited=round(time.monotonic() - t0, 3))
+        if self.rank == 0:
+            self._report("aborted")
+        self._forget("aborted")
+        return Action.CONTINUE
+
+    def switch_groups(self, step: int) -> None:
+        assert self._plan is not None
+        t0 = time.monotonic()
+        self.groups.switch(self._prepared)
+        self.nodes = self._plan.nodes_after(self.nodes)
+        self.groups.epoch = self._plan.to_epoch
+        self.last_switch_s = time.monotonic() - t0
+        self.log.info(f"Switched to the next versions of {self._prepared} at step {step}.",
+                      epoch=self._plan.to_epoch)
+        self._finished.add(self._plan.id)
+        self._plan, self._prepared, self._switch_next = None, [], False
+
+    def hand_off(self, step: int, state: dict[str, Any]) -> bool:
+        """Stream the state to the joiner. True: handed off, this rank leaves. False: the
+        transfer failed and this rank keeps training (the survivors stay on the old groups)."""
+        assert self._plan is not None
+        pair = pair_name(self.rank)
+        try:
+            self.groups.switch([pair])
+            transport = PairGroupTransport(self.groups.current(pair),
+                                           timeout_s=self.transfer_timeout)
+            stats = send_state(transport, state)
+        except TransferError as exc:
+            self.log.warning(f"Handing the state off failed: {exc}.")
+            self._report(f"transferred/{self.rank}", f"failed: {exc}".encode())
+            self._forget("aborted")
+            return False
+        self.log.info(f"Handed the state of rank {self.rank} off at step {step}: {stats}.")
+        self._report(f"transferred/{self.rank}", b"ok")
+        return True
+
+
+def wait_for_plan(control: DaemonClient, node: str, stop: threading.Event,
+                  poll: float = 0.1) -> tuple[Plan, int] | None:
+    """A standby's wait: the first active migration that names this node as a joiner, and the
+    rank it takes. None if ``stop`` is set first."""
+    while not stop.is_set():
+        try:
+            plan = Plan.from_info(control.job())
+        except DaemonError:
+            plan = None
+        if plan is not None and plan.phase in ("planned", "preparing"):
+            for rank, (_, joiner) in plan.moves.items():
+                if joiner == node:
+                    return plan, rank
+        stop.wait(poll)
+    return None
+
+
+class Joiner:
+    """A standby taking over ``rank`` under ``plan``: phase 1 with the survivors, then the
+    state from the leaver, then the new groups (see the module docstring)."""
+
+    def __init__(self, control: DaemonClient, groups: GroupSet, plan: Plan, *, job: str,
+                 rank: int, node: str, tp: int, nodes: tuple[str, ...],
+                 timeout: float = 120.0) -> None:
+        self.control, self.groups, self.plan = control, groups, plan
+        self.job, self.rank, self.node, self.tp = job, rank, node, tp
+        self.nodes_before = nodes
+        self.nodes = plan.nodes_after(nodes)
+        self.timeout = timeout
+        self.reports = DaemonClient(f"{job}/migration/{plan.id}", epoch=plan.from_epoch,
+                                    timeout=10)
+        self.log = logs.get(job=job, rank=rank, node=node)
+
+    def bound(self) -> None:
+        self.reports.set(f"bound/{self.rank}", b"1")
+
+    def prepare(self) -> list[str]:
+        """Wait for phase 1 and build this joiner's groups; returns their names."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            plan = Plan.from_info(self.control.job())
+            if plan is None or plan.id != self.plan.id or plan.phase in ("done", "aborted"):
+                raise TransferError(f"migration {self.plan.id} was called off")
+            if plan.phase != "planned":
+                break
+            if time.monotonic() > deadline:
+                raise TransferError(f"migration {self.plan.id} never reached phase 1")
+            time.sleep(0.05)
+        names = [*group_names(self.rank, len(self.nodes), self.tp).values()]
+        for name in names:
+            self.groups.prepare(name, self.plan.to_epoch,
+                                group_members(name, self.nodes, self.tp))
+        leaver, joiner = self.plan.moves[self.rank]
+        self.groups.prepare(pair_name(self.rank), self.plan.to_epoch,
+                            (member(self.rank, leaver), member(self.rank, joiner)))
+        while not self.groups.ready([*names, pair_name(self.rank)]):
+            if time.monotonic() > deadline:
+                raise TransferError("the new groups did not come up in time")
+            time.sleep(0.02)
+        self.reports.set(f"joiner-prepared/{self.rank}", b"1")
+        return names
+
+    def receive(self, names: list[str]) -> Any:
+        """Take the leaver's state, then switch to the new groups. Raises TransferError."""
+        pair = pair_name(self.rank)
+        self.groups.switch([pair])
+        transport = PairGroupTransport(self.groups.current(pair), timeout_s=self.timeout)
+        watcher_stop = threading.Event()
+
+        def watch() -> None:  # a called-off migration releases the blocked receive
+            while not watcher_stop.wait(0.1):
+                try:
+                    plan = Plan.from_info(self.control.job())
+                except DaemonError:
+                    continue
+                if plan is None or plan.id != self.plan.id or plan.phase == "aborted":
+                    transport.abort(f"migration {self.plan.id} was aborted")
+                    return
+
+        watcher = threading.Thread(target=watch, name="joiner-watch", daemon=True)
+        watcher.start()
+        try:
+            state, stats = receive_state(transport)
+        finally:
+            watcher_stop.set()
+            watcher.join(2)
+        self.groups.switch(names)
+        self.groups.epoch = self.plan.to_epoch
+        self.log.info(f"Took over rank {self.rank}: {stats}.", epoch=self.plan.to_epoch)
+        return state
+
+    def switched(self) -> None:
+        self.reports.set(f"switched/{self.rank}", b"1")
+        self.reports.close()

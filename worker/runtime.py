@@ -1,0 +1,319 @@
+"""The worker runtime: the loop around a :class:`~understudy.worker.api.TrainingJob`.
+
+One iteration of :meth:`Runtime.run`, for the step ``s`` after the last committed one:
+
+1. **Boundary.** ``hook.on_boundary(s)`` answers an :class:`Action`: carry on, switch to the
+   groups' next versions first, hand this rank's state off and leave, or stop. This is where the
+   migration protocol acts; nothing of step ``s`` has run yet.
+2. **Compute.** ``job.compute(s)``. An exception is recorded, not raised: this rank votes no.
+3. **Vote.** An all-reduce (MIN) of ``[ok]`` over the world group, waited abortably.
+4. **Commit or redo.** All ranks ok: ``job.apply(s)``, and ``s`` is committed. Otherwise
+   ``job.discard(s)``, the process-global RNGs go back to where they were before compute, and
+   step ``s`` runs again from the boundary, on every rank alike, since all saw the same vote.
+
+If a collective of the step aborts (:class:`~understudy.worker.api.CollectiveAborted`, from
+compute or from the vote), the step is rolled back as in 4 and the error propagates out of
+:meth:`Runtime.run`: the groups are broken and only the migration protocol can replace them.
+Calling :meth:`Runtime.run` again resumes at the same step. A rank that aborted in the vote
+cannot know whether its peers received the result: some may have committed ``s``; the recovery
+protocol reconciles committed steps across survivors.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Protocol, cast
+
+import structlog
+import torch
+import torch.distributed as dist
+
+from understudy.worker import rng
+from understudy.worker.api import (
+    GROUP_NAMES,
+    CollectiveAborted,
+    Communicator,
+    JobContext,
+    TrainingError,
+    TrainingJob,
+    allreduce_options,
+    group_ranks,
+)
+
+
+class StepFailed(TrainingError):
+    """A step's vote failed ``attempts`` times in a row, on every rank alike."""
+
+    def __init__(self, message: str, *, step: int, attempts: int) -> None:
+        super().__init__(message)
+        self.step = step
+        self.attempts = attempts
+
+
+class Action(enum.Enum):
+    """What the runtime does at an iteration boundary."""
+
+    CONTINUE = "continue"
+    """Run the step."""
+    SWITCH_GROUPS = "switch-groups"
+    """Call ``hook.switch_groups(step)``, then run the step on the groups' new versions."""
+    HAND_OFF = "hand-off"
+    """Call ``hook.hand_off(step, state)`` with :meth:`Runtime.state`, then leave the loop."""
+    STOP = "stop"
+    """Leave the loop without running the step."""
+
+
+class Outcome(enum.Enum):
+    """Why :meth:`Runtime.run` returned."""
+
+    COMPLETED = "completed"
+    STOPPED = "stopped"
+    HANDED_OFF = "handed-off"
+
+
+class BoundaryHook(Protocol):
+    """The migration protocol's seat in the loop. ``step`` is always the next step to run,
+    i.e. the number of committed steps."""
+
+    def on_boundary(self, step: int) -> Action:
+        """Decide what happens before ``step``; called before every attempt of every step."""
+        ...
+
+    def switch_groups(self, step: int) -> None:
+        """Make the groups' prepared next versions current (on :attr:`Action.SWITCH_GROUPS`)."""
+        ...
+
+    def hand_off(self, step: int, state: dict[str, Any]) -> bool:
+        """Deliver this rank's state to its successor (on :attr:`Action.HAND_OFF`). True: the
+        rank leaves the loop; False: the hand-off was called off and the rank runs the step."""
+        ...
+
+    def vote_flag(self, step: int) -> int:
+        """A number this rank adds to the step's vote; the vote takes the minimum over ranks
+        (the migration protocol agrees on its switch boundary this way)."""
+        ...
+
+    def on_vote(self, step: int, flag: int) -> None:
+        """The agreed minimum of every rank's :meth:`vote_flag` for ``step``."""
+        ...
+
+
+class NoMigration:
+    """The hook of a job without migrations: always :attr:`Action.CONTINUE`."""
+
+    def on_boundary(self, step: int) -> Action:
+        return Action.CONTINUE
+
+    def switch_groups(self, step: int) -> None:
+        raise NotImplementedError("NoMigration never asks to switch groups")
+
+    def hand_off(self, step: int, state: dict[str, Any]) -> bool:
+        raise NotImplementedError("NoMigration never asks to hand off")
+
+    def vote_flag(self, step: int) -> int:
+        return 0
+
+    def on_vote(self, step: int, flag: int) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """One attempt at one step, in seconds. ``committed`` is the vote's outcome; ``error`` is
+    this rank's compute error (``Type: message``), if it had one."""
+
+    step: int
+    attempt: int
+    boundary: float
+    compute: float
+    vote: float
+    apply: float
+    committed: bool
+    error: str | None = None
+
+
+class Runtime:
+    """Runs a job step by step (see the module docstring).
+
+    ``max_attempts`` bounds how often one step is tried before :class:`StepFailed`;
+    ``keep_timings`` how many :class:`StepTiming` records :attr:`timings` keeps (the newest).
+    """
+
+    def __init__(self, job: TrainingJob, ctx: JobContext, *, hook: BoundaryHook | None = None,
+                 max_attempts: int = 3, keep_timings: int = 100_000,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
+        self.job = job
+        self.ctx = ctx
+        self.hook: BoundaryHook = hook or NoMigration()
+        self.max_attempts = max_attempts
+        self.timings: deque[StepTiming] = deque(maxlen=keep_timings)
+        #: The next step to run: the number of committed steps.
+        self.step = 0
+        #: Attempts that the vote rejected, over the runtime's life.
+        self.redone = 0
+        self._clock = clock
+        self._built = False
+        self._last_error: str | None = None  # this rank's compute error in the last attempt
+        self._log = structlog.get_logger("understudy.worker").bind(job=ctx.job, rank=ctx.rank)
+
+    def build(self) -> None:
+        """``job.build(ctx)``; call it once, before :meth:`load_state` or :meth:`run`."""
+        if self._built:
+            raise RuntimeError("the job is built already")
+        self.job.build(self.ctx)
+        self._built = True
+
+    def state(self) -> dict[str, Any]:
+        """The job's state, the process-global RNG states and the runtime's counters."""
+        self._require_built()
+        return {"job": self.job.state(), "rng": rng.capture(),
+                "runtime": {"step": self.step, "redone": self.redone}}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Take a state :meth:`state` returned, on this rank or one with the same role.
+
+        Raises:
+            ValueError: ``state`` lacks one of its parts.
+        """
+        self._require_built()
+        missing = {"job", "rng", "runtime"} - state.keys()
+        if missing:
+            raise ValueError(f"runtime state lacks {sorted(missing)} (keys: {sorted(state)})")
+        self.job.load_state(state["job"])
+        rng.restore(state["rng"])  # last: the job's loading must not shift the generators
+        self.step = int(state["runtime"]["step"])
+        self.redone = int(state["runtime"]["redone"])
+
+    def run(self, steps: int) -> Outcome:
+        """Run until ``steps`` steps are committed, the hook stops the loop, or this rank hands
+        its state off.
+
+        Raises:
+            CollectiveAborted: a collective of the step aborted; the step is rolled back.
+            StepFailed: the vote rejected the same step ``max_attempts`` times.
+        """
+        self._require_built()
+        attempt = 0
+        while self.step < steps:
+            step = self.step
+            t0 = self._clock()
+            action = self.hook.on_boundary(step)
+            if action is Action.STOP:
+                self._log.info("the boundary hook stopped the run", step=step)
+                return Outcome.STOPPED
+            if action is Action.HAND_OFF:
+                if self.hook.hand_off(step, self.state()):
+                    self._log.info("this rank handed its state off and leaves the run",
+                                   step=step)
+                    return Outcome.HANDED_OFF
+                self._log.info("the hand-off was called off; this rank keeps training",
+                               step=step)
+            if action is Action.SWITCH_GROUPS:
+                self.hook.switch_groups(step)
+                self._log.info("switched to the groups' next versions", step=step)
+            attempt += 1
+            if self._attempt(step, attempt, t0):
+                attempt = 0
+            elif attempt >= self.max_attempts:
+                last = self._last_error
+                mine = (f"this rank's last error was {last}" if last else
+                        "this rank computed it; another rank failed (see its logs)")
+                raise StepFailed(f"step {step} failed its vote {attempt} times in a row; {mine}",
+                                 step=step, attempts=attempt)
+        return Outcome.COMPLETED
+
+    def _attempt(self, step: int, attempt: int, t0: float) -> bool:
+        """Run ``step`` once; True if it was committed."""
+        before = rng.capture()
+        t1 = self._clock()
+        error: Exception | None = None
+        try:
+            self.job.compute(step)
+        except CollectiveAborted:
+            self._roll_back(step, before)
+            raise
+        except Exception as exc:  # any failure of user code is this rank's "no" (style #6)
+            error = exc
+            self._log.warning("compute failed on this rank; voting no", step=step,
+                              attempt=attempt, error=f"{type(exc).__name__}: {exc}")
+        t2 = self._clock()
+        try:
+            committed = self._vote(ok=error is None, step=step)
+        except CollectiveAborted:
+            self._roll_back(step, before)
+            raise
+        t3 = self._clock()
+        if committed:
+            self.job.apply(step)
+            self.step = step + 1
+        else:
+            self._roll_back(step, before)
+            self.redone += 1
+            self._log.warning("the vote failed; the step will be redone", step=step,
+                              attempt=attempt)
+        t4 = self._clock()
+        self._last_error = None if error is None else f"{type(error).__name__}: {error}"
+        self.timings.append(StepTiming(
+            step=step, attempt=attempt, boundary=t1 - t0, compute=t2 - t1, vote=t3 - t2,
+            apply=t4 - t3, committed=committed, error=self._last_error))
+        return committed
+
+    def _vote(self, *, ok: bool, step: int) -> bool:
+        # One all-reduce carries both the commit decision and the hook's flag.
+        votes = torch.tensor([1 if ok else 0, self.hook.vote_flag(step)], dtype=torch.int64,
+                             device=self.ctx.device)
+        work = self.ctx.group("world").allreduce([votes], allreduce_options(dist.ReduceOp.MIN))
+        self.ctx.wait(work, f"the vote on step {step}")
+        self.hook.on_vote(step, int(votes[1]))
+        return bool(votes[0])
+
+    def _roll_back(self, step: int, before: dict[str, Any]) -> None:
+        self.job.discard(step)
+        rng.restore(before)
+
+    def _require_built(self) -> None:
+        if not self._built:
+            raise RuntimeError("call Runtime.build() first")
+
+
+class StaticGroups:
+    """The job's groups built once, as standalone gloo groups bootstrapped through ``store``
+    (no default process group needed). Each group's keys live under ``prefix/<name><index>``,
+    where the index tells apart the groups of one name (``tp0``, ``tp1``...). Versions never
+    change: for jobs without migrations, and for tests.
+
+    Every rank of the job must construct it at the same time; it blocks until each of the
+    rank's groups is connected, or ``timeout`` (which then also bounds every collective).
+    """
+
+    def __init__(self, store: dist.Store, *, rank: int, world_size: int, tp: int,
+                 timeout: float = 60.0, prefix: str = "understudy/groups") -> None:
+        if tp < 1 or world_size % tp:
+            raise ValueError(f"tp={tp} does not divide world_size={world_size}")
+        self._groups: dict[str, Communicator] = {}
+        for name in GROUP_NAMES:  # the same order on every rank, so no two ranks wait crosswise
+            ranks = group_ranks(name, rank, world_size, tp)
+            index = {"tp": rank // tp, "dp": rank % tp, "world": 0}[name]
+            pg = dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}/{name}{index}", store),
+                                       ranks.index(rank), len(ranks), timedelta(seconds=timeout))
+            # torch's stubs do not declare a backend's collectives; it has them at run time.
+            self._groups[name] = cast(Communicator, pg)
+
+    def current(self, name: str) -> Communicator:
+        """Group ``name`` of this rank.
+
+        Raises:
+            ValueError: ``name`` is not one of the job's groups.
+        """
+        try:
+            return self._groups[name]
+        except KeyError:
+            raise ValueError(f"unknown group {name!r}: a job's groups are "
+                             f"{', '.join(GROUP_NAMES)}") from None
