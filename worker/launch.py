@@ -71,6 +71,7 @@ def main(make_job: Callable[[], TrainingJob], steps: int, *, seed: int = 0,
     log = daemon_logs.get(job=job, node=node)
 
     if _env(env.WORKER_ROLE) == "standby":
+        log.info("Standby worker is up and waiting to be chosen as a joiner.")
         found = wait_for_plan(control, node, stop)
         if found is None:
             return 0

@@ -135,6 +135,9 @@ class StepTiming:
     apply: float
     committed: bool
     error: str | None = None
+    #: what the boundary hook decided before this attempt (``switch-groups`` marks the step
+    #: whose ``boundary`` holds a migration's phase 2)
+    action: str = "continue"
 
 
 class Runtime:
@@ -219,7 +222,7 @@ class Runtime:
                 self.hook.switch_groups(step)
                 self._log.info("switched to the groups' next versions", step=step)
             attempt += 1
-            if self._attempt(step, attempt, t0):
+            if self._attempt(step, attempt, t0, action.value):
                 attempt = 0
             elif attempt >= self.max_attempts:
                 last = self._last_error
@@ -229,7 +232,7 @@ class Runtime:
                                  step=step, attempts=attempt)
         return Outcome.COMPLETED
 
-    def _attempt(self, step: int, attempt: int, t0: float) -> bool:
+    def _attempt(self, step: int, attempt: int, t0: float, action: str = "continue") -> bool:
         """Run ``step`` once; True if it was committed."""
         before = rng.capture()
         t1 = self._clock()
@@ -262,7 +265,7 @@ class Runtime:
         self._last_error = None if error is None else f"{type(error).__name__}: {error}"
         self.timings.append(StepTiming(
             step=step, attempt=attempt, boundary=t1 - t0, compute=t2 - t1, vote=t3 - t2,
-            apply=t4 - t3, committed=committed, error=self._last_error))
+            apply=t4 - t3, committed=committed, error=self._last_error, action=action))
         return committed
 
     def _vote(self, *, ok: bool, step: int) -> bool:
