@@ -213,7 +213,7 @@ class Controller:
                 self._bad(kv, "jobs", exc)
             return
         if prefix == self.keys.kv_root:
-            self._jobs.ingest_progress(Keys.name_of(kv.key, prefix), deleted)
+            self._jobs.ingest_progress(Keys.name_of(kv.key, prefix), kv.value, deleted)
             return
         if prefix == self.keys.drains:
             name = Keys.name_of(kv.key, prefix)
@@ -360,8 +360,9 @@ class _JobTables:
         self.migrations: dict[str, tuple[Migration, int]] = {}
         #: job -> migration id -> progress keys ("prepared/3", ...)
         self.progress: dict[str, dict[str, set[str]]] = {}
+        self.abort_reasons: dict[tuple[str, str], str] = {}
 
-    def ingest_progress(self, path: str, deleted: bool) -> None:
+    def ingest_progress(self, path: str, value: bytes, deleted: bool) -> None:
         """``path`` is ``<job>/migration/<id>/<report>`` under the workers' KV root."""
         parts = path.split("/", 3)
         if len(parts) != 4 or parts[1] != "migration":
@@ -372,6 +373,10 @@ class _JobTables:
             reports.discard(report)
         else:
             reports.add(report)
+            if report == "aborted" or (report.startswith("transferred/") and value != b"ok"):
+                reports.add("aborted")
+                self.abort_reasons.setdefault((job, mig_id),
+                                              value[:300].decode(errors="replace"))
 
     def migration_rev(self, job: str) -> int:
         return self.migrations[job][1] if job in self.migrations else 0
@@ -442,5 +447,7 @@ class _JobTables:
                 else frozenset()
             out[name] = JobView(spec=spec, status=st[0] if st else None,
                                 assignment=a[0] if a else None, exits=exits,
-                                migration=m[0] if m else None, progress=progress)
+                                migration=m[0] if m else None, progress=progress,
+                                abort_reason=self.abort_reasons.get((name, m[0].id), "")
+                                if m else "")
         return out

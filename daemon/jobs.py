@@ -283,6 +283,7 @@ class JobRunner:
             return
         self._changed.set()
         if m["rank"] is None:
+            await self._joiner_gone(m["job"], child)
             if child.failed:
                 self._standby_failures[child.name] = \
                     self._standby_failures.get(child.name, 0) + 1
@@ -295,6 +296,21 @@ class JobRunner:
         self._ended.add((m["job"], rank, epoch))
         code = child.returncode if child.returncode is not None else -(child.signal or 0)
         await self._write_exit(m["job"], rank, epoch, code, code != 0, child.describe())
+
+    async def _joiner_gone(self, job: str, child: ChildExit) -> None:
+        """A standby that was chosen as a joiner ended before the switch: the migration cannot
+        complete. Say so at once (the controller aborts it; the leaver keeps training)."""
+        j = self._jobs.get(job)
+        m = j.migration if j else None
+        if m is None or not m.active or self.node not in m.joiners \
+                or m.phase == MigrationPhase.SWITCHING:
+            return
+        key = self.keys.kv(f"{job}/migration/{m.id}") + "aborted"
+        with contextlib.suppress(StoreError):
+            await self.store.put(key, f"the joiner on {self.node} died: {child.describe()}"
+                                 .encode())
+        self.log.warning("A joiner died before the switch; its migration is called off.",
+                         job=job, migration=m.id, cause=child.describe())
 
     async def _write_exit(self, job: str, rank: int, epoch: int, code: int, failed: bool,
                           description: str) -> None:

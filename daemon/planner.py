@@ -87,6 +87,8 @@ class JobView:
     migration: Migration | None = None
     #: workers' progress reports for the current migration: "bound/3", "prepared/0", ...
     progress: frozenset[str] = frozenset()
+    #: why the migration was called off, when a report says so
+    abort_reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -243,7 +245,7 @@ def _advance_migration(job: JobView, m: Migration, view: ClusterView,
 
     if "aborted" in job.progress:
         return [AdvanceMigration(m.job, m.id, MigrationPhase.ABORTED,
-                                 "the ranks aborted the switch")]
+                                 job.abort_reason or "the ranks aborted the switch")]
     gone = [n for n in m.joiners if n not in view.live]
     if gone and m.phase != MigrationPhase.SWITCHING:
         return [AdvanceMigration(m.job, m.id, MigrationPhase.ABORTED,

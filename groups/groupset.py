@@ -84,7 +84,7 @@ class GroupSet:
         if not 0 < timeout < float("inf"):
             raise ValueError(f"group timeout must be a positive number of seconds, "
                              f"got {timeout!r}")
-        self.job, self.member, self.epoch, self.timeout = job, member, epoch, timeout
+        self.job, self.member, self.timeout = job, member, timeout
         if backends is None:
             backends = {"cpu": "gloo"}
             if torch.cuda.is_available():
@@ -98,7 +98,19 @@ class GroupSet:
         self._releases: list[threading.Thread] = []
         self._lock = threading.Lock()
         self.stats = GroupStats()
-        self.log = logs.get(job=job, member=member, epoch=epoch)
+        self.epoch = epoch
+
+    @property
+    def epoch(self) -> int:
+        """The epoch later builds say hello with; a promoted process raises it."""
+        return self._epoch
+
+    @epoch.setter
+    def epoch(self, epoch: int) -> None:
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+            raise ValueError(f"epoch {epoch!r} is not a non-negative integer")
+        self._epoch = epoch
+        self.log = logs.get(job=self.job, member=self.member, epoch=epoch)
 
     def _daemon_store(self, socket_path: str | None) -> StoreFactory:
         def factory(namespace: str, cancel: threading.Event) -> DaemonStore:

@@ -13,12 +13,13 @@ no etcd round trip per step) and report progress as keys under the key-value nam
     switched/<rank>         the joiner for <rank> holds the state and the new groups
     aborted                 the switch was called off; everyone stays on the old versions
 
-Agreement: once the migration is ``ready``, each rank adds "ready for epoch E" to the step vote
-(MIN over the world group). When the vote says every rank is ready, all of them know it in the
-same step, and the switch happens at the next boundary: the leaver streams its state to the
-joiner over their pair group, the survivors wait for ``transferred`` and only then switch (so a
-joiner that dies mid-stream leaves everyone on the old versions, with the leaver still
-training), and the joiner loads the state, switches, and carries on at that step.
+Agreement: once the migration is ``ready``, each rank adds "ready for attempt V" to the step
+vote (V identifies the attempt; the vote reports V only if every rank gave it). When the vote
+says every rank is ready, all of them know it in the same step, and the switch happens at the
+next boundary: the leaver streams its state to the joiner over their pair group, the survivors
+wait for ``transferred`` and only then switch (so a joiner that dies mid-stream leaves everyone
+on the old versions, with the leaver still training), and the joiner loads the state,
+switches, and carries on at that step.
 """
 
 from __future__ import annotations
@@ -77,6 +78,9 @@ class Plan:
     to_epoch: int
     moves: dict[int, tuple[str, str]]  # rank -> (leaver node, joiner node)
     deadline: float
+    #: the group version this attempt builds: unique per attempt (a version number is burned
+    #: once used, even by an aborted attempt) and the same on every rank
+    version: int
 
     @classmethod
     def from_info(cls, info: dict[str, Any] | None) -> Plan | None:
@@ -87,7 +91,7 @@ class Plan:
                    to_epoch=m["to_epoch"],
                    moves={r: (ln, jn) for r, ln, jn in
                           zip(m["ranks"], m["leavers"], m["joiners"], strict=True)},
-                   deadline=m["deadline"])
+                   deadline=m["deadline"], version=int(m["created_at"] * 1000))
 
     def nodes_after(self, nodes: tuple[str, ...]) -> tuple[str, ...]:
         out = list(nodes)
@@ -169,7 +173,7 @@ class MigrationHook:
         after = plan.nodes_after(self.nodes)
         if self.rank in plan.moves:
             leaver, joiner = plan.moves[self.rank]
-            self.groups.prepare(pair_name(self.rank), plan.to_epoch,
+            self.groups.prepare(pair_name(self.rank), plan.version,
                                 (member(self.rank, leaver), member(self.rank, joiner)))
             self._prepared = [pair_name(self.rank)]
             return
@@ -177,7 +181,7 @@ class MigrationHook:
             before = group_members(name, self.nodes, self.tp)
             new = group_members(name, after, self.tp)
             if before != new:
-                self.groups.prepare(name, plan.to_epoch, new)
+                self.groups.prepare(name, plan.version, new)
                 self._prepared.append(name)
         self.log.info(f"Phase 1 of migration {plan.id}: rebuilding {self._prepared}.",
                       untouched=[n for n in self.groups.names() if n not in self._prepared])
@@ -202,12 +206,12 @@ class MigrationHook:
     def vote_flag(self, step: int) -> int:
         plan = self._plan
         if plan is not None and plan.phase in READY_PHASES and self._reported_prepared:
-            return plan.to_epoch
+            return plan.version
         return 0
 
     def on_vote(self, step: int, flag: int) -> None:
         plan = self._plan
-        if plan is not None and flag == plan.to_epoch and not self._switch_next:
+        if plan is not None and flag == plan.version and not self._switch_next:
             self._switch_next = True
             if self.rank == 0:
                 self._report("switching")
@@ -316,10 +320,10 @@ class Joiner:
             time.sleep(0.05)
         names = [*group_names(self.rank, len(self.nodes), self.tp).values()]
         for name in names:
-            self.groups.prepare(name, self.plan.to_epoch,
+            self.groups.prepare(name, self.plan.version,
                                 group_members(name, self.nodes, self.tp))
         leaver, joiner = self.plan.moves[self.rank]
-        self.groups.prepare(pair_name(self.rank), self.plan.to_epoch,
+        self.groups.prepare(pair_name(self.rank), self.plan.version,
                             (member(self.rank, leaver), member(self.rank, joiner)))
         while not self.groups.ready([*names, pair_name(self.rank)]):
             if time.monotonic() > deadline:

@@ -94,12 +94,12 @@ class BoundaryHook(Protocol):
         ...
 
     def vote_flag(self, step: int) -> int:
-        """A number this rank adds to the step's vote; the vote takes the minimum over ranks
-        (the migration protocol agrees on its switch boundary this way)."""
+        """A number this rank adds to the step's vote (the migration protocol agrees on its
+        switch boundary this way)."""
         ...
 
     def on_vote(self, step: int, flag: int) -> None:
-        """The agreed minimum of every rank's :meth:`vote_flag` for ``step``."""
+        """The flag every rank gave for ``step`` if they all gave the same, else 0."""
         ...
 
 
@@ -269,12 +269,15 @@ class Runtime:
         return committed
 
     def _vote(self, *, ok: bool, step: int) -> bool:
-        # One all-reduce carries both the commit decision and the hook's flag.
-        votes = torch.tensor([1 if ok else 0, self.hook.vote_flag(step)], dtype=torch.int64,
+        # One all-reduce carries the commit decision and the hook's flag: MIN of [ok, f, -f]
+        # gives min(ok), min(f) and -max(f); the flag counts only if every rank gave the same.
+        flag = self.hook.vote_flag(step)
+        votes = torch.tensor([1 if ok else 0, flag, -flag], dtype=torch.int64,
                              device=self.ctx.device)
         work = self.ctx.group("world").allreduce([votes], allreduce_options(dist.ReduceOp.MIN))
         self.ctx.wait(work, f"the vote on step {step}")
-        self.hook.on_vote(step, int(votes[1]))
+        low, high = int(votes[1]), -int(votes[2])
+        self.hook.on_vote(step, low if low == high else 0)
         return bool(votes[0])
 
     def _roll_back(self, step: int, before: dict[str, Any]) -> None:

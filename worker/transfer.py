@@ -111,8 +111,8 @@ _LOOKAHEAD = 8
 
 _HEADER = struct.Struct("<8sIIQI4x")   # magic, version, flags, manifest length, manifest crc
 _HEADER_MAGIC = b"USTXFER\x00"
-_TRAILER = struct.Struct("<4sIQ")      # magic, chunk index (mod 2**32), digest
-_TRAILER_MAGIC = b"UCRC"
+_DIGESTS = struct.Struct("<4sI")       # magic, count; then one u64 digest per chunk
+_DIGESTS_MAGIC = b"UDGT"
 _REPLY = struct.Struct("<4sI120s")     # magic, status, reason
 _REPLY_MAGIC = b"UACK"
 _OK, _REJECTED, _CORRUPT = 0, 1, 2
@@ -774,6 +774,7 @@ class _Sender(_End):
         for op in sends:
             op.wait()
         verdict = torch.empty(_REPLY.size, dtype=torch.uint8, device=self.device)
+        digests: list[int] = []
         inflight: deque[tuple[Pending, torch.Tensor]] = deque()  # sends, and what they read
         staging_reader: Pending | None = None  # the send that still reads the staging buffer
         for chunk, view in zip(self.chunks, self.views, strict=True):
@@ -786,13 +787,15 @@ class _Sender(_End):
             else:
                 buf = view
                 data = self.send(buf)
-            digest = _digest(buf)  # while the bytes are in flight
-            trailer = _to_tensor(_TRAILER.pack(_TRAILER_MAGIC, chunk.index & 0xFFFFFFFF, digest),
-                                 self.device)
-            inflight.extend(((data, buf), (self.send(trailer), trailer)))
-            while len(inflight) > 2 * _LOOKAHEAD:
+            digests.append(_digest(buf))  # while the bytes are in flight
+            inflight.append((data, buf))
+            while len(inflight) > _LOOKAHEAD:
                 inflight.popleft()[0].wait()
-        got = self.recv(verdict) if self.chunks else None
+        got = None
+        if self.chunks:
+            table = _to_tensor(_pack_digests(digests), self.device)
+            inflight.append((self.send(table), table))
+            got = self.recv(verdict)
         while inflight:
             inflight.popleft()[0].wait()
         if got is not None:
@@ -803,7 +806,18 @@ class _Sender(_End):
                 raise TransferError(f"the joiner rejected the state: {reason}")
 
 
-_Posted = tuple[torch.Tensor, torch.Tensor, Pending, Pending]  # data, trailer, their receives
+def _pack_digests(digests: list[int]) -> bytes:
+    return _DIGESTS.pack(_DIGESTS_MAGIC, len(digests)) + struct.pack(f"<{len(digests)}Q",
+                                                                       *digests)
+
+
+def _unpack_digests(buf: torch.Tensor, count: int) -> list[int]:
+    data = _to_bytes(buf)
+    magic, n = _DIGESTS.unpack_from(data)
+    if magic != _DIGESTS_MAGIC or n != count:
+        raise TransferError(f"the leaver's digest table is garbage (magic {magic!r}, {n} "
+                            f"digests for {count} chunks)")
+    return list(struct.unpack_from(f"<{n}Q", data, _DIGESTS.size))
 
 
 class _Receiver(_End):
@@ -870,52 +884,55 @@ class _Receiver(_End):
         self.peer_informed = True
         raise TransferError(f"the joiner rejected the transfer: {reason}")
 
-    def _post(self, chunk: _Chunk, view: torch.Tensor | None) -> _Posted:
-        buf = self.staging.get(chunk.nbytes) if view is None else view
-        trailer = torch.empty(_TRAILER.size, dtype=torch.uint8, device=self.device)
-        return buf, trailer, self.recv(buf), self.recv(trailer)
-
     def _stream(self, chunks: list[_Chunk], views: list[torch.Tensor | None]) -> None:
         # Up to _LOOKAHEAD chunks are posted ahead, in order, so that the bytes never wait for
         # a receive; a chunk that needs the staging waits until the previous one was unpacked.
-        posted: deque[_Posted] = deque()
+        if not chunks:
+            return
+        posted: deque[tuple[torch.Tensor, Pending]] = deque()
         staging_busy = False
         next_to_post = 0
-        failed: list[str] = []
+        table = torch.empty(_DIGESTS.size + 8 * len(chunks), dtype=torch.uint8,
+                            device=self.device)
+        table_op: Pending | None = None
 
         def fill() -> None:
-            nonlocal staging_busy, next_to_post
+            nonlocal staging_busy, next_to_post, table_op
             while len(posted) < _LOOKAHEAD and next_to_post < len(chunks):
                 j = next_to_post
                 if views[j] is None:
                     if staging_busy:
                         return
                     staging_busy = True
-                posted.append(self._post(chunks[j], views[j]))
+                buf = self.staging.get(chunks[j].nbytes) if views[j] is None else views[j]
+                assert buf is not None
+                posted.append((buf, self.recv(buf)))
                 next_to_post += 1
+            if next_to_post == len(chunks) and table_op is None:
+                table_op = self.recv(table)
 
         fill()
+        digests: list[int] = []
         for chunk, view in zip(chunks, views, strict=True):
-            buf, trailer_buf, data, trailer = posted.popleft()
+            buf, data = posted.popleft()
             data.wait()
-            trailer.wait()
             if self.on_chunk is not None:
                 self.on_chunk(chunk.index, buf)
-            magic, index, digest = _TRAILER.unpack(_to_bytes(trailer_buf))
-            if (magic != _TRAILER_MAGIC or index != chunk.index & 0xFFFFFFFF
-                    or _digest(buf) != digest):
-                failed.append(self.describe(chunk))
+            digests.append(_digest(buf))  # while the next chunks land
             if view is None:
                 self.copy(chunk, buf, pack=False)
                 staging_busy = False
             fill()
-        if chunks:
-            # The verdict comes after every chunk: a failure is reported once the stream is
-            # drained, which keeps both ends' operation order (and the pair) intact.
-            reason = f"{failed[0]} failed its checksum" if failed else ""
-            if len(failed) > 1:
-                reason += f" ({len(failed)} chunks failed)"
-            self.send(_reply(_CORRUPT if failed else _OK, reason, self.device)).wait()
+        assert table_op is not None, "the table is posted once every chunk is"
+        table_op.wait()
+        failed = [self.describe(c) for c, mine, theirs in zip(
+            chunks, digests, _unpack_digests(table, len(chunks)), strict=True) if mine != theirs]
+        # The verdict comes after every chunk: a failure is reported once the stream is drained,
+        # which keeps both ends' operation order (and the pair) intact.
+        reason = f"{failed[0]} failed its checksum" if failed else ""
+        if len(failed) > 1:
+            reason += f" ({len(failed)} chunks failed)"
+        self.send(_reply(_CORRUPT if failed else _OK, reason, self.device)).wait()
         if failed:
             self.peer_informed = True
             raise TransferError(f"{reason}: the state arrived corrupted")

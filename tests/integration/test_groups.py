@@ -15,19 +15,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests.unit.test_groups import check_store_contract
-from understudy.daemon import config, env
-from understudy.daemon.embedded_etcd import EmbeddedEtcd
-from understudy.daemon.keys import Keys
-from understudy.daemon.localcluster import LocalCluster
-from understudy.daemon.localsock import LocalServer
-from understudy.daemon.store import EtcdStore
+from understudy.daemon import env
 from understudy.groups import abortable
 from understudy.groups.errors import (
     CollectiveAborted,
@@ -41,6 +35,12 @@ from understudy.groups.groupset import GroupSet
 from understudy.groups.store import DaemonStore
 from understudy.worker.daemon_client import DaemonClient
 
+if TYPE_CHECKING:
+    from understudy.daemon.embedded_etcd import EmbeddedEtcd
+
+# Spawned workers import this module: the daemon side (etcd client, grpc, the local cluster) is
+# imported inside the tests that need it, so that each worker starts on torch alone.
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
 
@@ -48,6 +48,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 def socket_path(etcd: EmbeddedEtcd, tmp_path: Path,
                 monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """A real daemon's worker socket, exported to the workers this test spawns."""
+    from understudy.daemon.localcluster import LocalCluster
+
     cluster = LocalCluster(etcd_endpoint=etcd.endpoint, base_dir=tmp_path / "cluster")
     try:
         d = cluster.add("node-a", "active")
@@ -70,7 +72,7 @@ def spawn(target: Callable[..., None], members: list[str], out: Path) -> dict[st
     return procs
 
 
-def join(procs: dict[str, Any], timeout: float) -> None:
+def join(procs: dict[str, Any], timeout: float, out: Path) -> None:
     deadline = time.monotonic() + timeout
     for p in procs.values():
         p.join(max(0.0, deadline - time.monotonic()))
@@ -78,7 +80,8 @@ def join(procs: dict[str, Any], timeout: float) -> None:
     for m in alive:
         procs[m].kill()
         procs[m].join(5)
-    assert not alive, f"workers {alive} did not finish in time"
+    wrote = sorted(p.stem for p in out.glob("*.json"))
+    assert not alive, f"workers {alive} did not finish in {timeout}s; results from {wrote}"
     codes = {m: p.exitcode for m, p in procs.items()}
     assert all(c == 0 for c in codes.values()), f"worker exit codes: {codes}"
 
@@ -96,6 +99,8 @@ def write(out: str, member: str, result: dict[str, Any]) -> None:
 # -- the bootstrap store ------------------------------------------------------------------
 
 def test_daemon_store_meets_the_store_contract_and_cancels_waits(socket_path: str) -> None:
+    from tests.unit.test_groups import check_store_contract
+
     store = DaemonStore("job1/tp-0/v1", epoch=1, timeout=0.3)
     check_store_contract(store, 0.3)
     cancel = threading.Event()
@@ -117,6 +122,11 @@ def test_gloo_bootstraps_through_the_daemon_and_a_stale_epoch_is_refused(
         etcd: EmbeddedEtcd, tmp_path: Path) -> None:
     """The daemon's local server, run in this process with an epoch check that fences every
     epoch below 5 (which epochs are stale is the daemon's decision, not the store's)."""
+    from understudy.daemon import config
+    from understudy.daemon.keys import Keys
+    from understudy.daemon.localsock import LocalServer
+    from understudy.daemon.store import EtcdStore
+
     path = tmp_path / "kv.sock"
     ready, stop = threading.Event(), threading.Event()
 
@@ -269,7 +279,7 @@ def _grid_worker(member: str, out: str) -> None:
 def test_live_replacement_matches_an_uninterrupted_run_and_leaves_v1_unreachable(
         socket_path: str, tmp_path: Path) -> None:
     members = ["w0", "w1", "w2", "w3", "s0"]
-    join(spawn(_grid_worker, members, tmp_path), timeout=45)
+    join(spawn(_grid_worker, members, tmp_path), timeout=50, out=tmp_path)
     r = results(tmp_path, members)
     ref = {m: r[m]["ref"] for m in ("w0", "w1", "w2", "w3")}
     mig = {m: r[m]["mig"] for m in members}
@@ -357,7 +367,7 @@ def test_a_collective_stuck_on_a_frozen_peer_is_aborted_and_the_next_version_wor
                 time.sleep(0.05)
     finally:
         procs["c"].kill()
-    join({m: p for m, p in procs.items() if m != "c"}, timeout=20)
+    join({m: p for m, p in procs.items() if m != "c"}, timeout=20, out=tmp_path)
     procs["c"].join(5)
     r = results(tmp_path, ["a", "b", "j"])
     for m in ("a", "b"):
