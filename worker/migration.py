@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from understudy.daemon import logs
+from understudy.groups.errors import GroupError
 from understudy.groups.groupset import GroupSet
 from understudy.worker.daemon_client import DaemonClient, DaemonError
 from understudy.worker.runtime import Action
@@ -64,8 +65,10 @@ def group_members(name: str, nodes: tuple[str, ...], tp: int) -> tuple[str, ...]
     return tuple(member(r, nodes[r]) for r in ranks)
 
 
-def pair_name(rank: int) -> str:
-    return f"pair-r{rank}"
+def pair_name(rank: int, version: int) -> str:
+    """The transfer pair of one attempt: a new group each time (the rank that joined through
+    one pair may be the leaver of the next)."""
+    return f"pair-r{rank}-v{version}"
 
 
 @dataclass(frozen=True)
@@ -173,9 +176,9 @@ class MigrationHook:
         after = plan.nodes_after(self.nodes)
         if self.rank in plan.moves:
             leaver, joiner = plan.moves[self.rank]
-            self.groups.prepare(pair_name(self.rank), plan.version,
+            self.groups.prepare(pair_name(self.rank, plan.version), plan.version,
                                 (member(self.rank, leaver), member(self.rank, joiner)))
-            self._prepared = [pair_name(self.rank)]
+            self._prepared = [pair_name(self.rank, plan.version)]
             return
         for name in self.groups.names():
             before = group_members(name, self.nodes, self.tp)
@@ -197,7 +200,14 @@ class MigrationHook:
         if plan is None:
             return Action.CONTINUE
         if plan.phase in ("preparing", *READY_PHASES) and not self._prepared:
-            self._start_phase1(plan)
+            try:
+                self._start_phase1(plan)
+            except (ValueError, GroupError) as exc:
+                # Never let a migration take a training rank down: call it off, keep training.
+                self.log.error(f"Phase 1 of migration {plan.id} failed: {exc}.")
+                self._report("aborted", f"phase 1 failed on rank {self.rank}: {exc}".encode())
+                self._forget("aborted")
+                return Action.CONTINUE
         if self._prepared and not self._reported_prepared and self.groups.ready(self._prepared):
             self._report(f"prepared/{self.rank}")
             self._reported_prepared = True
@@ -254,7 +264,7 @@ class MigrationHook:
         """Stream the state to the joiner. True: handed off, this rank leaves. False: the
         transfer failed and this rank keeps training (the survivors stay on the old groups)."""
         assert self._plan is not None
-        pair = pair_name(self.rank)
+        pair = pair_name(self.rank, self._plan.version)
         try:
             self.groups.switch([pair])
             transport = PairGroupTransport(self.groups.current(pair),
@@ -323,9 +333,10 @@ class Joiner:
             self.groups.prepare(name, self.plan.version,
                                 group_members(name, self.nodes, self.tp))
         leaver, joiner = self.plan.moves[self.rank]
-        self.groups.prepare(pair_name(self.rank), self.plan.version,
+        pair = pair_name(self.rank, self.plan.version)
+        self.groups.prepare(pair, self.plan.version,
                             (member(self.rank, leaver), member(self.rank, joiner)))
-        while not self.groups.ready([*names, pair_name(self.rank)]):
+        while not self.groups.ready([*names, pair]):
             if time.monotonic() > deadline:
                 raise TransferError("the new groups did not come up in time")
             time.sleep(0.02)
@@ -334,7 +345,7 @@ class Joiner:
 
     def receive(self, names: list[str]) -> Any:
         """Take the leaver's state, then switch to the new groups. Raises TransferError."""
-        pair = pair_name(self.rank)
+        pair = pair_name(self.rank, self.plan.version)
         self.groups.switch([pair])
         transport = PairGroupTransport(self.groups.current(pair), timeout_s=self.timeout)
         watcher_stop = threading.Event()

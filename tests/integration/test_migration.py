@@ -19,10 +19,10 @@ import torch
 from understudy.daemon.embedded_etcd import EmbeddedEtcd
 from understudy.daemon.localcluster import LocalCluster
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 TRAIN = str(Path(__file__).parents[2] / "examples" / "plain_torch" / "train.py")
-STEPS = 150
+STEPS = 300
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
@@ -46,21 +46,58 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return base / "out"
 
 
+def _start(etcd: EmbeddedEtcd, base: Path, active: dict[str, int],
+           standby: tuple[str, ...]) -> LocalCluster:
+    c = LocalCluster(etcd_endpoint=etcd.endpoint, base_dir=base)
+    for n, slots in active.items():
+        c.add(n, "active", extra=["--slots", str(slots)])
+    for n in standby:
+        c.add(n, "standby")
+    for n in active:
+        c.wait_state(n, "active")
+    for n in standby:
+        c.wait_state(n, "standby")
+    c.wait_for("a controller", lambda s: s.controller is not None)
+    return c
+
+
 @pytest.fixture
 def cluster(etcd: EmbeddedEtcd, tmp_path: Path) -> Iterator[LocalCluster]:
-    c = LocalCluster(etcd_endpoint=etcd.endpoint, base_dir=tmp_path / "cluster")
+    c = _start(etcd, tmp_path / "cluster", {"node-a": 2, "node-b": 2}, ("node-s1", "node-s2"))
     try:
-        for n in ("node-a", "node-b"):
-            c.add(n, "active", extra=["--slots", "2"])
-        for n in ("node-s1", "node-s2"):
-            c.add(n, "standby")
-        for n, s in (("node-a", "active"), ("node-b", "active"), ("node-s1", "standby"),
-                     ("node-s2", "standby")):
-            c.wait_state(n, s)
-        c.wait_for("a controller", lambda s: s.controller is not None)
         yield c
     finally:
         c.stop_all(timeout=5)
+
+
+def _run_job(c: LocalCluster, out: Path) -> None:
+    env = [f"--env={k}={v}" for k, v in ONE_THREAD.items()]
+    run = c.cli("run", "--job", "mig", "--tp", "2", "--dp", "2", "--standby", "2", *env,
+                "--", sys.executable, *_job_args(out))
+    assert run.returncode == 0, run.stderr
+    c.wait_for("ranks running", lambda s: s.job("mig") is not None and all(
+        n.workers >= 1 for n in s.nodes if n.online), timeout=60)
+
+
+def _wait_standbys(c: LocalCluster, nodes: tuple[str, ...], timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all("waiting to be chosen" in c.daemons[n].log_text() for n in nodes):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"standby workers on {nodes} never came up")
+
+
+def _events(c: LocalCluster) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in c.cli("events", "--json").stdout.splitlines()]
+
+
+def _finish(c: LocalCluster) -> Any:
+    c.wait_for("the job to finish", lambda s: s.job("mig") is not None and
+               s.job("mig").state in ("done", "failed"), timeout=300)  # type: ignore
+    job = c.status().job("mig")
+    assert job is not None and job.state == "done", job.status if job else None
+    return job
 
 
 def _leaves(tree: Any, path: str = "") -> Iterator[tuple[str, Any]]:
@@ -92,24 +129,14 @@ def assert_bitwise_equal(expected_dir: Path, actual_dir: Path, world: int) -> No
 def test_drain_moves_a_tp_pair_live_and_the_result_is_bitwise_identical(
         cluster: LocalCluster, reference: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    env = [f"--env={k}={v}" for k, v in ONE_THREAD.items()]
-    run = cluster.cli("run", "--job", "mig", "--tp", "2", "--dp", "2", "--standby", "2", *env,
-                      "--", sys.executable, *_job_args(out))
-    assert run.returncode == 0, run.stderr
-    assert "rank 2 on node-b" in run.stdout and "rank 3 on node-b" in run.stdout
-    # Drain while the job trains: let every rank get going first.
-    cluster.wait_for("ranks running", lambda s: all(
-        n.workers >= 1 for n in s.nodes), timeout=60)
-    time.sleep(3)
+    _run_job(cluster, out)
+    _wait_standbys(cluster, ("node-s1", "node-s2"))
     drain = cluster.cli("drain", "node-b", "--deadline", "120", "--wait", timeout=180)
     assert drain.returncode == 0, drain.stdout + drain.stderr
-    cluster.wait_for("the job to finish", lambda s: s.job("mig") is not None and
-                     s.job("mig").state in ("done", "failed"), timeout=240)  # type: ignore
-    job = cluster.status().job("mig")
-    assert job is not None and job.state == "done", job.status
+    job = _finish(cluster)
     assert job.assignment is not None and job.assignment.epoch == 2
     assert job.assignment.ranks == ("node-a", "node-a", "node-s1", "node-s2")
-    events = [json.loads(line) for line in cluster.cli("events", "--json").stdout.splitlines()]
+    events = _events(cluster)
     kinds = [e["kind"] for e in events]
     for phase in ("planned", "preparing", "ready", "done"):
         assert f"migration-{phase}" in kinds, kinds
@@ -123,4 +150,57 @@ def test_drain_moves_a_tp_pair_live_and_the_result_is_bitwise_identical(
     for rank in (2, 3):
         summary = json.loads((out / f"rank{rank}.json").read_text())
         assert summary["step"] == STEPS
+    assert_bitwise_equal(reference, out, world=4)
+
+
+def test_one_rank_drained_twice_rebuilds_only_its_groups(etcd: EmbeddedEtcd, reference: Path,
+                                                          tmp_path: Path) -> None:
+    nodes = {"node-a": 1, "node-b": 1, "node-c": 1, "node-d": 1}
+    c = _start(etcd, tmp_path / "cluster", nodes, ("node-s1", "node-s2"))
+    try:
+        out = tmp_path / "out"
+        _run_job(c, out)
+        _wait_standbys(c, ("node-s1", "node-s2"))
+        # rank 1: TP partner rank 0 stays on node-a, DP partner rank 3 on node-d
+        assert c.cli("drain", "node-b", "--wait", "--deadline", "120",
+                     timeout=180).returncode == 0
+        c.wait_for("epoch 2", lambda s: s.job("mig").assignment.epoch == 2)  # type: ignore
+        assert c.cli("drain", "node-s1", "--wait", "--deadline", "120",
+                     timeout=180).returncode == 0
+        job = _finish(c)
+        assert job.assignment.epoch == 3
+        assert job.assignment.ranks == ("node-a", "node-s2", "node-c", "node-d")
+        # Rank 2 shares no group with rank 1 but the job-wide one: only "world" was rebuilt.
+        c_log = c.daemons["node-c"].log_text()
+        assert "Phase 1 of migration" in c_log and "rebuilding ['world']" in c_log
+        assert c_log.count("Started rank 2 of job mig") == 1
+        assert_bitwise_equal(reference, out, world=4)
+    finally:
+        c.stop_all(timeout=5)
+
+
+def test_killing_the_joiner_aborts_cleanly_and_a_retry_finishes(cluster: LocalCluster,
+                                                                reference: Path,
+                                                                tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    _run_job(cluster, out)
+    _wait_standbys(cluster, ("node-s1", "node-s2"))
+    assert cluster.cli("drain", "node-b", "--deadline", "200").returncode == 0
+    s1 = cluster.daemons["node-s1"]
+    deadline = time.monotonic() + 60
+    while "Standby chosen to take over rank" not in s1.log_text():
+        assert time.monotonic() < deadline, "no joiner was chosen on node-s1"
+        time.sleep(0.02)
+    pid = next(json.loads(line)["pid"] for line in s1.log_text().splitlines()
+               if '"child": "mig.standby"' in line and "started with pid" in line)
+    os.kill(pid, 9)
+    cluster.wait_for("the migration to be aborted", lambda s: any(
+        e["kind"] == "migration-aborted" for e in _events(cluster)), timeout=60)
+    aborted = next(e for e in _events(cluster) if e["kind"] == "migration-aborted")
+    assert "joiner on node-s1 died" in aborted["message"], aborted
+    # The leavers trained on meanwhile; the controller tries again with a fresh standby, which
+    # may or may not finish before the job does. Either way nothing is lost.
+    job = _finish(cluster)
+    retried = sum(e["kind"] == "migration-done" for e in _events(cluster))
+    assert job.assignment.epoch == 1 + retried
     assert_bitwise_equal(reference, out, world=4)
