@@ -14,6 +14,7 @@ from understudy.daemon.records import (
     Event,
     JobSpec,
     JobStatus,
+    Migration,
     NodeRecord,
     RegistryEntry,
 )
@@ -55,6 +56,7 @@ class JobView:
     spec: JobSpec
     status: JobStatus | None
     assignment: Assignment | None
+    migration: Migration | None = None
 
     @property
     def state(self) -> str:
@@ -68,6 +70,11 @@ class JobView:
             "tp": self.spec.tp, "dp": self.spec.dp, "standby": self.spec.standby,
             "argv": list(self.spec.argv), "epoch": a.epoch if a else 0,
             "ranks": list(a.ranks) if a else [], "standbys": list(a.standbys) if a else [],
+            "migration": None if self.migration is None else {
+                "id": self.migration.id, "phase": str(self.migration.phase),
+                "ranks": list(self.migration.ranks), "leavers": list(self.migration.leavers),
+                "joiners": list(self.migration.joiners), "reason": self.migration.reason,
+                "timings": self.migration.timings},
         }
 
 
@@ -144,6 +151,7 @@ async def _read_jobs(store: EtcdStore, keys: Keys, ignored: list[str]) -> list[J
     specs: dict[str, JobSpec] = {}
     statuses: dict[str, JobStatus] = {}
     assignments: dict[str, Assignment] = {}
+    migrations: dict[str, Migration] = {}
     for kv in (await store.get_prefix(keys.jobs))[0]:
         job, _, rest = Keys.name_of(kv.key, keys.jobs).partition("/")
         try:
@@ -153,9 +161,11 @@ async def _read_jobs(store: EtcdStore, keys: Keys, ignored: list[str]) -> list[J
                 statuses[job] = JobStatus.decode(kv.value)
             elif rest == "assignment":
                 assignments[job] = Assignment.decode(kv.value)
+            elif rest == "migration":
+                migrations[job] = Migration.decode(kv.value)
         except RecordError:
             ignored.append(kv.key)
-    return [JobView(spec, statuses.get(name), assignments.get(name))
+    return [JobView(spec, statuses.get(name), assignments.get(name), migrations.get(name))
             for name, spec in sorted(specs.items())]
 
 

@@ -158,6 +158,12 @@ def _print_jobs(status: ClusterStatus) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r[:4], widths, strict=True)) + "  " + r[4])
+    for j in status.jobs:
+        m = j.migration
+        if m is not None and m.active:
+            moves = ", ".join(f"rank {r} {ln} -> {jn}" for r, ln, jn in
+                              zip(m.ranks, m.leavers, m.joiners, strict=True))
+            print(f"  migration {m.id} of {j.spec.name}: {m.phase} ({m.reason}): {moves}")
 
 
 def _print_event(ev: Event, as_json: bool) -> None:
@@ -167,6 +173,11 @@ def _print_event(ev: Event, as_json: bool) -> None:
     else:
         stamp = datetime.datetime.fromtimestamp(ev.time).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
         print(f"{stamp}  {ev.kind:<20} {ev.node:<16} {ev.message}", flush=True)
+        timings = ev.details.get("timings") if ev.kind.startswith("migration-") else None
+        if isinstance(timings, dict):
+            phases = sorted(((v, k) for k, v in timings.items() if isinstance(v, int | float)))
+            print(" " * 25 + "phases, seconds after planned: " +
+                  ", ".join(f"{k} {v:.3f}" for v, k in phases), flush=True)
 
 
 async def _require_node(store: EtcdStore, keys: Keys, name: str) -> ClusterStatus:

@@ -142,6 +142,9 @@ def test_drain_moves_a_tp_pair_live_and_the_result_is_bitwise_identical(
         assert f"migration-{phase}" in kinds, kinds
     done = next(e for e in events if e["kind"] == "migration-done")
     assert {"planned", "ready", "done"} <= done["details"]["timings"].keys()
+    assert "phases, seconds after planned: planned 0.000" in cluster.cli("events").stdout
+    migration = json.loads(cluster.cli("status", "--json").stdout)["jobs"][0]["migration"]
+    assert migration["phase"] == "done" and migration["ranks"] == [2, 3]
     # The ranks that stayed never restarted: one process each for the whole run.
     a_log = cluster.daemons["node-a"].log_text()
     assert a_log.count("Started rank 0 of job mig") == 1
