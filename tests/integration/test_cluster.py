@@ -6,7 +6,6 @@ import json
 import signal
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,17 +14,6 @@ from understudy.daemon.embedded_etcd import EmbeddedEtcd
 from understudy.daemon.localcluster import LocalCluster
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def cluster(etcd: EmbeddedEtcd, tmp_path: Path) -> Iterator[LocalCluster]:
-    c = LocalCluster(etcd_endpoint=etcd.endpoint, base_dir=tmp_path / "cluster")
-    try:
-        yield c
-    finally:
-        c.stop_all(timeout=5)
-        for name, d in c.daemons.items():
-            assert "Traceback" not in d.log_text(), f"{name} logged a traceback"
 
 
 def _three(c: LocalCluster) -> None:

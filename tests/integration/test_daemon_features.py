@@ -6,28 +6,15 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.cloud_metadata import AwsHandler, AwsState, serve
-from understudy.daemon.embedded_etcd import EmbeddedEtcd
 from understudy.daemon.localcluster import LocalCluster
 from understudy.worker.daemon_client import DaemonClient, DaemonError
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def cluster(etcd: EmbeddedEtcd, tmp_path: Path) -> Iterator[LocalCluster]:
-    c = LocalCluster(etcd_endpoint=etcd.endpoint, base_dir=tmp_path / "cluster")
-    try:
-        yield c
-    finally:
-        c.stop_all(timeout=5)
-        for name, d in c.daemons.items():
-            assert "Traceback" not in d.log_text(), f"{name} logged a traceback"
 
 
 def _config(tmp_path: Path, body: str) -> list[str]:

@@ -1,0 +1,24 @@
+"""Fixtures for the end-to-end layer: real daemons around the real etcd of tests/conftest.py."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from understudy.daemon.embedded_etcd import EmbeddedEtcd
+from understudy.daemon.localcluster import LocalCluster
+
+
+@pytest.fixture
+def cluster(etcd: EmbeddedEtcd, tmp_path: Path) -> Iterator[LocalCluster]:
+    """An empty local cluster; daemons started with ``cluster.add`` are stopped afterwards, and
+    none of them may have logged a traceback."""
+    c = LocalCluster(etcd_endpoint=etcd.endpoint, base_dir=tmp_path / "cluster")
+    try:
+        yield c
+    finally:
+        c.stop_all(timeout=5)
+        for name, d in c.daemons.items():
+            assert "Traceback" not in d.log_text(), f"{name} logged a traceback"
