@@ -1,0 +1,133 @@
+"""A Megatron-core GPT job on the understudy worker API: TP x DP on CPU, plain Adam.
+
+The model is megatron-core's ``GPTModel`` with the local layer spec (2 layers, hidden 64, 4
+heads, vocabulary 128, sequences of 32 tokens by default), built on the job's versioned groups
+by :class:`understudy.worker.megatron.adapter.MegatronJob`; the data is synthetic and derives
+from ``(seed, step, dp_index)``. Every run with the same arguments is bitwise identical, and so
+is a run whose ranks move to standbys midway under ``understudy run``.
+
+Four ranks, TP=2 x DP=2, bootstrapped through a file store::
+
+    for r in 0 1 2 3; do
+        python examples/megatron_gpt/train.py --rank $r --world-size 4 --tp 2 \\
+            --store /tmp/gpt-store --steps 50 --save /tmp/gpt-out &
+    done; wait
+
+The same job under the daemons, with two warm standbys::
+
+    understudy run --job gpt --tp 2 --dp 2 --standby 2 -- \\
+        python examples/megatron_gpt/train.py --steps 200 --save /tmp/gpt-out
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# megatron-core 0.16.1 warns at import about what this machine lacks (Apex, Transformer Engine)
+# and about its own deprecated modules, and torch 2.13 warns about the torch.jit.script_method
+# decorators it uses. None of it concerns this job; silence exactly those, for the import only.
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=r"(Apex|Transformer Engine).* not installed",
+                            category=UserWarning)
+    warnings.filterwarnings("ignore", message=r"`torch\.jit\.script_method` is deprecated",
+                            category=DeprecationWarning)
+    warnings.filterwarnings("ignore", message=r"The (following imports|'megatron\.core\.)",
+                            category=DeprecationWarning)
+    from understudy.worker.megatron.adapter import GPTShape, MegatronJob, file_store_groups
+
+from understudy.daemon import logs
+from understudy.worker.api import JobContext
+from understudy.worker.errors import record
+from understudy.worker.runtime import Runtime
+
+
+class GPTJob(MegatronJob):
+    """:class:`MegatronJob` with optional extra work per step (to stand in for a bigger model)."""
+
+    def __init__(self, shape: GPTShape | None = None, step_sleep: float = 0.0) -> None:
+        super().__init__(shape)
+        self.step_sleep = step_sleep
+
+    def compute(self, step: int) -> float:
+        if self.step_sleep:
+            time.sleep(self.step_sleep)
+        return super().compute(step)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rank", type=int, default=int(os.environ.get("RANK", "0")))
+    p.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", "1")))
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--store", help="file shared by all ranks to bootstrap groups (standalone "
+                   "runs; under `understudy run` the daemons bootstrap the groups)")
+    p.add_argument("--job", default="megatron-gpt")
+    p.add_argument("--steps", type=int, required=True, help="stop once this many are committed")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--collective-timeout", type=float, default=60.0)
+    p.add_argument("--group-timeout", type=float, default=300.0,
+                   help="gloo's own timeout (standalone); keep it above --collective-timeout")
+    p.add_argument("--save", type=Path, help="directory for the final state, losses and timings")
+    p.add_argument("--step-sleep", type=float, default=0.0,
+                   help="seconds of extra work per step (to stand in for a bigger model)")
+    return p.parse_args(argv)
+
+
+@record
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if os.environ.get("UNDERSTUDY_JOB"):
+        return _under_understudy(args)
+    if args.store is None:
+        raise SystemExit("--store is needed when the job does not run under `understudy run`")
+    logs.configure(stream=sys.stderr)
+    groups, provider = file_store_groups(args.store, job=args.job, rank=args.rank,
+                                         world_size=args.world_size, tp=args.tp,
+                                         timeout=args.group_timeout)
+    ctx = JobContext(job=args.job, rank=args.rank, world_size=args.world_size, tp=args.tp,
+                     groups=provider, seed=args.seed, collective_timeout=args.collective_timeout)
+    runtime = Runtime(GPTJob(step_sleep=args.step_sleep), ctx)
+    runtime.build()
+    runtime.run(args.steps)
+    if args.save is not None:
+        save(runtime, args.save, args.rank)
+    groups.close()
+    return 0
+
+
+def _under_understudy(args: argparse.Namespace) -> int:
+    """Under ``understudy run``: the launcher sets up the groups, migrations and standbys."""
+    from understudy.worker.launch import main as launch
+
+    def finish(runtime: Runtime) -> None:
+        if args.save is not None:
+            save(runtime, args.save, runtime.ctx.rank)
+
+    return launch(lambda: GPTJob(step_sleep=args.step_sleep), args.steps, seed=args.seed,
+                  on_finish=finish, collective_timeout=args.collective_timeout)
+
+
+def save(runtime: Runtime, directory: Path, rank: int) -> None:
+    """The state as ``rank<r>.pt``; the counters, this process's losses and the timings as
+    ``rank<r>.json``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    torch.save(runtime.state(), directory / f"rank{rank}.pt")
+    job: Any = runtime.job
+    summary = {"step": runtime.step, "redone": runtime.redone,
+               "losses": {str(s): v for s, v in sorted(job.losses.items())},
+               "timings": [asdict(t) for t in runtime.timings]}
+    (directory / f"rank{rank}.json").write_text(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
