@@ -71,3 +71,65 @@ def test_control_plane_smoke(tmp_path: Path) -> None:
     assert 1 < fp["rss_mib"]["median"] <= fp["rss_mib"]["max"]
     assert 0 <= fp["cpu_percent_of_one_core"]["median"] <= fp["cpu_percent_of_one_core"]["max"]
     assert sum(data["daemon_log_tracebacks"].values()) == 0
+
+
+@pytest.mark.timeout(240)
+def test_migration_smoke(tmp_path: Path) -> None:
+    if shutil.which("etcd") is None:
+        pytest.fail("etcd is not installed: the test command installs it (scripts/test)")
+    out_file = tmp_path / "migration.json"
+    res = run_benchmark("migration.py", "--smoke", "--out", str(out_file), timeout=200)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "downtime (phase 2)" in res.stdout
+
+    data = json.loads(out_file.read_text())
+    assert {"benchmark", "command", "machine", "config", "summary", "repeats"} <= set(data)
+    assert {"platform", "cpu_count", "python", "etcd_version"} <= set(data["machine"])
+    assert "--smoke" in data["command"]
+    cfg = data["config"]
+    assert cfg["smoke"] is True and cfg["repeats"] == 1
+    assert len(data["repeats"]) == cfg["repeats"]
+
+    for rep in data["repeats"]:
+        # The switch happened mid-run, at one step that both joiners started from.
+        assert 0 < rep["switch_step"] < cfg["steps"]
+        assert set(rep["survivors"]) == {"0", "1"} and set(rep["joiners"]) == {"2", "3"}
+        for s in rep["survivors"].values():
+            assert 0 < s["normal_step_s"] < s["switch_step_s"]
+            assert s["switch_boundary_s"] <= s["switch_step_s"]
+            assert s["downtime_s"] == pytest.approx(s["switch_step_s"] - s["normal_step_s"],
+                                                   abs=1e-5)  # microsecond JSON
+            assert s["redone"] == 0
+        assert rep["downtime_s"] == max(s["downtime_s"] for s in rep["survivors"].values())
+        # The phases follow each other; the steps before the switch are placed in them.
+        ph = rep["phases_s"]
+        assert ph["planned"] == 0
+        assert ph["planned"] < ph["preparing"] <= ph["ready"] <= ph["switching"]
+        assert ph["switching"] <= ph["done"]
+        assert rep["phase1_s"] == ph["ready"]
+        counted = rep["phase1_steps"]["count"] + rep["steps_before_planned"]
+        assert 0 <= counted <= rep["switch_step"]
+        # Each leaver sent the same kind of state: the toy job's, tens of kilobytes.
+        assert set(rep["transfers"]) == {"2", "3"}
+        for t in rep["transfers"].values():
+            assert t["step"] == rep["switch_step"]
+            assert 1_000 < t["payload_bytes"] < 10_000_000 and t["entries"] > 0
+            assert t["seconds"] > 0 and t["mb_per_s"] > 0
+        p2p = rep["p2p"]
+        assert p2p["raw"]["state"]["bytes"] == rep["transfers"]["2"]["payload_bytes"]
+        assert p2p["raw"]["64MiB"]["bytes"] == 64 * 1024 * 1024
+        for kind in ("raw", "send_state"):
+            assert p2p[kind]["64MiB"]["mb_per_s"] > 10
+            assert p2p[kind]["state"]["median_s"] < p2p[kind]["64MiB"]["median_s"]
+        assert rep["daemon_log_tracebacks"] == 0
+
+    s = data["summary"]
+    d = s["downtime"]
+    assert d["target_s"] == 0.25 and d["summary"]["n"] == cfg["repeats"]
+    assert {"median", "min", "max", "p90", "spread"} <= set(d["summary"])
+    assert 0 < d["summary"]["min"] <= d["summary"]["median"] <= d["summary"]["max"]
+    assert d["excess_around_switch_s"]["median"] > 0  # the switch step itself is in it
+    assert s["transfer"]["state_payload_bytes"] > 0
+    assert s["transfer"]["fraction_of_raw_64mib_bandwidth"] > 0
+    assert s["p2p"]["target_fraction"] == 0.7
+    assert s["p2p"]["send_state_fraction_of_raw_64mib"]["median"] > 0

@@ -28,6 +28,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests.integration import bitwise
+from tests.integration.bitwise import load_state
 from understudy.daemon.embedded_etcd import EmbeddedEtcd
 from understudy.daemon.localcluster import LocalCluster
 
@@ -62,19 +64,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _standalone(tmp_path_factory.mktemp("reference"))
 
 
-def _leaves(tree: Any, path: str = "") -> Iterator[tuple[str, Any]]:
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            yield from _leaves(v, f"{path}/{k}")
-    elif isinstance(tree, list | tuple):
-        for i, v in enumerate(tree):
-            yield from _leaves(v, f"{path}[{i}]")
-    else:
-        yield path, tree
-
-
 def _state(directory: Path, rank: int) -> dict[str, Any]:
-    return dict(_leaves(torch.load(directory / f"rank{rank}.pt", weights_only=False)))
+    return load_state(directory, rank)
 
 
 def _summary(directory: Path, rank: int) -> dict[str, Any]:
@@ -83,18 +74,8 @@ def _summary(directory: Path, rank: int) -> dict[str, Any]:
 
 
 def assert_bitwise_equal(expected_dir: Path, actual_dir: Path, world: int = 4) -> None:
-    for rank in range(world):
-        a, b = _state(expected_dir, rank), _state(actual_dir, rank)
-        assert a.keys() == b.keys(), f"rank {rank}: {sorted(a.keys() ^ b.keys())}"
-        assert any("/job/tracker/model-parallel-rng" in k for k in a), sorted(a)
-        for key, va in a.items():
-            vb = b[key]
-            if torch.is_tensor(va):
-                assert va.dtype == vb.dtype and torch.equal(va, vb), f"rank {rank} {key} differs"
-            elif key.endswith("redone"):
-                continue  # a count of redone attempts is not training state
-            else:
-                assert va == vb, f"rank {rank} {key}: {va!r} != {vb!r}"
+    assert any("/job/tracker/model-parallel-rng" in k for k in load_state(expected_dir, 0))
+    bitwise.assert_bitwise_equal(expected_dir, actual_dir, world)
 
 
 def _cpu_module() -> Any:

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
+from tests.integration.bitwise import assert_bitwise_equal
 from understudy.daemon.embedded_etcd import EmbeddedEtcd
 from understudy.daemon.localcluster import LocalCluster
 
@@ -98,32 +98,6 @@ def _finish(c: LocalCluster) -> Any:
     job = c.status().job("mig")
     assert job is not None and job.state == "done", job.status if job else None
     return job
-
-
-def _leaves(tree: Any, path: str = "") -> Iterator[tuple[str, Any]]:
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            yield from _leaves(v, f"{path}/{k}")
-    elif isinstance(tree, list | tuple):
-        for i, v in enumerate(tree):
-            yield from _leaves(v, f"{path}[{i}]")
-    else:
-        yield path, tree
-
-
-def assert_bitwise_equal(expected_dir: Path, actual_dir: Path, world: int) -> None:
-    for rank in range(world):
-        a = dict(_leaves(torch.load(expected_dir / f"rank{rank}.pt", weights_only=False)))
-        b = dict(_leaves(torch.load(actual_dir / f"rank{rank}.pt", weights_only=False)))
-        assert a.keys() == b.keys(), f"rank {rank}: {sorted(a.keys() ^ b.keys())}"
-        for key, va in a.items():
-            vb = b[key]
-            if torch.is_tensor(va):
-                assert va.dtype == vb.dtype and torch.equal(va, vb), f"rank {rank} {key} differs"
-            elif key.endswith("redone"):
-                continue  # a count of redone attempts is not training state
-            else:
-                assert va == vb, f"rank {rank} {key}: {va!r} != {vb!r}"
 
 
 def test_drain_moves_a_tp_pair_live_and_the_result_is_bitwise_identical(
