@@ -9,12 +9,14 @@ import pytest
 from understudy.daemon.errors import RecordError
 from understudy.daemon.fencing import FenceTimer
 from understudy.daemon.planner import (
+    AdvanceMigration,
     AssignJob,
     ClusterView,
     JobView,
     MarkFailed,
     PruneEvents,
     SetJobState,
+    StartMigration,
     plan,
 )
 from understudy.daemon.records import (
@@ -24,6 +26,8 @@ from understudy.daemon.records import (
     JobSpec,
     JobState,
     JobStatus,
+    Migration,
+    MigrationPhase,
     NodeRecord,
     RankExit,
     RegistryEntry,
@@ -174,3 +178,74 @@ def test_job_ends_done_failed_or_failed_with_a_lost_node() -> None:
     assert any(isinstance(x, MarkFailed) and x.node == "b" for x in actions)
     (lost,) = [x for x in actions if isinstance(x, SetJobState)]
     assert "node b holding rank 1 is gone" in lost.reason
+
+
+def _migrating_view(progress: frozenset[str] = frozenset(), phase: str = "planned",
+                    now: float = 10.0, drop: str = "") -> tuple[ClusterView, Migration]:
+    a = Assignment(job="j", epoch=1, ranks=("a", "a", "b", "b"), standbys=("s1", "s2"),
+                   reason="", updated_at=0)
+    running = JobStatus(job="j", state=JobState.RUNNING, reason="", updated_at=0)
+    m = Migration(job="j", id="e2-1", from_epoch=1, to_epoch=2, ranks=(2, 3),
+                  leavers=("b", "b"), joiners=("s1", "s2"), phase=MigrationPhase(phase),
+                  reason="drain of b", created_at=1.0, deadline=100.0, updated_at=1.0)
+    live = {"a": _live("a", NodeState.ACTIVE, 2), "b": _live("b", NodeState.DRAINING, 2),
+            "s1": _live("s1", NodeState.STANDBY, 1), "s2": _live("s2", NodeState.STANDBY, 1)}
+    live.pop(drop, None)
+    view = ClusterView(registry={n: (_entry(n), 1) for n in ("a", "b", "s1", "s2")},
+                       live=live, jobs={"j": JobView(_spec(), running, a, migration=m,
+                                                     progress=progress)})
+    return view, m
+
+
+def test_a_drain_pairs_each_leaving_rank_with_a_standby() -> None:
+    view, _ = _migrating_view()
+    job = view.jobs["j"]
+    fresh = ClusterView(registry=view.registry, live=view.live, jobs={"j": JobView(
+        job.spec, job.status, job.assignment)}, drain_deadlines={"b": 50.0})
+    (start,) = plan(fresh, now=10.0)
+    assert isinstance(start, StartMigration)
+    m = start.migration
+    assert (m.ranks, m.leavers, m.joiners) == ((2, 3), ("b", "b"), ("s1", "s2"))
+    assert (m.from_epoch, m.to_epoch, m.deadline) == (1, 2, 50.0)
+    assert "rank 2 b -> s1" in start.reason
+
+
+def test_a_drain_without_enough_standbys_plans_nothing() -> None:
+    view, _ = _migrating_view(drop="s2")
+    job = view.jobs["j"]
+    fresh = ClusterView(registry=view.registry, live=view.live, jobs={"j": JobView(
+        job.spec, job.status, job.assignment)})
+    assert not [x for x in plan(fresh, now=10.0) if isinstance(x, StartMigration)]
+
+
+def test_migration_phases_follow_the_reports() -> None:
+    def step(progress: set[str], phase: str) -> list[object]:
+        view, _ = _migrating_view(frozenset(progress), phase)
+        return [x for x in plan(view, now=10.0) if isinstance(x, AdvanceMigration)]
+
+    assert step(set(), "planned") == []
+    (a,) = step({"bound/2", "bound/3"}, "planned")
+    assert a.phase == MigrationPhase.PREPARING  # type: ignore[attr-defined]
+    world = {f"prepared/{r}" for r in range(4)}
+    assert step(world, "preparing") == [], "the joiners have not prepared yet"
+    (b,) = step(world | {"joiner-prepared/2", "joiner-prepared/3"}, "preparing")
+    assert b.phase == MigrationPhase.READY  # type: ignore[attr-defined]
+    (c,) = step({"switched/2", "switched/3"}, "ready")
+    assert c.phase == MigrationPhase.DONE  # type: ignore[attr-defined]
+    new = c.assignment  # type: ignore[attr-defined]
+    assert (new.epoch, new.ranks, new.standbys) == (2, ("a", "a", "s1", "s2"), ())
+
+
+def test_migrations_abort_on_deadline_dead_joiner_or_report() -> None:
+    view, m = _migrating_view(phase="preparing")
+    (late,) = [x for x in plan(view, now=m.deadline + 1) if isinstance(x, AdvanceMigration)]
+    assert late.phase == MigrationPhase.ABORTED and "deadline" in late.reason
+    view, _ = _migrating_view(phase="preparing", drop="s1")
+    (gone,) = [x for x in plan(view, now=10.0) if isinstance(x, AdvanceMigration)]
+    assert gone.phase == MigrationPhase.ABORTED and "s1 is gone" in gone.reason
+    view, _ = _migrating_view(frozenset({"aborted"}), phase="switching")
+    (told,) = [x for x in plan(view, now=10.0) if isinstance(x, AdvanceMigration)]
+    assert told.phase == MigrationPhase.ABORTED
+    # While switching, the ranks decide: a late deadline alone does not pull the plug.
+    view, m = _migrating_view(phase="switching")
+    assert not [x for x in plan(view, now=m.deadline + 1) if isinstance(x, AdvanceMigration)]
