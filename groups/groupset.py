@@ -158,6 +158,26 @@ class GroupSet:
         self.switch([name])
         return self.current(name)
 
+    def reserve(self, name: str, rank: int, size: int) -> VersionedGroup:
+        """The stable object of group ``name`` before it has any version (a joiner builds its
+        model on it while phase 1 has not begun). Its collectives raise
+        ``NoCurrentVersionError`` until the first :meth:`switch`.
+
+        Raises:
+            ValueError: a bad name, or the group exists with another rank or size.
+        """
+        _check_name("group", name)
+        if not 0 <= rank < size:
+            raise ValueError(f"rank {rank} is outside a group of {size}")
+        with self._lock:
+            group = self._groups.get(name)
+            if group is None:
+                group = self._groups[name] = VersionedGroup(name, rank, size)
+            elif (group.rank(), group.size()) != (rank, size):
+                raise ValueError(f"{name} is rank {group.rank()} of {group.size()}, not "
+                                 f"{rank} of {size}")
+            return group
+
     def prepare(self, name: str, version: int, members: Sequence[str]) -> GroupVersion:
         """Start building version ``version`` of ``name`` for ``members`` in the background.
 

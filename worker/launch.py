@@ -26,7 +26,7 @@ from collections.abc import Callable
 from understudy.daemon import env
 from understudy.daemon import logs as daemon_logs
 from understudy.groups.groupset import GroupSet
-from understudy.worker.api import JobContext, TrainingJob
+from understudy.worker.api import JobContext, TrainingJob, group_ranks
 from understudy.worker.daemon_client import DaemonClient
 from understudy.worker.errors import install_excepthook
 from understudy.worker.migration import (
@@ -34,6 +34,7 @@ from understudy.worker.migration import (
     Joiner,
     MigrationHook,
     group_members,
+    group_names,
     member,
     wait_for_plan,
 )
@@ -79,6 +80,11 @@ def main(make_job: Callable[[], TrainingJob], steps: int, *, seed: int = 0,
         log.info(f"Standby chosen to take over rank {rank}.", migration=plan.id)
         groups = GroupSet(job, member(rank, node), epoch=plan.to_epoch,
                           timeout=collective_timeout)
+        # The group objects exist before their first version, so the model is built now,
+        # while phase 1 runs, not inside the switch.
+        for logical, name in group_names(rank, world, tp).items():
+            ranks = group_ranks(logical, rank, world, tp)
+            groups.reserve(name, ranks.index(rank), len(ranks))
         runtime = _runtime(make_job, job, rank, world, tp, seed, groups, collective_timeout)
         runtime.build()
         joiner = Joiner(control, groups, plan, job=job, rank=rank, node=node, tp=tp,

@@ -476,3 +476,18 @@ def test_hash_store_defines_the_store_contract() -> None:
     store = dist.HashStore()
     store.set_timeout(timedelta(seconds=0.3))
     check_store_contract(store, 0.3)
+
+
+def test_a_reserved_group_exists_before_its_first_version() -> None:
+    from understudy.groups.errors import NoCurrentVersionError
+    from understudy.groups.groupset import GroupSet
+
+    gs = GroupSet("job", "w0", store_factory=lambda ns, cancel: dist.HashStore())
+    group = gs.reserve("tp-0", 0, 2)
+    assert gs.current("tp-0") is group and (group.rank(), group.size()) == (0, 2)
+    with pytest.raises(NoCurrentVersionError):
+        group.allreduce([torch.zeros(1)], dist.AllreduceOptions())
+    assert gs.reserve("tp-0", 0, 2) is group
+    with pytest.raises(ValueError, match="rank 0 of 2"):
+        gs.reserve("tp-0", 1, 2)
+    gs.close()
