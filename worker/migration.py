@@ -267,9 +267,9 @@ class MigrationHook:
         pair = pair_name(self.rank, self._plan.version)
         try:
             self.groups.switch([pair])
-            transport = PairGroupTransport(self.groups.current(pair),
-                                           timeout_s=self.transfer_timeout)
-            stats = send_state(transport, state)
+            with PairGroupTransport(self.groups.current(pair),
+                                    timeout_s=self.transfer_timeout) as transport:
+                stats = send_state(transport, state)
         except TransferError as exc:
             self.log.warning(f"Handing the state off failed: {exc}.")
             self._report(f"transferred/{self.rank}", f"failed: {exc}".encode())
@@ -367,6 +367,7 @@ class Joiner:
         finally:
             watcher_stop.set()
             watcher.join(2)
+            transport.close()
         self.groups.switch(names)
         self.groups.epoch = self.plan.to_epoch
         self.log.info(f"Took over rank {self.rank}: {stats}.", epoch=self.plan.to_epoch)

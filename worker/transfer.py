@@ -5,6 +5,19 @@ optimizer state, RNG states...) or plain picklable values (step, schedule, data 
 ``random.getstate()``...). :func:`send_state` streams it over a :class:`StateTransport`;
 :func:`receive_state` / :func:`receive_into` rebuild it on the other end, bit for bit.
 
+Use (both ends hold a 2-rank group, the *transfer pair*; the caller owns the transport)::
+
+    with PairGroupTransport(pair_pg, timeout_s=30) as t:          # the leaver
+        stats = send_state(t, {"model": model.state_dict(), "optim": opt.state_dict(),
+                               "rng": torch.get_rng_state(), "step": step},
+                           should_abort=cancelled.is_set)
+    log.info("state sent", transfer=str(stats))                   # MB/s, chunks, peak staging
+
+    with PairGroupTransport(pair_pg, timeout_s=30) as t:          # the joiner
+        state, stats = receive_into(t, {"model": model.state_dict(),
+                                        "optim": opt.state_dict()})
+    opt.load_state_dict(state["optim"])  # parameters and optimizer tensors already hold it
+
 The seam: :class:`StateTransport`
 ---------------------------------
 A transport is one end of an ordered, reliable byte channel between the two members of a
@@ -14,13 +27,18 @@ implementation:
 * ``send(buf)`` / ``recv(buf)`` start moving a 1-D, contiguous, non-empty ``uint8`` tensor on
   ``transport.device`` and return a :class:`Pending`; the caller leaves ``buf`` alone until
   ``wait()`` has returned. Per direction the k-th send fills the k-th recv (same length).
-* ``Pending.wait()`` returns once the operation completed, and raises :class:`TransferError`
-  after at most the transport's timeout without completion, at once when the peer is gone, and
-  promptly after ``abort()``. Waiting twice is harmless.
+* ``Pending.wait(should_abort=None)`` returns once the operation completed. It raises
+  :class:`TransferError` after at most the transport's timeout without completion; promptly
+  (within the transport's poll interval) once ``should_abort()`` returns true, which also
+  aborts the transport; and promptly when the peer is gone or has closed its end while the
+  operation is incomplete. Waiting twice is harmless; an operation that completed stays so.
 * ``abort(reason)`` may be called from any thread, returns promptly, and is idempotent: every
-  pending and later wait on this end raises ``TransferError`` naming the reason, and the peer's
-  waits fail as if this end had died. After any ``TransferError`` the transport is spent; it is
-  built for one transfer and then dropped.
+  incomplete and later wait on this end raises ``TransferError`` naming the reason, and the
+  peer's waits fail as if this end had died.
+* ``close()`` ends this end's use of the channel after its transfers: it tells the peer, waits
+  briefly for the peer to do the same, and stops the transport's threads. Idempotent; a
+  transport left open is closed at interpreter exit.
+* After any ``TransferError`` the transport is spent: it serves no new operation.
 
 :class:`PairGroupTransport` implements it over a 2-rank ``torch.distributed`` group with nothing
 but point-to-point ``send``/``recv`` of tensors, so the same code runs on gloo (CPU) and NCCL.
@@ -29,16 +47,19 @@ The wire protocol (version 1)
 -----------------------------
 1. leaver -> joiner: a 32-byte header (magic, version, manifest length, crc32 of the manifest).
 2. leaver -> joiner: the manifest, a pickle of ``{version, chunk_bytes, checksum, entries,
-   skeleton}``: one entry ``(path, dtype, shape, device type)`` per tensor, in state order, and
-   the *skeleton*, the state pickled with every tensor replaced by a reference to its entry.
-   Plain Python values travel inside the skeleton; the manifest is capped by
-   ``max_manifest_bytes`` on both ends.
+   staged, skeleton}``: one entry ``(path, dtype, shape, device type)`` per tensor, in state
+   order; the chunks the leaver packs into its staging buffer; the *skeleton*, the state
+   pickled with every tensor replaced by a reference to its entry. Plain Python values travel
+   inside the skeleton; the manifest is capped by ``max_manifest_bytes`` on both ends.
 3. joiner -> leaver: a 128-byte reply: the manifest is accepted, or why not.
-4. leaver -> joiner: the chunks, each followed by a 16-byte trailer (chunk index, digest). Both
-   ends derive the same chunk plan from the manifest (:func:`_plan`): a tensor of at least
+4. leaver -> joiner: the chunks, then a table of their digests (8 bytes each). Both ends
+   derive the same chunk plan from the manifest (:func:`_plan`): a tensor of at least
    ``chunk_bytes // 8`` bytes is cut into chunks of its own, of ``chunk_bytes`` but for its
    last; smaller ones are packed in order, each at a multiple of :data:`ALIGN` (zero gaps),
-   into shared chunks of at most ``chunk_bytes``. The joiner keeps up to 8 chunks posted ahead.
+   into shared chunks of at most ``chunk_bytes``. The joiner keeps up to 16 chunks posted
+   ahead, so the bytes never wait for a receive, and digests each chunk as it lands. When the
+   leaver is about to reuse its staging buffer, the joiner first acknowledges (16 bytes) that
+   the leaver's previous staged chunk landed: the leaver never waits for a send.
 5. joiner -> leaver: a final reply: every chunk verified, or which did not. A corrupted chunk
    does not stop the stream: the joiner drains it to the end, so that both ends' operations
    stay matched, then reports.
@@ -60,14 +81,18 @@ joiner's own tensors wherever path, dtype and shape match.
 
 Checksums: each chunk's digest is a 64-bit blake2b over its length, the wrapping int64 sums
 of its 4 KiB rows, and its last partial row. The row sums are one torch reduction where the
-bytes are (on the GPU for NCCL: only 1/512 of the bytes reach the host), computed by the leaver
-while the chunk is in flight and by the joiner while the next chunks land. It detects every
-change confined to one row (bit flips, garbage, stale or zeroed bytes), truncation, shifted or
-misplaced data; what it misses (compensating changes within one row, words swapped within a
-row) is not what wires and memories do. Measured here on the 2-core development machine with an
-84 MiB state, against raw send/recv of the same bytes: crc32 (``zlib``) over every chunk
-reached 35-55 % of raw, the row sums 70-100 %; crc32 also needs every byte on the host.
-The manifest, small, is protected by crc32.
+bytes are (on the GPU for NCCL only 1/512 of the bytes reach the host), computed by the leaver
+while the chunk is in flight and by the joiner while the next chunks land. Any change to a
+single 8-byte word (every bit flip), truncation and shifted or misplaced data are always
+detected; random damage (garbage, stale or zeroed bytes) escapes with odds of about 2**-64 per
+row; what escapes for sure (compensating changes within one row, words swapped within a row)
+is not what wires and memories do. Chosen by measurement on the 2-core development machine
+(84 MiB state, 8 MiB chunks, joiner writing into existing tensors, 15 interleaved runs,
+medians): raw send/recv 1.9 GB/s; no checksum 1.56 GB/s; these digests 1.56 GB/s; crc32
+(``zlib``, the first candidate) 0.99 GB/s. On two cores every pass over the bytes competes
+with the copies themselves, crc32 is several times slower per byte than a sum, and it needs
+every byte on the host. Per-entry checksums in the manifest were rejected: they need a full
+pass over the state before the first byte moves. The manifest is protected by crc32.
 
 Trust: the manifest is unpickled. The peer is a member of the same job, admitted by the
 epoch-fenced bootstrap store; checksums guard against corruption, not against a malicious peer.
@@ -75,13 +100,17 @@ epoch-fenced bootstrap store; checksums guard against corruption, not against a 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import ctypes
 import hashlib
 import io
+import itertools
 import math
 import pickle
+import queue
+import re
 import struct
 import threading
 import time
@@ -105,13 +134,15 @@ ALIGN = 16
 VERSION = 1
 CHECKSUM = "rowsum64-blake2b"
 _ROW_WORDS = 512  # 4 KiB rows for the chunk digest
-#: Chunks the joiner keeps posted ahead (and the leaver keeps in flight); costs no memory for
-#: chunks that move straight between tensors.
-_LOOKAHEAD = 8
+#: Chunks the joiner keeps posted ahead; costs no memory for chunks that move straight between
+#: tensors.
+_LOOKAHEAD = 16
 
 _HEADER = struct.Struct("<8sIIQI4x")   # magic, version, flags, manifest length, manifest crc
 _HEADER_MAGIC = b"USTXFER\x00"
 _DIGESTS = struct.Struct("<4sI")       # magic, count; then one u64 digest per chunk
+_ACK = struct.Struct("<4sQ4x")         # magic, chunk index
+_ACK_MAGIC = b"USTG"
 _DIGESTS_MAGIC = b"UDGT"
 _REPLY = struct.Struct("<4sI120s")     # magic, status, reason
 _REPLY_MAGIC = b"UACK"
@@ -128,9 +159,9 @@ class TransferError(UnderstudyError):
 
 
 class Pending(Protocol):
-    def wait(self) -> None:
-        """Block until the operation completed. Raises :class:`TransferError` (see the module
-        docstring for when)."""
+    def wait(self, should_abort: AbortCheck | None = None) -> None:
+        """Block until the operation completed, polling ``should_abort`` meanwhile. Raises
+        :class:`TransferError` (see the module docstring for when)."""
 
 
 class StateTransport(Protocol):
@@ -145,6 +176,8 @@ class StateTransport(Protocol):
     def recv(self, buf: torch.Tensor) -> Pending: ...
 
     def abort(self, reason: str) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class _PairGroup(Protocol):
@@ -162,31 +195,59 @@ class _PairGroup(Protocol):
 class PairGroupTransport:
     """:class:`StateTransport` over a 2-rank process group: gloo on CPU, NCCL on GPU.
 
-    ``timeout_s`` bounds every wait. ``abort`` must also release a wait that is blocked in the
-    backend: gloo's ``ProcessGroupGloo.abort()`` does not, and its send/recv works have no
-    future to poll, so on gloo ``abort`` waits on a receive that is never matched for 1 ms;
-    gloo answers an expired wait by closing every pair of the group, which fails the blocked
-    waits here and, through the closed connection, the peer's. Other backends get
-    ``pg.abort()`` (NCCL aborts the communicator). Either way the group is spent: it was built
-    for this one transfer.
+    A backend wait can be neither sliced nor cancelled (gloo's send/recv works have no future,
+    ``Work.wait(timeout)`` closes the pair when it expires, ``ProcessGroupGloo.abort()`` wakes
+    nobody). So each wait runs on this transport's waiter thread, bounded by ``timeout_s``, while
+    the caller's thread waits for it in slices of ``poll_s``, between which it checks
+    ``should_abort`` and whether the transport was spent meanwhile.
+
+    Gloo fails an operation promptly when the peer dies only if the peer had not started on it;
+    one in mid-transfer is released by its timeout alone. So on gloo a watch thread also holds a
+    receive that only the peer's :meth:`close` (or its death) completes: the moment it does, the
+    transport is spent and the caller's wait ends, whatever the backend does with the op
+    itself. ``abort`` on gloo waits on a receive that is never matched for 1 ms: gloo answers an
+    expired wait by closing every pair of the group, which fails the peer's waits too. Other
+    backends get ``pg.abort()`` (NCCL aborts the communicator); there a wait blocks the host,
+    and so honours ``timeout_s``, only with ``TORCH_NCCL_BLOCKING_WAIT=1``. The data path
+    itself is nothing but tensor send/recv. Use it as a context manager, or call :meth:`close`.
     """
 
-    _DATA_TAG = 0
-    _ABORT_TAG = 1
+    _DATA_TAG, _ABORT_TAG, _CLOSE_TAG = 0, 1, 2
 
-    def __init__(self, pg: _PairGroup, *, timeout_s: float = 30.0,
+    def __init__(self, pg: _PairGroup, *, timeout_s: float = 30.0, poll_s: float = 0.05,
                  device: torch.device | str = "cpu") -> None:
         if pg.size() != 2:
             raise ValueError(f"a transfer pair has 2 ranks, this group has {pg.size()}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+        if not timeout_s > 0 or not poll_s > 0:
+            raise ValueError(f"timeout_s and poll_s must be positive, got {timeout_s!r} and "
+                             f"{poll_s!r}")
         self._pg = pg
         self._peer = 1 - pg.rank()
         self._timeout = timedelta(seconds=timeout_s)
+        self._poll_s = poll_s
         self._device = torch.device(device)
+        self._gloo = _backend_name(pg) == "gloo"
         self._lock = threading.Lock()
         self._spent: str | None = None   # why this transport can no longer be used
-        self._aborted = False
+        self._peer_left = False          # the peer closed or died (not our own doing)
+        self._aborted = self._closing = False
+        # One waiter per direction: within a direction operations complete in the order they
+        # were issued, so each waits them out in that order, as soon as they are issued.
+        self._waiters = {what: _Waiter(what, self._timeout) for what in ("send", "receive")}
+        _OPEN.add(self)
+        self._watch: threading.Thread | None = None
+        if self._gloo:
+            self._watch = threading.Thread(target=self._watch_peer, daemon=True,
+                                           name="understudy-transfer-peer")
+            self._watch_op: Any = pg.recv([torch.empty(1, dtype=torch.uint8)], self._peer,
+                                          self._CLOSE_TAG)
+            self._watch.start()
+
+    def __enter__(self) -> PairGroupTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def device(self) -> torch.device:
@@ -204,7 +265,7 @@ class PairGroupTransport:
                 return
             self._aborted = True
             self._spent = self._spent or f"the transfer was aborted: {reason}"
-        if _backend_name(self._pg) == "gloo":
+        if self._gloo:
             never = torch.empty(1, dtype=torch.uint8)
             with contextlib.suppress(RuntimeError):  # the expected outcome: pairs closed
                 self._pg.recv([never], self._peer, self._ABORT_TAG).wait(
@@ -214,13 +275,64 @@ class PairGroupTransport:
             if abort is not None:
                 abort()
 
+    def close(self) -> None:
+        """Tell the peer this end is done, and stop this end's threads. The peer's own close is
+        awaited for a second at most (it has nothing left to say after a transfer: every
+        operation of both ends was waited for), then the pair is aborted. Idempotent."""
+        with self._lock:
+            closing, self._closing = self._closing, True
+            was_spent, self._spent = self._spent, self._spent or "the transport was closed"
+        if closing:
+            return
+        if self._watch is not None:
+            if was_spent is None:
+                with contextlib.suppress(RuntimeError):
+                    bye = torch.ones(1, dtype=torch.uint8)
+                    self._pg.send([bye], self._peer, self._CLOSE_TAG).wait(self._timeout)
+            self._watch.join(min(1.0, self._timeout.total_seconds()))
+            if self._watch.is_alive():
+                self.abort("the peer did not close its end")
+                self._watch.join(1.0)
+            if not self._watch.is_alive():
+                # A gloo work keeps its group's connections alive: one that outlives the
+                # interpreter is torn down with the process and aborts it.
+                self._watch_op = None
+        # A waiter stuck in an operation the backend never fails ends at that operation's
+        # timeout; it holds what the operation needs, and _join_at_exit waits for it.
+        for waiter in self._waiters.values():
+            waiter.stop(1.0)
+        if not any(waiter.alive for waiter in self._waiters.values()):
+            _OPEN.discard(self)  # else _join_at_exit waits for the stuck one
+
+    def _join(self) -> None:
+        """Wait for this end's threads to leave the backend: a daemon thread still inside a
+        C++ wait when the interpreter finalises aborts the process."""
+        self.close()
+        for waiter in self._waiters.values():
+            waiter.stop(max(0.0, waiter.busy_until - time.monotonic()) + 1.0)
+        _OPEN.discard(self)
+
+    def _watch_peer(self) -> None:
+        try:
+            self._watch_op.wait(timedelta(days=1))  # ended by the peer's close, death, or abort
+            why = f"peer rank {self._peer} closed the transfer pair"
+        except RuntimeError as exc:
+            if "Application timeout" in str(exc):
+                return  # this end closed the pairs (a wait timed out, or abort): not the peer
+            why = f"peer rank {self._peer} is gone: {_first_line(str(exc))}"
+        with self._lock:
+            if not self._closing and self._spent is None:
+                self._spent, self._peer_left = why, True
+
     def _start(self, buf: torch.Tensor, what: str) -> _GroupOp:
         if (buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous()
                 or buf.numel() == 0 or buf.device != self._device):
             raise ValueError(f"a transport buffer is a non-empty contiguous 1-D uint8 tensor on "
                              f"{self._device}, got {buf.dtype} {tuple(buf.shape)} on "
                              f"{buf.device}")
-        self._raise_if_spent()
+        with self._lock:
+            if self._spent is not None:
+                raise TransferError(self._spent)
         try:
             if what == "send":
                 work = self._pg.send([buf], self._peer, self._DATA_TAG)
@@ -228,49 +340,100 @@ class PairGroupTransport:
                 work = self._pg.recv([buf], self._peer, self._DATA_TAG)
         except RuntimeError as exc:
             raise self._failed(what, exc) from exc
-        return _GroupOp(self, work, what, buf)
+        op = _GroupOp(self, work, what, buf)
+        self._waiters[what].put(op)
+        return op
 
-    def _raise_if_spent(self) -> None:
-        with self._lock:
-            if self._spent is not None:
-                raise TransferError(self._spent)
+    def _await(self, op: _GroupOp, should_abort: AbortCheck | None) -> None:
+        while not op.event.wait(self._poll_s):
+            if should_abort is not None and should_abort():
+                self.abort("the caller asked for it")
+            with self._lock:
+                spent, peer_left = self._spent, self._peer_left
+            if spent is not None:
+                # What the peer sent before it left has arrived; give the waiter a moment to
+                # say so before calling the operation lost.
+                if peer_left and op.event.wait(min(1.0, self._timeout.total_seconds())):
+                    break
+                raise TransferError(spent)
+        if op.error is not None:
+            raise self._failed(op.what, op.error) from op.error
+        if op.completed is False:
+            raise TransferError(f"a {op.what} with peer rank {self._peer} was interrupted")
 
     def _failed(self, what: str, exc: RuntimeError) -> TransferError:
         text = str(exc)
         with self._lock:
-            if self._aborted:
-                assert self._spent is not None
-                return TransferError(self._spent)
-            if "Timed out" in text or "timed out" in text:
-                why = (f"no progress for {self._timeout.total_seconds():g}s on a {what} with "
-                       f"peer rank {self._peer}: the peer is frozen or gone")
-            else:
-                why = f"a {what} with peer rank {self._peer} failed: {_first_line(text)}"
-            self._spent = self._spent or why
-            return TransferError(why)
+            if self._spent is None:
+                if "Timed out" in text or "timed out" in text:
+                    self._spent = (f"no progress for {self._timeout.total_seconds():g}s on a "
+                                   f"{what} with peer rank {self._peer}: the peer is frozen or "
+                                   f"gone")
+                else:
+                    self._spent = (f"a {what} with peer rank {self._peer} failed: "
+                                   f"{_first_line(text)}")
+            return TransferError(self._spent)  # the first failure is the cause
+
+
+class _Waiter:
+    """A named thread that waits out one direction's operations in order, each bounded by the
+    transport's timeout, and flags each one's outcome for the caller's sliced wait."""
+
+    def __init__(self, what: str, timeout: timedelta) -> None:
+        self._timeout = timeout
+        self._queue: queue.SimpleQueue[_GroupOp | None] = queue.SimpleQueue()
+        self.busy_until = 0.0  # monotonic deadline of the operation being waited for
+        self._thread = threading.Thread(target=self._loop, daemon=True,
+                                        name=f"understudy-transfer-{what}")
+        self._thread.start()
+
+    def put(self, op: _GroupOp) -> None:
+        self._queue.put(op)
+
+    def stop(self, join_s: float) -> None:
+        self._queue.put(None)
+        self._thread.join(join_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _loop(self) -> None:
+        while (op := self._queue.get()) is not None:
+            self.busy_until = time.monotonic() + self._timeout.total_seconds()
+            try:
+                op.completed = op.work.wait(self._timeout)
+            except RuntimeError as exc:
+                op.error = exc
+            op.event.set()
+            del op  # the buffer goes as soon as the caller lets it go
+
+
+#: Transports not closed yet. Held strongly: their threads outlive the caller's reference, and
+#: a thread still inside a backend wait when the interpreter finalises aborts the process
+#: ("terminate called without an active exception"), so every one is closed at exit.
+_OPEN: set[PairGroupTransport] = set()
+
+
+@atexit.register
+def _join_at_exit() -> None:
+    for transport in list(_OPEN):
+        transport._join()
 
 
 class _GroupOp:
     def __init__(self, owner: PairGroupTransport, work: Any, what: str,
                  buf: torch.Tensor) -> None:
-        self._owner = owner
-        self._work = work
-        self._what = what
-        self._buf = buf  # kept alive until the backend is done with it
-        self._done = False
+        self.owner = owner
+        self.work = work
+        self.what = what
+        self.buf = buf  # kept alive until the backend is done with it
+        self.event = threading.Event()
+        self.completed: bool | None = None
+        self.error: RuntimeError | None = None
 
-    def wait(self) -> None:
-        if self._done:
-            return
-        self._owner._raise_if_spent()
-        try:
-            completed = self._work.wait(self._owner._timeout)
-        except RuntimeError as exc:
-            raise self._owner._failed(self._what, exc) from exc
-        self._owner._raise_if_spent()
-        if completed is False:
-            raise TransferError(f"a {self._what} with the peer was interrupted")
-        self._done = True
+    def wait(self, should_abort: AbortCheck | None = None) -> None:
+        self.owner._await(self, should_abort)
 
 
 @dataclass
@@ -305,20 +468,22 @@ class TransferStats:
 def send_state(transport: StateTransport, state: Any, *,
                chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                max_manifest_bytes: int = DEFAULT_MAX_MANIFEST_BYTES,
-               should_abort: AbortCheck | None = None, poll_s: float = 0.05) -> TransferStats:
+               should_abort: AbortCheck | None = None) -> TransferStats:
     """Stream ``state`` to the peer; return once the peer has verified every byte.
 
-    ``should_abort`` is polled every ``poll_s`` seconds from a watchdog thread (a backend wait
-    cannot be sliced), so it must be thread-safe and cheap; when it returns true the transfer
-    is aborted on both ends.
+    ``should_abort`` (the daemon's word that the migration is off, or the peer gone) is
+    polled once per chunk and between the slices of every wait; when it returns true the
+    transfer is aborted on both ends.
 
     Raises:
         ValueError: ``chunk_bytes`` is not a positive multiple of :data:`ALIGN`, a leaf tensor
             is not a dense tensor with data, a tensor hides inside a non-container object, a
             plain value does not pickle, or the manifest exceeds ``max_manifest_bytes``.
+            Nothing was sent.
         TransferError: the peer rejected the manifest or a chunk, the peer died or went
             silent, or the transfer was aborted.
     """
+    start = time.perf_counter()
     if chunk_bytes <= 0 or chunk_bytes % ALIGN:
         raise ValueError(f"chunk_bytes must be a positive multiple of {ALIGN}, "
                          f"got {chunk_bytes!r}")
@@ -326,33 +491,33 @@ def send_state(transport: StateTransport, state: Any, *,
     skeleton = _flatten(state, (), tensors)
     entries = [_Entry(p, _dtype_name(t.dtype), tuple(t.shape), t.device.type)
                for p, t in tensors]
-    manifest = _dump_manifest(skeleton, entries, chunk_bytes)
+    stats = TransferStats("send", chunk_bytes=chunk_bytes, entries=len(entries))
+    sender = _Sender(transport, tensors, entries, chunk_bytes, stats, should_abort)
+    manifest = _dump_manifest(skeleton, entries, chunk_bytes, sender.staged)
     if len(manifest) > max_manifest_bytes:
         raise ValueError(f"the manifest takes {len(manifest)} bytes, more than "
                          f"max_manifest_bytes={max_manifest_bytes}: move large plain values "
                          f"into tensors")
-    stats = TransferStats("send", chunk_bytes=chunk_bytes, entries=len(entries),
-                          manifest_bytes=len(manifest))
-    sender = _Sender(transport, tensors, entries, chunk_bytes, stats)
-    with _Watchdog(transport, should_abort, poll_s):
-        _run(sender, lambda: sender.run(manifest))
+    stats.manifest_bytes = len(manifest)
+    _run(sender, lambda: sender.run(manifest))
+    stats.seconds = time.perf_counter() - start
     return stats
 
 
 def receive_state(transport: StateTransport, *,
                   max_manifest_bytes: int = DEFAULT_MAX_MANIFEST_BYTES,
                   device: torch.device | str | None = None,
-                  should_abort: AbortCheck | None = None, poll_s: float = 0.05,
+                  should_abort: AbortCheck | None = None,
                   on_chunk: ChunkHook | None = None) -> tuple[Any, TransferStats]:
     """Receive a state sent by :func:`send_state` into fresh tensors; see :func:`receive_into`."""
     return receive_into(transport, None, max_manifest_bytes=max_manifest_bytes, device=device,
-                        should_abort=should_abort, poll_s=poll_s, on_chunk=on_chunk)
+                        should_abort=should_abort, on_chunk=on_chunk)
 
 
 def receive_into(transport: StateTransport, target: Any, *,
                  max_manifest_bytes: int = DEFAULT_MAX_MANIFEST_BYTES,
                  device: torch.device | str | None = None,
-                 should_abort: AbortCheck | None = None, poll_s: float = 0.05,
+                 should_abort: AbortCheck | None = None,
                  on_chunk: ChunkHook | None = None) -> tuple[Any, TransferStats]:
     """Receive a state sent by :func:`send_state`, writing in place into ``target``'s tensors.
 
@@ -361,76 +526,37 @@ def receive_into(transport: StateTransport, target: Any, *,
     shape is overwritten in place (so the joiner's parameters and optimizer state are updated
     without a copy) and appears in the result as that very object; other entries get fresh
     contiguous tensors on ``device`` (default: the transport's), CPU entries stay on the CPU.
-    The result is the sender's tree; strides and aliasing between tensors are not preserved.
+    The result is the sender's tree; strides, ``requires_grad`` and aliasing between tensors are
+    not preserved.
 
-    ``on_chunk(index, landed_bytes)`` sees each chunk as it landed, before it is verified: an
-    instrumentation and fault-injection hook (writing to it simulates corruption on the wire).
+    ``should_abort``: as for :func:`send_state`. ``on_chunk(index, landed)``
+    sees each chunk's bytes as they landed, before they are digested: a hook for instruments
+    and fault injection (writing to ``landed`` is corruption on the wire); production passes
+    None.
 
     Raises:
         TransferError: the manifest is malformed, foreign or over ``max_manifest_bytes``, a
             chunk fails its checksum, the peer died or went silent, or the transfer was
             aborted. ``target``'s tensors are then partly written.
     """
+    start = time.perf_counter()
     stats = TransferStats("receive")
     dev = torch.device(device) if device is not None else transport.device
-    receiver = _Receiver(transport, stats, dev, on_chunk)
-    with _Watchdog(transport, should_abort, poll_s):
-        state = _run(receiver, lambda: receiver.run(target, max_manifest_bytes))
+    receiver = _Receiver(transport, stats, dev, on_chunk, should_abort)
+    state = _run(receiver, lambda: receiver.run(target, max_manifest_bytes))
+    stats.seconds = time.perf_counter() - start
     return state, stats
 
 
 def _run(end: _End, body: Callable[[], Any]) -> Any:
-    start = time.perf_counter()
     try:
         with torch.no_grad():
-            result = body()
+            return body()
     except BaseException as exc:
         if not end.peer_informed:  # make the peer fail now, not after its timeout
             end.transport.abort(str(exc) if isinstance(exc, TransferError)
                                 else f"{type(exc).__name__}: {exc}")
         raise
-    end.stats.seconds = time.perf_counter() - start
-    return result
-
-
-class _Watchdog:
-    """Polls ``should_abort`` on a named thread while a transfer runs; aborts the transport
-    when it says so. Stopped and joined (bounded) when the transfer ends."""
-
-    def __init__(self, transport: StateTransport, should_abort: AbortCheck | None,
-                 poll_s: float) -> None:
-        if not poll_s > 0:
-            raise ValueError(f"poll_s must be positive, got {poll_s!r}")
-        self._transport = transport
-        self._should_abort = should_abort
-        self._poll_s = poll_s
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def __enter__(self) -> _Watchdog:
-        if self._should_abort is not None:
-            self._thread = threading.Thread(target=self._loop, name="understudy-transfer-watch",
-                                            daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=1.0 + 4 * self._poll_s)
-
-    def _loop(self) -> None:
-        assert self._should_abort is not None
-        while True:
-            try:
-                reason = "the caller asked for it" if self._should_abort() else None
-            except Exception as exc:  # a broken predicate must not leave the transfer unguarded
-                reason = f"should_abort raised {type(exc).__name__}: {exc}"
-            if reason is not None:
-                self._transport.abort(reason)
-                return
-            if self._stop.wait(self._poll_s):
-                return
 
 
 # --- the state tree -----------------------------------------------------------------------
@@ -532,13 +658,15 @@ class _SkeletonUnpickler(pickle.Unpickler):
         return self._tensors[pid]
 
 
-def _dump_manifest(skeleton: Any, entries: list[_Entry], chunk_bytes: int) -> bytes:
+def _dump_manifest(skeleton: Any, entries: list[_Entry], chunk_bytes: int,
+                   staged: list[int]) -> bytes:
     buf = io.BytesIO()
     try:
         _SkeletonPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(skeleton)
         return pickle.dumps({
             "version": VERSION, "chunk_bytes": chunk_bytes, "align": ALIGN, "checksum": CHECKSUM,
             "entries": [(e.path, e.dtype, e.shape, e.device_type) for e in entries],
+            "staged": staged,
             "skeleton": buf.getvalue()}, protocol=pickle.HIGHEST_PROTOCOL)
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
         raise ValueError(f"the state's plain values do not pickle: {exc}") from exc
@@ -599,7 +727,9 @@ def _plain(t: torch.Tensor) -> bool:
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().reshape(-1).view(torch.uint8)
+    """The bytes of a :func:`_plain` tensor as a flat uint8 view. Not ``reshape(-1)``: a
+    contiguous tensor may carry any stride on a dimension of size 1."""
+    return t.detach().as_strided((t.numel(),), (1,)).view(torch.uint8)
 
 
 def _copy_elements(t: torch.Tensor, a: int, b: int, flat: torch.Tensor, to_flat: bool) -> None:
@@ -682,17 +812,15 @@ class _Staging:
             self._stats.peak_staging_bytes = max(self._stats.peak_staging_bytes, self.capacity)
         return self._buf[:nbytes]
 
-    @property
-    def size(self) -> int:
-        return 0 if self._buf is None else self._buf.numel()
-
 
 class _End:
     """What both ends share: this end's tensors and how a chunk maps onto them."""
 
-    def __init__(self, transport: StateTransport, stats: TransferStats) -> None:
+    def __init__(self, transport: StateTransport, stats: TransferStats,
+                 should_abort: AbortCheck | None) -> None:
         self.transport = transport
         self.stats = stats
+        self.should_abort = should_abort
         self.device = transport.device
         self.staging = _Staging(self.device, stats)
         self.tensors: list[torch.Tensor] = []
@@ -748,6 +876,15 @@ class _End:
         self.stats.wire_bytes += buf.numel()
         return self.transport.recv(buf)
 
+    def wait(self, op: Pending) -> None:
+        op.wait(self.should_abort)
+
+    def check_abort(self) -> None:
+        """Between chunks: the caller may call the transfer off while no wait is blocked."""
+        if self.should_abort is not None and self.should_abort():
+            self.transport.abort("the caller asked for it")
+            raise TransferError("the transfer was aborted: the caller asked for it")
+
     def describe(self, chunk: _Chunk) -> str:
         names = [self.entries[k].name for k, *_ in chunk.segments]
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
@@ -756,54 +893,66 @@ class _End:
 
 class _Sender(_End):
     def __init__(self, transport: StateTransport, tensors: list[tuple[Path, torch.Tensor]],
-                 entries: list[_Entry], chunk_bytes: int, stats: TransferStats) -> None:
-        super().__init__(transport, stats)
+                 entries: list[_Entry], chunk_bytes: int, stats: TransferStats,
+                 should_abort: AbortCheck | None) -> None:
+        super().__init__(transport, stats, should_abort)
         self.tensors = [t.detach() for _, t in tensors]
         self.entries = entries
         self.chunks, self.views = self.plan(chunk_bytes)
 
+    @property
+    def staged(self) -> list[int]:
+        """The chunks this end packs into its staging buffer (the joiner learns them from the
+        manifest, to acknowledge them when the staging is needed again)."""
+        return [c.index for c, v in zip(self.chunks, self.views, strict=True) if v is None]
+
     def run(self, manifest: bytes) -> None:
+        # This end never blocks on a send: gloo does not fail a send that the peer had matched
+        # but not yet read when the peer dies, so such a wait would last the whole timeout.
+        # What this end must know about its sends it learns from the joiner's replies instead,
+        # and a receive fails at once when the peer is gone.
         header = _HEADER.pack(_HEADER_MAGIC, VERSION, 0, len(manifest), zlib.crc32(manifest))
-        sends = [self.send(_to_tensor(header, self.device)),
-                 self.send(_to_tensor(manifest, self.device))]
-        accepted = torch.empty(_REPLY.size, dtype=torch.uint8, device=self.device)
-        self.recv(accepted).wait()  # first: a joiner that refuses the header takes no manifest
-        status, reason = _parse_reply(accepted)
+        head, body = _to_tensor(header, self.device), _to_tensor(manifest, self.device)
+        # every send, and the buffer it reads: kept alive until the send is known complete
+        sends: list[tuple[Pending, torch.Tensor]] = [(self.send(head), head),
+                                                     (self.send(body), body)]
+        reply = torch.empty(_REPLY.size, dtype=torch.uint8, device=self.device)
+        self.wait(self.recv(reply))
+        status, reason = _parse_reply(reply)
         if status != _OK:
             raise TransferError(f"the joiner rejected the manifest: {reason}")
-        for op in sends:
-            op.wait()
-        verdict = torch.empty(_REPLY.size, dtype=torch.uint8, device=self.device)
         digests: list[int] = []
-        inflight: deque[tuple[Pending, torch.Tensor]] = deque()  # sends, and what they read
-        staging_reader: Pending | None = None  # the send that still reads the staging buffer
+        staged_last: int | None = None  # the chunk the staging buffer holds
         for chunk, view in zip(self.chunks, self.views, strict=True):
+            self.check_abort()
             if view is None:
-                if staging_reader is not None:
-                    staging_reader.wait()
+                if staged_last is not None:
+                    self._await_ack(staged_last)  # the staging is free once that chunk landed
                 buf = self.staging.get(chunk.nbytes)
                 self.copy(chunk, buf, pack=True)
-                data = staging_reader = self.send(buf)
+                staged_last = chunk.index
             else:
                 buf = view
-                data = self.send(buf)
+            sends.append((self.send(buf), buf))
             digests.append(_digest(buf))  # while the bytes are in flight
-            inflight.append((data, buf))
-            while len(inflight) > _LOOKAHEAD:
-                inflight.popleft()[0].wait()
-        got = None
         if self.chunks:
             table = _to_tensor(_pack_digests(digests), self.device)
-            inflight.append((self.send(table), table))
-            got = self.recv(verdict)
-        while inflight:
-            inflight.popleft()[0].wait()
-        if got is not None:
-            got.wait()
-            status, reason = _parse_reply(verdict)
+            sends.append((self.send(table), table))
+            self.wait(self.recv(reply))
+            status, reason = _parse_reply(reply)
             if status != _OK:
                 self.peer_informed = True
                 raise TransferError(f"the joiner rejected the state: {reason}")
+        for op, _ in sends:  # all complete: the joiner has received everything
+            self.wait(op)
+
+    def _await_ack(self, index: int) -> None:
+        ack = torch.empty(_ACK.size, dtype=torch.uint8, device=self.device)
+        self.wait(self.recv(ack))
+        magic, got = _ACK.unpack(_to_bytes(ack))
+        if magic != _ACK_MAGIC or got != index:
+            raise TransferError(f"the joiner acknowledged chunk {got} (magic {magic!r}) where "
+                                f"chunk {index} was due: the two ends disagree on the plan")
 
 
 def _pack_digests(digests: list[int]) -> bytes:
@@ -822,23 +971,24 @@ def _unpack_digests(buf: torch.Tensor, count: int) -> list[int]:
 
 class _Receiver(_End):
     def __init__(self, transport: StateTransport, stats: TransferStats, device: torch.device,
-                 on_chunk: ChunkHook | None) -> None:
-        super().__init__(transport, stats)
+                 on_chunk: ChunkHook | None, should_abort: AbortCheck | None) -> None:
+        super().__init__(transport, stats, should_abort)
         self.alloc_device = device
         self.on_chunk = on_chunk
+        self.leaver_staged: list[int] = []
 
     def run(self, target: Any, max_manifest_bytes: int) -> Any:
         header = torch.empty(_HEADER.size, dtype=torch.uint8, device=self.device)
-        self.recv(header).wait()
+        self.wait(self.recv(header))
         magic, version, _, length, crc = _HEADER.unpack(_to_bytes(header))
         if magic != _HEADER_MAGIC or version != VERSION:
             self._reject(f"the stream is not an understudy state transfer of version "
                          f"{VERSION} (magic {magic!r}, version {version})")
-        if length > max_manifest_bytes:
+        if not 0 < length <= max_manifest_bytes:
             self._reject(f"the manifest takes {length} bytes, more than max_manifest_bytes="
                          f"{max_manifest_bytes}")
         raw = torch.empty(length, dtype=torch.uint8, device=self.device)
-        self.recv(raw).wait()
+        self.wait(self.recv(raw))
         manifest = _to_bytes(raw)
         del raw
         self.stats.manifest_bytes = length
@@ -849,13 +999,16 @@ class _Receiver(_End):
         except (ValueError, TypeError, KeyError, IndexError, pickle.UnpicklingError, EOFError,
                 AttributeError, ImportError) as exc:
             self._reject(f"the manifest is malformed: {exc}")
-        self.send(_reply(_OK, "", self.device)).wait()
-        self._stream(*self.plan(chunk_bytes))
+        self.wait(self.send(_reply(_OK, "", self.device)))
+        self._stream(*self.plan(chunk_bytes), self.leaver_staged)
         return state
 
     def _load(self, manifest: bytes, target: Any) -> tuple[Any, int]:
         m = pickle.loads(manifest)
         chunk_bytes = m["chunk_bytes"]
+        self.leaver_staged = [int(i) for i in m["staged"]]
+        if self.leaver_staged != sorted(set(self.leaver_staged)):
+            raise ValueError("the leaver's staged chunks are not in order")
         if (m["version"] != VERSION or m["align"] != ALIGN or m["checksum"] != CHECKSUM
                 or not isinstance(chunk_bytes, int) or chunk_bytes <= 0 or chunk_bytes % ALIGN):
             raise ValueError(f"unsupported parameters "
@@ -880,18 +1033,25 @@ class _Receiver(_End):
         return state, chunk_bytes
 
     def _reject(self, reason: str) -> NoReturn:
-        self.send(_reply(_REJECTED, reason, self.device)).wait()
+        self.wait(self.send(_reply(_REJECTED, reason, self.device)))
         self.peer_informed = True
         raise TransferError(f"the joiner rejected the transfer: {reason}")
 
-    def _stream(self, chunks: list[_Chunk], views: list[torch.Tensor | None]) -> None:
+    def _stream(self, chunks: list[_Chunk], views: list[torch.Tensor | None],
+                leaver_staged: list[int]) -> None:
         # Up to _LOOKAHEAD chunks are posted ahead, in order, so that the bytes never wait for
-        # a receive; a chunk that needs the staging waits until the previous one was unpacked.
+        # a receive. A chunk this end stages waits until the previous one was unpacked; a chunk
+        # the leaver stages waits until the leaver's previous one landed here and was
+        # acknowledged (the leaver reuses its staging on that word).
         if not chunks:
             return
+        # {a chunk the leaver stages: the one it staged before, to acknowledge first}
+        ack_before = {nxt: prev for prev, nxt in itertools.pairwise(leaver_staged)}
         posted: deque[tuple[torch.Tensor, Pending]] = deque()
+        sends: list[tuple[Pending, torch.Tensor]] = []
         staging_busy = False
         next_to_post = 0
+        landed = -1  # the last chunk whose bytes are here
         table = torch.empty(_DIGESTS.size + 8 * len(chunks), dtype=torch.uint8,
                             device=self.device)
         table_op: Pending | None = None
@@ -900,10 +1060,15 @@ class _Receiver(_End):
             nonlocal staging_busy, next_to_post, table_op
             while len(posted) < _LOOKAHEAD and next_to_post < len(chunks):
                 j = next_to_post
-                if views[j] is None:
-                    if staging_busy:
+                if views[j] is None and staging_busy:
+                    return
+                prev = ack_before.get(j)
+                if prev is not None:
+                    if landed < prev:
                         return
-                    staging_busy = True
+                    ack = _to_tensor(_ACK.pack(_ACK_MAGIC, prev), self.device)
+                    sends.append((self.send(ack), ack))
+                staging_busy = staging_busy or views[j] is None
                 buf = self.staging.get(chunks[j].nbytes) if views[j] is None else views[j]
                 assert buf is not None
                 posted.append((buf, self.recv(buf)))
@@ -914,17 +1079,20 @@ class _Receiver(_End):
         fill()
         digests: list[int] = []
         for chunk, view in zip(chunks, views, strict=True):
+            self.check_abort()
             buf, data = posted.popleft()
-            data.wait()
+            self.wait(data)
+            landed = chunk.index
+            fill()
             if self.on_chunk is not None:
                 self.on_chunk(chunk.index, buf)
             digests.append(_digest(buf))  # while the next chunks land
             if view is None:
                 self.copy(chunk, buf, pack=False)
                 staging_busy = False
-            fill()
+                fill()
         assert table_op is not None, "the table is posted once every chunk is"
-        table_op.wait()
+        self.wait(table_op)
         failed = [self.describe(c) for c, mine, theirs in zip(
             chunks, digests, _unpack_digests(table, len(chunks)), strict=True) if mine != theirs]
         # The verdict comes after every chunk: a failure is reported once the stream is drained,
@@ -932,7 +1100,10 @@ class _Receiver(_End):
         reason = f"{failed[0]} failed its checksum" if failed else ""
         if len(failed) > 1:
             reason += f" ({len(failed)} chunks failed)"
-        self.send(_reply(_CORRUPT if failed else _OK, reason, self.device)).wait()
+        verdict = _reply(_CORRUPT if failed else _OK, reason, self.device)
+        sends.append((self.send(verdict), verdict))
+        for op, _ in sends:
+            self.wait(op)
         if failed:
             self.peer_informed = True
             raise TransferError(f"{reason}: the state arrived corrupted")
@@ -946,4 +1117,7 @@ def _backend_name(pg: Any) -> str:
 
 
 def _first_line(text: str) -> str:
-    return text.strip().splitlines()[0] if text.strip() else text
+    """A backend message, cut to its first sentence, without gloo's ``[file.cc:123]`` prefix."""
+    line = text.strip().splitlines()[0] if text.strip() else text
+    line = re.sub(r"^\[[^\]]*\]\s*", "", line)
+    return line.split(". ")[0].rstrip(".")
