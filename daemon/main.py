@@ -14,7 +14,7 @@ import contextlib
 import io
 import signal
 import sys
-from typing import Any
+import time
 
 from understudy.daemon import config as config_mod
 from understudy.daemon import logs
@@ -24,6 +24,7 @@ from understudy.daemon.errors import ConfigError, StoreError, UnderstudyError
 from understudy.daemon.events import EventLog
 from understudy.daemon.health import HealthMonitor
 from understudy.daemon.jobs import JobRunner
+from understudy.daemon.keys import Keys
 from understudy.daemon.localsock import LocalServer
 from understudy.daemon.metrics import Metrics
 from understudy.daemon.node import NodeAgent
@@ -80,7 +81,7 @@ class Daemon:
         self.metrics = Metrics()
         self.store = EtcdStore(cfg.etcd, on_request=lambda op: self.metrics.etcd_requests
                                .labels(op=op).inc())
-        self.events = EventLog(self.store, _keys(cfg), cfg.node, self.metrics)
+        self.events = EventLog(self.store, Keys(cfg.etcd.prefix), cfg.node, self.metrics)
         self.supervisor = Supervisor(cfg.run_dir, on_exit=self._on_child_exit)
         self.agent = NodeAgent(cfg, self.store, self.metrics, self.events, self.supervisor,
                                self.stop)
@@ -89,7 +90,7 @@ class Daemon:
         self.jobs = JobRunner(self.agent, self.store, self.supervisor, self.stop)
         self.agent.listeners.append(self.jobs.poke)
         self.agent.before_stop = self.jobs.ranks_moved
-        self.local = LocalServer(cfg.socket_path, self.store, _keys(cfg), cfg.node,
+        self.local = LocalServer(cfg.socket_path, self.store, Keys(cfg.etcd.prefix), cfg.node,
                                  epoch_check=self.jobs.epoch_check,
                                  job_info=self.jobs.job_info)
         self.notifier = Notifier.from_env()
@@ -122,7 +123,7 @@ class Daemon:
     async def _on_notice(self, notice: Notice) -> None:
         deadline = self.cfg.drain.deadline
         if notice.deadline is not None:
-            deadline = max(1.0, min(deadline, notice.deadline - _wall()))
+            deadline = max(1.0, min(deadline, notice.deadline - time.time()))
         await self._request_drain(notice.source, notice.reason, deadline)
 
     async def _request_drain(self, source: str, reason: str, deadline: float) -> None:
@@ -137,7 +138,7 @@ class Daemon:
         monitor = await asyncio.to_thread(HealthMonitor.open, self.cfg.health)
         try:
             while not self.stop.is_set():
-                findings, decision = await monitor.check(_wall())
+                findings, decision = await monitor.check(time.time())
                 self.agent.health = tuple(f.problem for f in findings)
                 if decision is not None:
                     with contextlib.suppress(StoreError):
@@ -252,16 +253,6 @@ class Daemon:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stop.wait(), 1.0)
             await self.events.flush()
-
-
-def _keys(cfg: Config) -> Any:
-    from understudy.daemon.keys import Keys
-    return Keys(cfg.etcd.prefix)
-
-
-def _wall() -> float:
-    import time
-    return time.time()
 
 
 def main(argv: list[str] | None = None) -> int:

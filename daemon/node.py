@@ -57,6 +57,7 @@ class NodeAgent:
         self.lifecycle = NodeLifecycle()
         self.fence = FenceTimer(cfg.lease.fence_margin)
         self.lease: int | None = None
+        self._started_at = 0.0
         self.incarnation = ""
         self.cordoned = False
         self.drain_request: DrainRequest | None = None
@@ -95,7 +96,6 @@ class NodeAgent:
             first_failure=self.first_failure, health=self.health,
         )
 
-    _started_at = 0.0
 
     def _bad_value(self, collection: str, key: str, rev: int, exc: RecordError) -> None:
         if (key, rev) not in self._bad_seen:
