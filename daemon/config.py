@@ -66,6 +66,10 @@ class DrainConfig:
     deadline: float = 60.0
     #: Grace between SIGTERM and SIGKILL when stopping a worker.
     stop_grace: float = 5.0
+    #: A live migration that has not reached its switch this many seconds after it was planned
+    #: is aborted (the leavers keep training) and planned again with other standbys while the
+    #: drain's deadline allows. Read by the controller.
+    migration_timeout: float = 120.0
 
 
 @dataclass(frozen=True)
@@ -388,6 +392,8 @@ def validate(cfg: Config) -> None:
         )
     if cfg.drain.deadline <= 0 or cfg.drain.stop_grace <= 0:
         raise ConfigError("drain.deadline and drain.stop_grace must be positive")
+    if cfg.drain.migration_timeout <= 0:
+        raise ConfigError("drain.migration_timeout must be positive")
     if cfg.drain.stop_grace >= cfg.drain.deadline:
         raise ConfigError(
             f"drain.stop_grace ({cfg.drain.stop_grace}) must be below drain.deadline "

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from understudy.daemon import logs
+from understudy.daemon import failpoints, logs
 from understudy.daemon.errors import RecordError, StoreError
 from understudy.daemon.events import EventLog
 from understudy.daemon.keys import Keys
@@ -145,11 +145,20 @@ class Controller:
                     if self._need_relist or self.wall() - last_list > self.relist_interval:
                         await self._relist()
                         last_list = self.wall()
+                    failpoints.hit("controller.round")
                     await self._apply(plan(self._view(), self.wall()))
                 except StoreError as exc:
                     self.log.warning("Controller round failed; retrying.", error=str(exc))
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self.stop.wait(), 0.2)
+                except Exception:
+                    # A bug here would crash every daemon in turn as each is elected, and take
+                    # every node's workers with it: contain it, shout, and retry each second.
+                    self.metrics.errors.labels(kind="controller").inc()
+                    self.log.exception("The controller's round failed; it did nothing this "
+                                       "round and tries again.")
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.stop.wait(), 1.0)
         finally:
             lost.set()
             for t in watches:
@@ -255,7 +264,8 @@ class Controller:
     def _view(self) -> ClusterView:
         return ClusterView(registry=dict(self._registry), live=dict(self._live),
                            event_keys=tuple(self._event_keys), jobs=self._jobs.views(),
-                           drain_deadlines=dict(self._drain_deadlines))
+                           drain_deadlines=dict(self._drain_deadlines),
+                           migration_timeout=self.agent.cfg.drain.migration_timeout)
 
     async def _apply(self, actions: list[Action]) -> None:
         for action in actions:

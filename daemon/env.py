@@ -41,3 +41,6 @@ WORKER_ROLE = "UNDERSTUDY_WORKER_ROLE"
 NOTIFY_SOCKET = "NOTIFY_SOCKET"
 WATCHDOG_USEC = "WATCHDOG_USEC"
 WATCHDOG_PID = "WATCHDOG_PID"
+
+# Fault injection for tests (see daemon/failpoints.py); read by daemons and workers alike.
+FAILPOINTS = "UNDERSTUDY_FAILPOINTS"

@@ -78,6 +78,9 @@ class JobRunner:
         self._held_epoch: dict[str, int] = {}
         self._standby_failures: dict[str, int] = {}
         self._jobs: dict[str, _Job] = {}
+        #: child name -> (migration id, epoch) of a joiner promoted here whose migration may not
+        #: have committed yet
+        self._promoted: dict[str, tuple[str, int]] = {}
 
     async def run(self) -> None:
         watch = asyncio.create_task(self._watch(), name="jobs-watch")
@@ -140,7 +143,7 @@ class JobRunner:
         promotions = self._promotions(jobs)
         await self._promote(promotions, running)
         wanted: dict[str, tuple[_Job, int | None]] = {
-            name: (job, rank) for name, (job, rank, _) in promotions.items()}
+            name: (job, rank) for name, (job, rank, _, _) in promotions.items()}
         state = self.agent.state
         if self.agent.lease is not None:
             for job in jobs.values():
@@ -156,7 +159,10 @@ class JobRunner:
                 if self.node in job.assignment.standbys and state == NodeState.STANDBY:
                     wanted[standby_child(job.spec.name)] = (job, None)
         for name, (job, rank) in sorted(wanted.items()):
-            if name in running:
+            if name in running or (name in promotions and name not in
+                                   self._assigned_here(job)):
+                # a joiner's rank comes from its standby worker, never from a fresh process
+                # (until the new assignment makes it this node's rank)
                 continue
             assert job.spec and job.assignment
             if rank is None:
@@ -172,9 +178,14 @@ class JobRunner:
                 self.log.info("Stopping a worker this node no longer needs.", child=name)
                 await self.supervisor.stop(name, self.agent.cfg.drain.stop_grace)
 
-    def _promotions(self, jobs: dict[str, _Job]) -> dict[str, tuple[_Job, int, int]]:
+    def _assigned_here(self, job: _Job) -> set[str]:
+        assert job.spec and job.assignment
+        return {rank_child(job.spec.name, r) for r in job.assignment.ranks_on(self.node)}
+
+    def _promotions(self, jobs: dict[str, _Job]) -> dict[str, tuple[_Job, int, int, str]]:
         """Ranks this node takes over in a migration that reached its switch: child name ->
-        (job, rank, new epoch). Held from the switch on, before the new assignment lands."""
+        (job, rank, new epoch, migration id). Held from the switch on, before the new
+        assignment lands."""
         out = {}
         for job in jobs.values():
             m = job.migration
@@ -184,20 +195,21 @@ class JobRunner:
                 continue
             for rank, joiner in zip(m.ranks, m.joiners, strict=True):
                 if joiner == self.node:
-                    out[rank_child(m.job, rank)] = (job, rank, m.to_epoch)
+                    out[rank_child(m.job, rank)] = (job, rank, m.to_epoch, m.id)
         return out
 
-    async def _promote(self, promotions: dict[str, tuple[_Job, int, int]],
+    async def _promote(self, promotions: dict[str, tuple[_Job, int, int, str]],
                        running: set[str]) -> None:
         """A standby chosen as a joiner becomes the rank's child once the switch is agreed,
         and its node becomes active."""
-        for name, (job, rank, epoch) in promotions.items():
+        for name, (job, rank, epoch, migration) in promotions.items():
             self._held_epoch[name] = max(self._held_epoch.get(name, 0), epoch)
             assert job.spec is not None
             standby = standby_child(job.spec.name)
             if name in running or standby not in running:
                 continue
             self.supervisor.rename(standby, name)
+            self._promoted[name] = (migration, epoch)
             running.discard(standby)
             running.add(name)
             self.log.info(f"Standby promoted to rank {rank} of job {job.spec.name}.",
@@ -292,6 +304,10 @@ class JobRunner:
                                    child=child.name, cause=child.describe())
             return
         rank = int(m["rank"])
+        promoted = self._promoted.pop(child.name, None)
+        if promoted is not None and \
+                await self._joiner_died_before_commit(m["job"], rank, child, *promoted):
+            return
         epoch = self._held_epoch.get(child.name, 0)
         self._ended.add((m["job"], rank, epoch))
         code = child.returncode if child.returncode is not None else -(child.signal or 0)
@@ -311,6 +327,43 @@ class JobRunner:
                                  .encode())
         self.log.warning("A joiner died before the switch; its migration is called off.",
                          job=job, migration=m.id, cause=child.describe())
+
+    async def _joiner_died_before_commit(self, job: str, rank: int, child: ChildExit,
+                                         migration: str, epoch: int) -> bool:
+        """A joiner promoted at the switch died before its migration committed. If the
+        leaver's state never reached it, the leaver still holds the rank (the survivors switch
+        only after ``transferred ok``): the migration is called off, no exit is recorded for
+        the rank (the epoch is reused by the next attempt) and the node is a standby again.
+        True in that case; False if the joiner held the rank (its exit is the rank's)."""
+        j = self._jobs.get(job)
+        if j is None or j.assignment is None or j.assignment.epoch >= epoch:
+            return False
+        prefix = self.keys.kv(f"{job}/migration/{migration}")
+        for _ in range(20):
+            try:
+                transferred = await self.store.get(prefix + f"transferred/{rank}")
+                break
+            except StoreError:
+                if self.stop.is_set():
+                    return False
+                await wait_any((self.stop,), 0.5)
+        else:
+            return False
+        if transferred is not None and transferred.value == b"ok":
+            return False
+        with contextlib.suppress(StoreError):
+            await self.store.put(prefix + "aborted", f"the joiner on {self.node} died before "
+                                 f"it held the state: {child.describe()}".encode())
+        self.log.warning("A joiner died before it held the state; its migration is called "
+                         "off and the leaver keeps the rank.", job=job, rank=rank,
+                         migration=migration, cause=child.describe())
+        holds = any(jb.assignment and jb.assignment.ranks_on(self.node)
+                    for jb in self._jobs.values())
+        if self.agent.state == NodeState.ACTIVE and not holds:
+            with contextlib.suppress(StoreError):
+                await self.agent.set_state(NodeState.STANDBY,
+                                           "its joiner died before the switch completed")
+        return True
 
     async def _write_exit(self, job: str, rank: int, epoch: int, code: int, failed: bool,
                           description: str) -> None:

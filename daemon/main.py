@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keepalive-interval", type=float, help="seconds between keep-alives")
     p.add_argument("--fence-margin", type=float, help="fence this long before the lease ends")
     p.add_argument("--drain-deadline", type=float, help="default drain deadline in seconds")
+    p.add_argument("--migration-timeout", type=float,
+                   help="abort a live migration not switched this long after it was planned")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
     p.add_argument("--log-format", choices=("auto", "json", "console"))
     p.add_argument("--check-config", action="store_true",
@@ -67,6 +69,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         "metrics_listen": args.metrics_listen, "lease.ttl": args.lease_ttl,
         "lease.keepalive_interval": args.keepalive_interval,
         "lease.fence_margin": args.fence_margin, "drain.deadline": args.drain_deadline,
+        "drain.migration_timeout": args.migration_timeout,
         "log.level": args.log_level, "log.format": args.log_format,
     })
 

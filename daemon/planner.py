@@ -102,6 +102,8 @@ class ClusterView:
     jobs: Mapping[str, JobView] = field(default_factory=dict)
     #: node name -> deadline of its drain request, for nodes being drained
     drain_deadlines: Mapping[str, float] = field(default_factory=dict)
+    #: seconds a migration may take from planned to its switch (``drain.migration_timeout``)
+    migration_timeout: float = 120.0
 
 
 def plan(view: ClusterView, now: float, max_events: int = 1000) -> list[Action]:
@@ -220,11 +222,17 @@ def _plan_migration(job: JobView, a: Assignment, view: ClusterView,
                if n in view.live and view.live[n].state == NodeState.DRAINING]
     if not leaving:
         return None
-    free = [n for n in a.standbys if n in view.live and view.live[n].state == NodeState.STANDBY]
+    placeable = {rec.name for rec in placeable_nodes(view)}  # a cordoned standby takes no rank
+    free = [n for n in a.standbys if n in placeable and view.live[n].state == NodeState.STANDBY]
+    last = job.migration
+    if last is not None and last.phase == MigrationPhase.ABORTED:
+        # A joiner of the attempt that was just called off (hung, or being replaced) goes last.
+        free.sort(key=lambda n: n in last.joiners)
     if len(free) < len(leaving):
         return None  # the drain cannot be satisfied live; its deadline stops the ranks
     deadline = min((d for d in (view.drain_deadlines.get(n) for _, n in leaving) if d),
-                   default=now + 60.0)
+                   default=now + view.migration_timeout)
+    deadline = min(deadline, now + view.migration_timeout)
     # One id per attempt: an aborted attempt's reports never count for the next one.
     mig_id = f"e{a.epoch + 1}-{int(now * 1000)}"
     migration = Migration(
@@ -251,7 +259,9 @@ def _advance_migration(job: JobView, m: Migration, view: ClusterView,
         return [AdvanceMigration(m.job, m.id, MigrationPhase.ABORTED,
                                  f"joiner node {gone[0]} is gone")]
     if now > m.deadline and m.phase != MigrationPhase.SWITCHING:
-        return [AdvanceMigration(m.job, m.id, MigrationPhase.ABORTED, "the deadline passed")]
+        return [AdvanceMigration(
+            m.job, m.id, MigrationPhase.ABORTED,
+            f"the deadline passed ({m.phase} {now - m.created_at:.1f} s after it was planned)")]
     world = range(job.spec.world_size)
     if m.phase == MigrationPhase.PLANNED and reported("bound", m.ranks):
         return [AdvanceMigration(m.job, m.id, MigrationPhase.PREPARING, "joiners are bound")]

@@ -23,7 +23,7 @@ import signal
 import threading
 from collections.abc import Callable
 
-from understudy.daemon import env
+from understudy.daemon import env, failpoints
 from understudy.daemon import logs as daemon_logs
 from understudy.groups.groupset import GroupSet
 from understudy.worker.api import JobContext, TrainingJob, group_ranks
@@ -39,6 +39,7 @@ from understudy.worker.migration import (
     wait_for_plan,
 )
 from understudy.worker.runtime import Outcome, Runtime
+from understudy.worker.transfer import TransferError
 
 
 class LaunchError(RuntimeError):
@@ -58,6 +59,7 @@ def main(make_job: Callable[[], TrainingJob], steps: int, *, seed: int = 0,
     """Run this worker's part of the job. Returns the process exit code."""
     install_excepthook()
     daemon_logs.configure("info", "json")
+    failpoints.check()  # a malformed UNDERSTUDY_FAILPOINTS fails the worker at start
     job = _env(env.JOB)
     node = _env(env.CHILD_NODE)
     world, tp = int(_env(env.WORLD_SIZE)), int(_env(env.TP))
@@ -90,8 +92,17 @@ def main(make_job: Callable[[], TrainingJob], steps: int, *, seed: int = 0,
         joiner = Joiner(control, groups, plan, job=job, rank=rank, node=node, tp=tp,
                         nodes=nodes, timeout=collective_timeout)
         joiner.bound()
-        names = joiner.prepare()
-        runtime.load_state(joiner.receive(names))
+        try:
+            names = joiner.prepare()
+            runtime.load_state(joiner.receive(names))
+        except TransferError as exc:
+            # The migration was called off, or its state never arrived: the leaver keeps the
+            # rank. This standby is spent (half-built groups, a partly written model); leave
+            # at once, without tearing gloo down, and the daemon starts a fresh one.
+            log.warning(f"Taking over rank {rank} failed: {exc}. This standby leaves.",
+                        migration=plan.id)
+            control.close()
+            os._exit(0)
         joiner.switched()
         nodes = joiner.nodes
         finished: tuple[str, ...] = (plan.id,)

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from understudy.daemon import logs
+from understudy.daemon import failpoints, logs
 from understudy.groups.errors import GroupError
 from understudy.groups.groupset import GroupSet
 from understudy.worker.daemon_client import DaemonClient, DaemonError
@@ -144,11 +144,14 @@ class MigrationHook:
 
     def _current_plan(self) -> Plan | None:
         plan = Plan.from_info(self.control.job())
+        if self._plan is not None and (plan is None or plan.id != self._plan.id):
+            # called off (and maybe replaced) before this rank saw it end
+            self._forget("superseded" if plan is None else f"superseded by {plan.id}")
         if plan is None or plan.id in self._finished or plan.phase in ("done", "aborted"):
             if self._plan is not None and plan is not None and plan.id == self._plan.id:
                 self._forget(plan.phase)
             return None
-        if self._plan is None or self._plan.id != plan.id:
+        if self._plan is None:
             self._plan = plan
             self._prepared, self._reported_prepared, self._switch_next = [], False, False
             self._reports = DaemonClient(f"{self.job}/migration/{plan.id}",
@@ -180,14 +183,17 @@ class MigrationHook:
                                 (member(self.rank, leaver), member(self.rank, joiner)))
             self._prepared = [pair_name(self.rank, plan.version)]
             return
-        for name in self.groups.names():
+        # The job's groups only: a rank that joined through a transfer pair still holds it.
+        for name in group_names(self.rank, self.world_size, self.tp).values():
             before = group_members(name, self.nodes, self.tp)
             new = group_members(name, after, self.tp)
             if before != new:
                 self.groups.prepare(name, plan.version, new)
                 self._prepared.append(name)
         self.log.info(f"Phase 1 of migration {plan.id}: rebuilding {self._prepared}.",
-                      untouched=[n for n in self.groups.names() if n not in self._prepared])
+                      untouched=[n for n in group_names(self.rank, self.world_size,
+                                                        self.tp).values()
+                                 if n not in self._prepared])
 
     # -- the runtime's hook -----------------------------------------------------------------
 
@@ -363,7 +369,8 @@ class Joiner:
         watcher = threading.Thread(target=watch, name="joiner-watch", daemon=True)
         watcher.start()
         try:
-            state, stats = receive_state(transport)
+            state, stats = receive_state(
+                transport, on_chunk=lambda i, _: failpoints.hit("joiner.receive.chunk"))
         finally:
             watcher_stop.set()
             watcher.join(2)

@@ -76,6 +76,25 @@ def test_controller_failover(cluster: LocalCluster) -> None:
     cluster.wait_state(old, "failed", timeout=cluster.lease_ttl + 5)
 
 
+def test_a_failing_controller_round_is_contained(cluster: LocalCluster) -> None:
+    # Every daemon's controller round raises once (a failpoint standing in for a planner bug);
+    # no daemon dies of it, and the controller goes on deciding.
+    armed = {"UNDERSTUDY_FAILPOINTS": "controller.round=raise"}
+    for n, role in (("node-a", "active"), ("node-b", "active"), ("node-s", "standby")):
+        cluster.add(n, role, env=armed)
+    for n, role in (("node-a", "active"), ("node-b", "active"), ("node-s", "standby")):
+        cluster.wait_state(n, role)
+    cluster.wait_for("a controller", lambda s: s.controller is not None)
+    leader = cluster.status().controller
+    assert leader is not None
+    assert "The controller's round failed" in cluster.daemons[leader].log_text()
+    victim = next(n for n in ("node-a", "node-b") if n != leader)
+    cluster.daemons[victim].kill9()
+    cluster.wait_state(victim, "failed", timeout=cluster.lease_ttl + 5)
+    assert all(d.alive() for n, d in cluster.daemons.items() if n != victim)
+    assert _metric(cluster.daemons[leader].metrics_port, "understudy_errors_total") >= 1
+
+
 def test_drain_undrain_cordon_via_cli(cluster: LocalCluster) -> None:
     _three(cluster)
     out = cluster.cli("drain", "node-b", "--deadline", "20", "--wait")

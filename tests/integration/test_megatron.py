@@ -9,6 +9,9 @@
    ranks move live to the standbys, the job ends ``done`` at epoch 2, and the final state of
    every rank (parameters, Adam state, schedule, Megatron's TP RNG tracker, process RNGs, step)
    is bitwise equal to the uninterrupted standalone run; so are the losses of every step.
+3. One rank per node: a rank whose TP and DP partners stay is drained, then drained again from
+   the standby that took it; then another rank's joiner is killed in the middle of the state
+   stream: that migration aborts, the leaver trains on to the end. Bitwise equal again.
 
 The states the workers save load as plain tensors and dictionaries, without megatron-core.
 """
@@ -30,6 +33,7 @@ import torch
 
 from tests.integration import bitwise
 from tests.integration.bitwise import load_state
+from tests.integration.scenarios import events, start, wait_log, wait_standbys, worker_pid
 from understudy.daemon.embedded_etcd import EmbeddedEtcd
 from understudy.daemon.localcluster import LocalCluster
 
@@ -40,8 +44,10 @@ STEPS = 80
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-def _job_args(out: Path) -> list[str]:
-    return [TRAIN, "--steps", str(STEPS), "--step-sleep", "0.05", "--save", str(out)]
+def _job_args(out: Path, step_sleep: float = 0.05) -> list[str]:
+    # The sleep stands in for a bigger model's compute (room for slower scenarios); it never
+    # changes the state.
+    return [TRAIN, "--steps", str(STEPS), "--step-sleep", str(step_sleep), "--save", str(out)]
 
 
 def _standalone(base: Path) -> Path:
@@ -220,3 +226,55 @@ def test_drain_moves_megatron_ranks_live_and_the_result_is_bitwise_identical(
         expected = _summary(reference, rank)["losses"]
         assert summary["losses"] == {s: v for s, v in expected.items() if int(s) >= took_over}
     assert_bitwise_equal(reference, out)
+
+
+def test_one_rank_drained_twice_then_a_joiner_killed_mid_stream(etcd: EmbeddedEtcd,
+                                                                 reference: Path,
+                                                                 tmp_path: Path) -> None:
+    # node-s3's joiner stops after the first chunk of the state landed (a failpoint) and is
+    # killed there.
+    armed = {"node-s3": {"UNDERSTUDY_FAILPOINTS": "joiner.receive.chunk=sleep(120)"}}
+    c = start(etcd, tmp_path / "cluster", {"node-a": 1, "node-b": 1, "node-c": 1, "node-d": 1},
+              ("node-s1", "node-s2", "node-s3"), env=armed)
+    try:
+        out = tmp_path / "out"
+        env = [f"--env={k}={v}" for k, v in ONE_THREAD.items()]
+        run = c.cli("run", "--job", "gpt", "--tp", "2", "--dp", "2", "--standby", "3", *env,
+                    "--", sys.executable, *_job_args(out, step_sleep=0.9))
+        assert run.returncode == 0, run.stderr
+        for n in ("node-a", "node-b", "node-c", "node-d"):
+            wait_log(c.daemons[n], "built the Megatron GPT model", timeout=240)
+        wait_standbys(c, ("node-s1", "node-s2", "node-s3"), timeout=240)
+        # Rank 1: its TP partner (rank 0, node-a) and DP partner (rank 3, node-d) stay.
+        for node, epoch in (("node-b", 2), ("node-s1", 3)):
+            drain = c.cli("drain", node, "--deadline", "240", "--wait", timeout=300)
+            assert drain.returncode == 0, drain.stdout + drain.stderr
+            c.wait_for(f"epoch {epoch}",
+                       lambda s, e=epoch: s.job("gpt").assignment.epoch == e)
+        assert c.status().job("gpt").assignment.ranks == (
+            "node-a", "node-s2", "node-c", "node-d")
+        # Rank 2 (node-c) to node-s3, whose joiner dies mid-stream. node-s3 is cordoned first,
+        # so no retry can follow: the leaver keeps rank 2 to the end.
+        assert c.cli("drain", "node-c", "--deadline", "600").returncode == 0
+        s3, node_c = c.daemons["node-s3"], c.daemons["node-c"]
+        wait_log(s3, "failpoint joiner.receive.chunk fired", timeout=120)
+        assert c.cli("cordon", "node-s3").returncode == 0
+        os.kill(worker_pid(s3, "gpt.standby"), 9)
+        c.wait_for("the migration to be aborted", lambda s: any(
+            e["kind"] == "migration-aborted" for e in events(c)), timeout=60)
+        wait_log(node_c, "the hand-off was called off; this rank keeps training")
+        c.wait_for("the job to finish", lambda s: s.job("gpt") is not None and
+                   s.job("gpt").state in ("done", "failed"), timeout=300)
+        job = c.status().job("gpt")
+        assert job is not None and job.state == "done", job.status if job else None
+        assert job.assignment is not None and job.assignment.epoch == 3
+        assert job.assignment.ranks == ("node-a", "node-s2", "node-c", "node-d")
+        for node, rank in (("node-a", 0), ("node-c", 2), ("node-d", 3)):
+            assert c.daemons[node].log_text().count(f"Started rank {rank} of job gpt") == 1
+        # node-c's rebuilt groups: only those with rank 1, i.e. the job-wide one.
+        assert "rebuilding ['world']" in node_c.log_text()
+        for rank in (0, 2, 3):
+            assert _summary(out, rank)["losses"] == _summary(reference, rank)["losses"]
+        assert_bitwise_equal(reference, out)
+    finally:
+        c.stop_all(timeout=5)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 
 from tests.integration.bitwise import assert_bitwise_equal
+from tests.integration.scenarios import events, start, wait_log, wait_standbys, worker_pid
 from understudy.daemon.embedded_etcd import EmbeddedEtcd
 from understudy.daemon.localcluster import LocalCluster
 
@@ -26,8 +28,10 @@ STEPS = 300
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-def _job_args(out: Path) -> list[str]:
-    return [TRAIN, "--steps", str(STEPS), "--step-sleep", "0.04", "--save", str(out)]
+def _job_args(out: Path, step_sleep: float = 0.04) -> list[str]:
+    # The sleep stands in for a bigger model's compute: it changes how long the job runs (room
+    # for slower scenarios), never its state.
+    return [TRAIN, "--steps", str(STEPS), "--step-sleep", str(step_sleep), "--save", str(out)]
 
 
 @pytest.fixture(scope="module")
@@ -46,50 +50,22 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return base / "out"
 
 
-def _start(etcd: EmbeddedEtcd, base: Path, active: dict[str, int],
-           standby: tuple[str, ...]) -> LocalCluster:
-    c = LocalCluster(etcd_endpoint=etcd.endpoint, base_dir=base)
-    for n, slots in active.items():
-        c.add(n, "active", extra=["--slots", str(slots)])
-    for n in standby:
-        c.add(n, "standby")
-    for n in active:
-        c.wait_state(n, "active")
-    for n in standby:
-        c.wait_state(n, "standby")
-    c.wait_for("a controller", lambda s: s.controller is not None)
-    return c
-
-
 @pytest.fixture
 def cluster(etcd: EmbeddedEtcd, tmp_path: Path) -> Iterator[LocalCluster]:
-    c = _start(etcd, tmp_path / "cluster", {"node-a": 2, "node-b": 2}, ("node-s1", "node-s2"))
+    c = start(etcd, tmp_path / "cluster", {"node-a": 2, "node-b": 2}, ("node-s1", "node-s2"))
     try:
         yield c
     finally:
         c.stop_all(timeout=5)
 
 
-def _run_job(c: LocalCluster, out: Path) -> None:
+def _run_job(c: LocalCluster, out: Path, step_sleep: float = 0.04) -> None:
     env = [f"--env={k}={v}" for k, v in ONE_THREAD.items()]
     run = c.cli("run", "--job", "mig", "--tp", "2", "--dp", "2", "--standby", "2", *env,
-                "--", sys.executable, *_job_args(out))
+                "--", sys.executable, *_job_args(out, step_sleep))
     assert run.returncode == 0, run.stderr
     c.wait_for("ranks running", lambda s: s.job("mig") is not None and all(
         n.workers >= 1 for n in s.nodes if n.online), timeout=60)
-
-
-def _wait_standbys(c: LocalCluster, nodes: tuple[str, ...], timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if all("waiting to be chosen" in c.daemons[n].log_text() for n in nodes):
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"standby workers on {nodes} never came up")
-
-
-def _events(c: LocalCluster) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in c.cli("events", "--json").stdout.splitlines()]
 
 
 def _finish(c: LocalCluster) -> Any:
@@ -104,17 +80,17 @@ def test_drain_moves_a_tp_pair_live_and_the_result_is_bitwise_identical(
         cluster: LocalCluster, reference: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     _run_job(cluster, out)
-    _wait_standbys(cluster, ("node-s1", "node-s2"))
+    wait_standbys(cluster, ("node-s1", "node-s2"))
     drain = cluster.cli("drain", "node-b", "--deadline", "120", "--wait", timeout=180)
     assert drain.returncode == 0, drain.stdout + drain.stderr
     job = _finish(cluster)
     assert job.assignment is not None and job.assignment.epoch == 2
     assert job.assignment.ranks == ("node-a", "node-a", "node-s1", "node-s2")
-    events = _events(cluster)
-    kinds = [e["kind"] for e in events]
+    evs = events(cluster)
+    kinds = [e["kind"] for e in evs]
     for phase in ("planned", "preparing", "ready", "done"):
         assert f"migration-{phase}" in kinds, kinds
-    done = next(e for e in events if e["kind"] == "migration-done")
+    done = next(e for e in evs if e["kind"] == "migration-done")
     assert {"planned", "ready", "done"} <= done["details"]["timings"].keys()
     assert "phases, seconds after planned: planned 0.000" in cluster.cli("events").stdout
     migration = json.loads(cluster.cli("status", "--json").stdout)["jobs"][0]["migration"]
@@ -133,11 +109,11 @@ def test_drain_moves_a_tp_pair_live_and_the_result_is_bitwise_identical(
 def test_one_rank_drained_twice_rebuilds_only_its_groups(etcd: EmbeddedEtcd, reference: Path,
                                                           tmp_path: Path) -> None:
     nodes = {"node-a": 1, "node-b": 1, "node-c": 1, "node-d": 1}
-    c = _start(etcd, tmp_path / "cluster", nodes, ("node-s1", "node-s2"))
+    c = start(etcd, tmp_path / "cluster", nodes, ("node-s1", "node-s2"))
     try:
         out = tmp_path / "out"
         _run_job(c, out)
-        _wait_standbys(c, ("node-s1", "node-s2"))
+        wait_standbys(c, ("node-s1", "node-s2"))
         # rank 1: TP partner rank 0 stays on node-a, DP partner rank 3 on node-d
         assert c.cli("drain", "node-b", "--wait", "--deadline", "120",
                      timeout=180).returncode == 0
@@ -161,7 +137,7 @@ def test_killing_the_joiner_aborts_cleanly_and_a_retry_finishes(cluster: LocalCl
                                                                 tmp_path: Path) -> None:
     out = tmp_path / "out"
     _run_job(cluster, out)
-    _wait_standbys(cluster, ("node-s1", "node-s2"))
+    wait_standbys(cluster, ("node-s1", "node-s2"))
     assert cluster.cli("drain", "node-b", "--deadline", "200").returncode == 0
     s1 = cluster.daemons["node-s1"]
     deadline = time.monotonic() + 60
@@ -172,12 +148,82 @@ def test_killing_the_joiner_aborts_cleanly_and_a_retry_finishes(cluster: LocalCl
                if '"child": "mig.standby"' in line and "started with pid" in line)
     os.kill(pid, 9)
     cluster.wait_for("the migration to be aborted", lambda s: any(
-        e["kind"] == "migration-aborted" for e in _events(cluster)), timeout=60)
-    aborted = next(e for e in _events(cluster) if e["kind"] == "migration-aborted")
+        e["kind"] == "migration-aborted" for e in events(cluster)), timeout=60)
+    aborted = next(e for e in events(cluster) if e["kind"] == "migration-aborted")
     assert "joiner on node-s1 died" in aborted["message"], aborted
     # The leavers trained on meanwhile; the controller tries again with a fresh standby, which
     # may or may not finish before the job does. Either way nothing is lost.
     job = _finish(cluster)
-    retried = sum(e["kind"] == "migration-done" for e in _events(cluster))
+    retried = sum(e["kind"] == "migration-done" for e in events(cluster))
     assert job.assignment.epoch == 1 + retried
     assert_bitwise_equal(reference, out, world=4)
+
+
+def test_killing_the_joiner_mid_stream_leaves_the_leaver_training(etcd: EmbeddedEtcd,
+                                                                   reference: Path,
+                                                                   tmp_path: Path) -> None:
+    # The joiner on node-s1 stops after the first chunk of the state has landed (a failpoint),
+    # with the leaver inside send_state waiting for its verdict, and is killed there.
+    armed = {"node-s1": {"UNDERSTUDY_FAILPOINTS": "joiner.receive.chunk=sleep(60)"}}
+    c = start(etcd, tmp_path / "cluster", {"node-a": 1, "node-b": 1, "node-c": 1,
+                                            "node-d": 1}, ("node-s1", "node-s2"), env=armed)
+    try:
+        out = tmp_path / "out"
+        _run_job(c, out, step_sleep=0.08)
+        wait_standbys(c, ("node-s1", "node-s2"))
+        assert c.cli("drain", "node-b", "--deadline", "200").returncode == 0
+        s1, b = c.daemons["node-s1"], c.daemons["node-b"]
+        wait_log(s1, "failpoint joiner.receive.chunk fired")
+        assert '"phase": "switching"' in c.cli("status", "--json").stdout
+        os.kill(worker_pid(s1, "mig.standby"), 9)
+        c.wait_for("the migration to be aborted", lambda s: any(
+            e["kind"] == "migration-aborted" for e in events(c)), timeout=60)
+        # The leaver saw its joiner die in the middle of the stream and trained on.
+        wait_log(b, "Handing the state off failed")
+        wait_log(b, "the hand-off was called off; this rank keeps training")
+        # The retry goes to node-s2 (the failed joiner's node goes last) and succeeds.
+        c.wait_for("the retry to finish", lambda s: any(
+            e["kind"] == "migration-done" for e in events(c)), timeout=120)
+        job = _finish(c)
+        assert job.assignment.epoch == 2
+        assert job.assignment.ranks == ("node-a", "node-s2", "node-c", "node-d")
+        assert b.log_text().count("Started rank 1 of job mig") == 1
+        assert_bitwise_equal(reference, out, world=4)
+    finally:
+        c.stop_all(timeout=5)
+
+
+def test_a_migration_past_its_deadline_aborts_and_the_leaver_trains_on(etcd: EmbeddedEtcd,
+                                                                        reference: Path,
+                                                                        tmp_path: Path) -> None:
+    # The joiner freezes (SIGSTOP: alive, silent) as soon as it is chosen; phase 1 cannot
+    # finish, and the controller calls the migration off at drain.migration_timeout.
+    c = start(etcd, tmp_path / "cluster", {"node-a": 1, "node-b": 1, "node-c": 1, "node-d": 1},
+               ("node-s1", "node-s2"), extra=("--migration-timeout", "8"))
+    frozen = None
+    try:
+        out = tmp_path / "out"
+        _run_job(c, out, step_sleep=0.12)
+        wait_standbys(c, ("node-s1", "node-s2"))
+        assert c.cli("drain", "node-b", "--deadline", "200").returncode == 0
+        s1, b = c.daemons["node-s1"], c.daemons["node-b"]
+        wait_log(s1, "Standby chosen to take over rank 1")
+        frozen = worker_pid(s1, "mig.standby")
+        os.kill(frozen, signal.SIGSTOP)
+        c.wait_for("the migration to be aborted", lambda s: any(
+            e["kind"] == "migration-aborted" for e in events(c)), timeout=60)
+        aborted = next(e for e in events(c) if e["kind"] == "migration-aborted")
+        assert "the deadline passed" in aborted["message"], aborted
+        assert "migration-done" not in [e["kind"] for e in events(c)]
+        os.kill(frozen, signal.SIGKILL)
+        frozen = None
+        # The leaver never stopped; the retry (on node-s2) may or may not beat the job's end.
+        job = _finish(c)
+        retried = sum(e["kind"] == "migration-done" for e in events(c))
+        assert job.assignment.epoch == 1 + retried
+        assert b.log_text().count("Started rank 1 of job mig") == 1
+        assert_bitwise_equal(reference, out, world=4)
+    finally:
+        if frozen is not None:
+            os.kill(frozen, signal.SIGKILL)
+        c.stop_all(timeout=5)

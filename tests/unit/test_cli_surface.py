@@ -24,7 +24,8 @@ CLI = {
 
 DAEMON = ["--address", "--check-config", "--config", "--drain-deadline", "--etcd",
           "--failure-domain", "--fence-margin", "--keepalive-interval", "--lease-ttl",
-          "--log-format", "--log-level", "--metrics-listen", "--node", "--prefix", "--role",
+          "--log-format", "--log-level", "--metrics-listen", "--migration-timeout", "--node",
+          "--prefix", "--role",
           "--run-dir", "--slots"]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -210,10 +211,34 @@ def test_a_drain_pairs_each_leaving_rank_with_a_standby() -> None:
     assert "rank 2 b -> s1" in start.reason
 
 
+def test_a_migration_deadline_is_capped_by_the_migration_timeout_and_a_retry_avoids_the_last_joiner(
+        ) -> None:
+    view, m = _migrating_view()
+    job = view.jobs["j"]
+    aborted = dataclasses.replace(m, phase=MigrationPhase.ABORTED, joiners=("s1", "s3"))
+    live = {**view.live, "s3": _live("s3", NodeState.STANDBY, 1)}
+    a = dataclasses.replace(job.assignment, standbys=("s1", "s2", "s3"))
+    fresh = ClusterView(registry=view.registry, live=live, jobs={"j": JobView(
+        job.spec, job.status, a, migration=aborted)}, drain_deadlines={"b": 500.0},
+        migration_timeout=30.0)
+    (start,) = plan(fresh, now=10.0)
+    assert isinstance(start, StartMigration)
+    assert start.migration.deadline == 40.0
+    # s2 had no part in the aborted attempt; s1 and s3 did and come after it, in pool order.
+    assert start.migration.joiners == ("s2", "s1")
+
+
 def test_a_drain_without_enough_standbys_plans_nothing() -> None:
     view, _ = _migrating_view(drop="s2")
     job = view.jobs["j"]
     fresh = ClusterView(registry=view.registry, live=view.live, jobs={"j": JobView(
+        job.spec, job.status, job.assignment)})
+    assert not [x for x in plan(fresh, now=10.0) if isinstance(x, StartMigration)]
+    # A cordoned standby takes no new rank either.
+    view, _ = _migrating_view()
+    registry = {**view.registry, "s2": (dataclasses.replace(view.registry["s2"][0],
+                                                            cordoned=True), 1)}
+    fresh = ClusterView(registry=registry, live=view.live, jobs={"j": JobView(
         job.spec, job.status, job.assignment)})
     assert not [x for x in plan(fresh, now=10.0) if isinstance(x, StartMigration)]
 

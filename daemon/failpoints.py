@@ -1,0 +1,111 @@
+"""Failpoints: named places where a process misbehaves on purpose, for fault tests.
+
+The idea is etcd's gofail and TiKV's fail-rs: a fault test needs a real process to fail at an
+exact point (a joiner killed in the middle of the state stream, a controller that dies between
+two writes), which no timing from outside can hit reliably. The code marks the point::
+
+    failpoints.hit("joiner.receive.chunk")
+
+and the environment of the process under test arms it::
+
+    UNDERSTUDY_FAILPOINTS="joiner.receive.chunk=sleep(30);controller.plan=exit(3)"
+
+Actions:
+
+``sleep(S)``
+    block the calling thread for ``S`` seconds (the test then kills or freezes the process
+    while it sits exactly there; the log line below tells the test it arrived);
+``exit(N)``
+    ``os._exit(N)`` at once: no cleanup, no flushing, as a crash would;
+``raise``
+    raise :class:`FailpointFired` (a ``RuntimeError``): a bug at exactly that point.
+
+Each armed failpoint fires once per process and logs ``failpoint <name> fired: <action>``
+(warning) first. Nothing is armed unless the variable is set; an unarmed ``hit`` is one dict
+lookup. A malformed value raises :class:`FailpointError` naming the part that is wrong, at the
+first ``hit`` (or at :func:`check`, which entry points call at start-up).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass
+
+from understudy.daemon import env, logs
+
+_ACTION = re.compile(r"^(?:(sleep|exit)\(([0-9]+(?:\.[0-9]+)?)\)|(raise))$")
+_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+
+
+class FailpointError(ValueError):
+    """``UNDERSTUDY_FAILPOINTS`` is malformed."""
+
+
+class FailpointFired(RuntimeError):
+    """Raised by a failpoint armed with ``raise``."""
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str  # "sleep" | "exit"
+    arg: float
+
+    def __str__(self) -> str:
+        return self.kind if self.kind == "raise" else f"{self.kind}({self.arg:g})"
+
+
+def parse(spec: str) -> dict[str, Action]:
+    """``name=action[;name=action...]`` -> {name: action}."""
+    armed: dict[str, Action] = {}
+    for part in (p.strip() for p in spec.split(";")):
+        if not part:
+            continue
+        name, sep, action = (s.strip() for s in part.partition("="))
+        if not sep or not _NAME.match(name):
+            raise FailpointError(f"{env.FAILPOINTS}: {part!r} is not name=action")
+        m = _ACTION.match(action)
+        if m is None:
+            raise FailpointError(f"{env.FAILPOINTS}: {action!r} (for {name}) is not sleep(S), "
+                                 f"exit(N) or raise")
+        if m[1] == "exit" and not m[2].isdigit():
+            raise FailpointError(f"{env.FAILPOINTS}: exit takes a whole number, got {m[2]}")
+        if name in armed:
+            raise FailpointError(f"{env.FAILPOINTS}: {name} is armed twice")
+        armed[name] = Action("raise", 0.0) if m[3] else Action(m[1], float(m[2]))
+    return armed
+
+
+_lock = threading.Lock()
+_armed: dict[str, Action] | None = None
+
+
+def check() -> dict[str, Action]:
+    """Parse (once) and return what the environment arms. Raises FailpointError."""
+    global _armed
+    with _lock:
+        if _armed is None:
+            _armed = parse(os.environ.get(env.FAILPOINTS, ""))
+        return dict(_armed)
+
+
+def hit(name: str) -> None:
+    """Fire failpoint ``name`` if it is armed and has not fired in this process yet."""
+    if _armed is None:
+        check()
+    assert _armed is not None
+    if name not in _armed:
+        return
+    with _lock:
+        action = _armed.pop(name, None)
+    if action is None:
+        return
+    logs.get().warning(f"failpoint {name} fired: {action}", failpoint=name, pid=os.getpid())
+    if action.kind == "sleep":
+        time.sleep(action.arg)
+    elif action.kind == "exit":
+        os._exit(int(action.arg))
+    else:
+        raise FailpointFired(f"failpoint {name}")

@@ -1,0 +1,59 @@
+"""Helpers for the end-to-end migration scenarios (plain and Megatron jobs alike): a local
+cluster of real daemons, and ways to watch its workers and events."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from understudy.daemon.embedded_etcd import EmbeddedEtcd
+from understudy.daemon.localcluster import DaemonProcess, LocalCluster
+
+
+def start(etcd: EmbeddedEtcd, base: Path, active: dict[str, int], standby: tuple[str, ...],
+          extra: tuple[str, ...] = (),
+          env: dict[str, dict[str, str]] | None = None) -> LocalCluster:
+    """Daemons for ``active`` (name -> slots) and ``standby`` nodes; ``env[name]`` is added to
+    that daemon's environment (and so to its workers')."""
+    env = env or {}
+    c = LocalCluster(etcd_endpoint=etcd.endpoint, base_dir=base)
+    for n, slots in active.items():
+        c.add(n, "active", extra=["--slots", str(slots), *extra], env=env.get(n))
+    for n in standby:
+        c.add(n, "standby", extra=list(extra), env=env.get(n))
+    for n in active:
+        c.wait_state(n, "active")
+    for n in standby:
+        c.wait_state(n, "standby")
+    c.wait_for("a controller", lambda s: s.controller is not None)
+    return c
+
+
+def wait_standbys(c: LocalCluster, nodes: tuple[str, ...], timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all("waiting to be chosen" in c.daemons[n].log_text() for n in nodes):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"standby workers on {nodes} never came up")
+
+
+def worker_pid(d: DaemonProcess, child: str) -> int:
+    """The pid of the newest worker ``child`` (``mig.standby``, ``mig.r1``) of daemon ``d``."""
+    pids = [json.loads(line)["pid"] for line in d.log_text().splitlines()
+            if f'"child": "{child}"' in line and "started with pid" in line]
+    assert pids, f"{child} never started on {d.name}"
+    return int(pids[-1])
+
+
+def wait_log(d: DaemonProcess, text: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in d.log_text():
+        assert time.monotonic() < deadline, f"{d.name} never logged {text!r}"
+        time.sleep(0.02)
+
+
+def events(c: LocalCluster) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in c.cli("events", "--json").stdout.splitlines()]
