@@ -37,6 +37,8 @@ class NodeView:
     drain: DrainRequest | None = None
     first_failure: str = ""
     health: tuple[str, ...] = ()
+    #: job -> what this node's standby worker for it reported warm (as in the node record)
+    warmth: dict[str, Any] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -48,6 +50,7 @@ class NodeView:
                 "source": self.drain.source, "reason": self.drain.reason,
                 "deadline": self.drain.deadline, "requested_by": self.drain.requested_by},
             "first_failure": self.first_failure, "health": list(self.health),
+            "warmth": self.warmth,
         }
 
 
@@ -135,7 +138,8 @@ async def read_cluster(store: EtcdStore, keys: Keys) -> ClusterStatus:
                             slots=rec.slots, workers=rec.workers,
                             failure_domain=rec.failure_domain, addresses=rec.addresses,
                             reason=rec.reason, since=rec.state_since,
-                            first_failure=rec.first_failure, health=rec.health)
+                            first_failure=rec.first_failure, health=rec.health,
+                            warmth=rec.warmth)
         else:
             assert entry is not None
             view = NodeView(name=name, state=str(entry.state), online=False,

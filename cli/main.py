@@ -23,7 +23,7 @@ from understudy.cli.cluster import ClusterStatus, read_cluster, read_events
 from understudy.daemon import config as config_mod
 from understudy.daemon.errors import ConfigError, UnderstudyError
 from understudy.daemon.keys import Keys
-from understudy.daemon.records import DrainRequest, Event, JobSpec, RegistryEntry
+from understudy.daemon.records import DrainRequest, Event, JobSpec, RegistryEntry, warmth_line
 from understudy.daemon.store import EtcdStore, WatchEvent
 
 EXIT_FAILED = 1
@@ -125,6 +125,8 @@ def _print_status(status: ClusterStatus) -> None:
             notes.append(f"first failure: {n.first_failure}")
         if n.health:
             notes.append(f"health: {'; '.join(n.health)}")
+        if n.online and (warm := warmth_line(n.warmth, time.time())):
+            notes.append(f"warm: {warm}")
         if n.reason and not n.online:
             notes.append(n.reason)
         rows.append((n.name, n.state, n.role or "-", str(n.workers) if n.online else "-",

@@ -37,6 +37,9 @@ from understudy.daemon.supervisor import ChildExit, ChildState, Supervisor
 _CHILD_RE = re.compile(r"^(?P<job>[a-z0-9-]+)\.(r(?P<rank>\d+)|standby)$")
 #: A standby worker that failed this many times is not started again (no crash loop).
 MAX_STANDBY_FAILURES = 3
+#: A warm standby worker polls its daemon every 0.1 s while it waits; one silent this long is
+#: hung (stopped, deadlocked, swapping) and is replaced.
+STANDBY_SILENCE_S = 10.0
 
 
 def rank_child(job: str, rank: int) -> str:
@@ -81,6 +84,10 @@ class JobRunner:
         #: child name -> (migration id, epoch) of a joiner promoted here whose migration may not
         #: have committed yet
         self._promoted: dict[str, tuple[str, int]] = {}
+        #: job -> monotonic time of the last request from its standby worker's reporting
+        #: connection
+        self._standby_seen: dict[str, float] = {}
+        self._publish_warmth = False
 
     async def run(self) -> None:
         watch = asyncio.create_task(self._watch(), name="jobs-watch")
@@ -177,6 +184,57 @@ class JobRunner:
             if _CHILD_RE.match(name) and name not in wanted:
                 self.log.info("Stopping a worker this node no longer needs.", child=name)
                 await self.supervisor.stop(name, self.agent.cfg.drain.stop_grace)
+        await self._check_standbys(jobs, running)
+
+    # -- standby workers' warmth and liveness -----------------------------------------------
+
+    def standby_report(self, job: str, warmth: dict[str, Any] | None) -> None:
+        """From the local socket: ``job``'s standby worker reported ``warmth``, or (None) made
+        any request on the connection it reported on (a sign of life)."""
+        self._standby_seen[job] = time.monotonic()
+        if warmth is None:
+            return
+        old = self.agent.warmth.get(job)
+        if old is not None:
+            self.agent.metrics.standby_warm_since.remove(job, old["mode"])
+        self.agent.warmth[job] = {**warmth, "since": self.wall()}
+        self.agent.metrics.standby_warm_since.labels(job=job, mode=warmth["mode"]).set(
+            self.wall())
+        self.log.info(f"Standby worker of job {job} is warm ({warmth['mode']}).", job=job,
+                      roles=warmth["roles"], detail=warmth["detail"])
+        self._publish_warmth = True
+        self._changed.set()
+
+    def _drop_warmth(self, job: str) -> None:
+        old = self.agent.warmth.pop(job, None)
+        self._standby_seen.pop(job, None)
+        if old is not None:
+            self.agent.metrics.standby_warm_since.remove(job, old["mode"])
+            self._publish_warmth = True
+
+    async def _check_standbys(self, jobs: dict[str, _Job], running: set[str]) -> None:
+        """Forget the warmth of standby workers that are gone; replace those that stopped
+        answering (but not a chosen joiner, which is busy taking its rank)."""
+        now = time.monotonic()
+        for job in list(self.agent.warmth):
+            name = standby_child(job)
+            if name not in running:
+                self._drop_warmth(job)
+                continue
+            j = jobs.get(job)
+            m = j.migration if j else None
+            chosen = m is not None and m.active and self.node in m.joiners
+            silent = now - self._standby_seen.get(job, now)
+            if not chosen and silent > STANDBY_SILENCE_S:
+                self.log.warning(f"The standby worker of job {job} stopped answering "
+                                 f"({silent:.1f} s silent); replacing it.", job=job)
+                self.agent.metrics.errors.labels(kind="standby-silent").inc()
+                self._drop_warmth(job)
+                await self.supervisor.stop(name, 0.5)
+        if self._publish_warmth:
+            self._publish_warmth = False
+            with contextlib.suppress(StoreError):
+                await self.agent.publish()
 
     def _assigned_here(self, job: _Job) -> set[str]:
         assert job.spec and job.assignment
@@ -295,6 +353,7 @@ class JobRunner:
             return
         self._changed.set()
         if m["rank"] is None:
+            self._drop_warmth(m["job"])
             await self._joiner_gone(m["job"], child)
             if child.failed:
                 self._standby_failures[child.name] = \

@@ -45,6 +45,9 @@ class Op(enum.StrEnum):
     NUM_KEYS = "num_keys"
     #: the job's assignment, status and migration, as the daemon last saw them (no etcd call)
     JOB = "job"
+    #: a standby worker says what it has warmed: ``{"mode": str, "roles": [str], "detail":
+    #: str}``; every later request on that connection counts as a sign of life
+    WARMTH = "warmth"
 
 
 class RequestError(ValueError):
@@ -53,6 +56,8 @@ class RequestError(ValueError):
 
 EpochCheck = Callable[[str, int], str | None]
 JobInfo = Callable[[str], dict[str, Any] | None]
+#: (job, warmth or None for a sign of life) from a standby worker's connection
+StandbyReport = Callable[[str, dict[str, Any] | None], None]
 
 
 def _accept_all(namespace: str, epoch: int) -> str | None:
@@ -63,12 +68,30 @@ def _no_jobs(job: str) -> dict[str, Any] | None:
     return None
 
 
+def _ignore_standby(job: str, warmth: dict[str, Any] | None) -> None:
+    return None
+
+
+def _warmth(req: dict[str, Any]) -> dict[str, Any]:
+    mode, roles, detail = req.get("mode"), req.get("roles", []), req.get("detail", "")
+    if not isinstance(mode, str) or not 0 < len(mode) <= 40:
+        raise RequestError("warmth needs a mode: a string of 1-40 characters")
+    if not isinstance(roles, list) or len(roles) > 64 or \
+            not all(isinstance(r, str) and len(r) <= 40 for r in roles):
+        raise RequestError("warmth roles must be a list of at most 64 short strings")
+    if not isinstance(detail, str) or len(detail) > 400:
+        raise RequestError("warmth detail must be a string of at most 400 characters")
+    return {"mode": mode, "roles": list(roles), "detail": detail}
+
+
 class LocalServer:
     def __init__(self, path: Path, store: EtcdStore, keys: Keys, node: str,
-                 epoch_check: EpochCheck = _accept_all, job_info: JobInfo = _no_jobs) -> None:
+                 epoch_check: EpochCheck = _accept_all, job_info: JobInfo = _no_jobs,
+                 standby_report: StandbyReport = _ignore_standby) -> None:
         self.path, self.store, self.keys = path, store, keys
         self.epoch_check = epoch_check
         self.job_info = job_info
+        self.standby_report = standby_report
         self.log = logs.get(node=node)
         self._server: asyncio.AbstractServer | None = None
         self._conns: set[asyncio.Task[None]] = set()
@@ -99,6 +122,7 @@ class LocalServer:
         assert task is not None
         self._conns.add(task)
         namespace: str | None = None
+        standby_of: str | None = None  # the job, once this connection reported warmth
         try:
             while True:
                 try:
@@ -119,11 +143,17 @@ class LocalServer:
                         reply: dict[str, Any] = {}
                     elif namespace is None:
                         raise RequestError("the first request must be hello")
+                    elif op == Op.WARMTH:
+                        standby_of = namespace.split("/", 1)[0]
+                        self.standby_report(standby_of, _warmth(req))
+                        reply = {}
                     elif op == Op.JOB:
                         job = namespace.split("/", 1)[0]
                         reply = {"job": self.job_info(job)}
                     else:
                         reply = await self._handle(op, req, self.keys.kv(namespace))
+                    if standby_of is not None and op != Op.WARMTH:
+                        self.standby_report(standby_of, None)
                     out = {"id": rid, "ok": True, **reply}
                 except (RequestError, ValueError) as exc:
                     out = {"id": rid, "ok": False, "error": str(exc)}

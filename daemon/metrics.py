@@ -23,6 +23,10 @@ class Metrics:
         self.controller = Gauge("understudy_controller",
                                 "1 while this daemon is the elected controller.", registry=r)
         self.workers = Gauge("understudy_workers", "Running child workers.", registry=r)
+        self.standby_warm_since = Gauge(
+            "understudy_standby_warm_since_timestamp_seconds",
+            "When this node's standby worker for the job reported itself warm (absent: not "
+            "warm).", ["job", "mode"], registry=r)
         self.drains = Counter("understudy_drains_total", "Drains started on this node.",
                               ["source"], registry=r)
         self.events = Counter("understudy_events_total", "Events this daemon wrote.", ["kind"],

@@ -63,6 +63,8 @@ class NodeAgent:
         self.drain_request: DrainRequest | None = None
         self.first_failure = ""
         self.health: tuple[str, ...] = ()
+        #: job -> the warmth this node's standby worker reported (see NodeRecord.warmth)
+        self.warmth: dict[str, dict[str, Any]] = {}
         #: Set once the node is registered and holds a live lease.
         self.registered = asyncio.Event()
         #: Set when a drain finishes; the daemon exits after a SIGTERM drain.
@@ -93,7 +95,7 @@ class NodeAgent:
             addresses=self.cfg.addresses, failure_domain=self.cfg.failure_domain,
             version=VERSION, started_at=self._started_at, state_since=self.lifecycle.since,
             reason=self.lifecycle.reason, workers=self.workers.running_count,
-            first_failure=self.first_failure, health=self.health,
+            first_failure=self.first_failure, health=self.health, warmth=dict(self.warmth),
         )
 
 

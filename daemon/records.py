@@ -119,6 +119,24 @@ class NodeRecord(Record):
     workers: int = 0
     first_failure: str = ""
     health: tuple[str, ...] = ()
+    #: job -> what this node's standby worker for it has warmed: {"mode": str, "roles":
+    #: [str], "detail": str, "since": wall time}; readers must check the shapes (see
+    #: :func:`warmth_line`)
+    warmth: dict[str, Any] = field(default_factory=dict)
+
+
+def warmth_line(warmth: Any, now: float) -> str:
+    """One line for ``understudy status`` from a node record's ``warmth``; tolerates junk."""
+    parts = []
+    for job, w in sorted(warmth.items()) if isinstance(warmth, dict) else ():
+        if not isinstance(w, dict):
+            continue
+        roles = w.get("roles")
+        roles_s = ",".join(str(r) for r in roles) if isinstance(roles, list) and roles else ""
+        since = w.get("since")
+        age = f" for {max(0.0, now - since):.0f}s" if isinstance(since, int | float) else ""
+        parts.append(f"{job}: {w.get('mode', '?')}{f' [{roles_s}]' if roles_s else ''}{age}")
+    return "; ".join(parts)
 
 
 @dataclass(frozen=True)

@@ -95,6 +95,11 @@ class DaemonClient:
     def delete(self, key: str) -> bool:
         return bool(self._call("delete", key=key)["deleted"])
 
+    def warmth(self, mode: str, roles: list[str], detail: str = "") -> None:
+        """As a standby worker: say what is warm. Every later request on this connection
+        tells the daemon the worker is alive; one silent for long is replaced."""
+        self._call("warmth", mode=mode, roles=roles, detail=detail)
+
     def job(self) -> dict[str, Any] | None:
         """The job's assignment, status and migration records (JSON objects) as the daemon
         last saw them, or None if the daemon does not know the job."""

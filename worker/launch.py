@@ -75,6 +75,9 @@ def main(make_job: Callable[[], TrainingJob], steps: int, *, seed: int = 0,
 
     if _env(env.WORKER_ROLE) == "standby":
         log.info("Standby worker is up and waiting to be chosen as a joiner.")
+        # What is warm so far: the interpreter and every import of the script; the model is
+        # built once a role is chosen (warming it in a sandbox beforehand is not wired yet).
+        control.warmth("imports", [], "imports done; the model is built once chosen")
         found = wait_for_plan(control, node, stop)
         if found is None:
             return 0

@@ -4,14 +4,20 @@ their ranks -> each rank's exit is recorded -> the job ends done or failed with 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import signal
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from tests.integration.scenarios import wait_log, worker_pid
 from understudy.daemon import config
 from understudy.daemon.embedded_etcd import EmbeddedEtcd
 from understudy.daemon.localcluster import LocalCluster
@@ -118,3 +124,38 @@ def test_workers_see_their_job_and_a_stale_epoch_is_refused(cluster: LocalCluste
     assert info["status"]["state"] == "running" and info["migration"] is None
     with pytest.raises(DaemonError, match="epoch 0 refused: job j3 is at epoch 1"):
         DaemonClient("j3/tp/v1", epoch=0, path=sock, timeout=5)
+
+
+def test_a_standby_reports_its_warmth_and_a_silent_one_is_replaced(cluster: LocalCluster,
+                                                                    tmp_path: Path) -> None:
+    train = str(Path(__file__).parents[2] / "examples" / "plain_torch" / "train.py")
+    out = cluster.cli("run", "--job", "warm", "--tp", "2", "--dp", "2", "--standby", "1",
+                      "--env=OMP_NUM_THREADS=1", "--", sys.executable, train, "--steps",
+                      "100000", "--step-sleep", "0.1")
+    assert out.returncode == 0, out.stderr
+
+    def warmth(s: Any) -> Any:
+        node = s.node("node-s")
+        return node.warmth.get("warm") if node is not None else None
+
+    cluster.wait_for("the standby to be warm", lambda s: warmth(s) is not None, timeout=120)
+    w = warmth(cluster.status())
+    assert w["mode"] == "imports" and w["since"] > 0, w
+    table = cluster.cli("status").stdout
+    assert "warm: warm: imports for" in table, table
+    s = cluster.daemons["node-s"]
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{s.metrics_port}/metrics",
+                                     timeout=5).read().decode()
+    assert 'understudy_standby_warm_since_timestamp_seconds{job="warm",mode="imports"}' \
+        in metrics
+    # A standby that stops answering (frozen: alive, silent) is replaced by a fresh one.
+    first = worker_pid(s, "warm.standby")
+    os.kill(first, signal.SIGSTOP)
+    wait_log(s, "The standby worker of job warm stopped answering", timeout=60)
+    cluster.wait_for("a fresh standby", lambda st: worker_pid(s, "warm.standby") != first,
+                     timeout=30)
+    cluster.wait_for("the fresh standby to be warm", lambda st: warmth(st) is not None and
+                     warmth(st)["since"] > w["since"], timeout=120)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(first, 0)
+        raise AssertionError("the frozen standby is still there")

@@ -4,6 +4,7 @@ bit with an uninterrupted run of the same seed."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -214,8 +215,9 @@ def test_a_migration_past_its_deadline_aborts_and_the_leaver_trains_on(etcd: Emb
             e["kind"] == "migration-aborted" for e in events(c)), timeout=60)
         aborted = next(e for e in events(c) if e["kind"] == "migration-aborted")
         assert "the deadline passed" in aborted["message"], aborted
-        assert "migration-done" not in [e["kind"] for e in events(c)]
-        os.kill(frozen, signal.SIGKILL)
+        # (The frozen, now silent standby is replaced by its daemon within seconds.)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(frozen, signal.SIGKILL)
         frozen = None
         # The leaver never stopped; the retry (on node-s2) may or may not beat the job's end.
         job = _finish(c)
@@ -225,5 +227,6 @@ def test_a_migration_past_its_deadline_aborts_and_the_leaver_trains_on(etcd: Emb
         assert_bitwise_equal(reference, out, world=4)
     finally:
         if frozen is not None:
-            os.kill(frozen, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(frozen, signal.SIGKILL)
         c.stop_all(timeout=5)
