@@ -1,0 +1,321 @@
+"""A standby's warmup: build the job on replay groups and run shadow iterations.
+
+::
+
+    target = SandboxTarget(job="gpt", world_size=4, tp=2, rank=1, script=Path(__file__))
+    warmed = warm_up(make_job, target, recording_dir, iterations=2)
+    log.info(warmed.report.summary())
+    ...                                        # parked, warm, until chosen
+    runtime = warmed.promote(real_groups)      # ctx.group() now reaches the real groups
+    runtime.load_state(state)                  # shadow results are overwritten here
+    runtime.run(steps)
+
+:func:`warm_up` imports nothing itself and builds the job through the worker
+:class:`~understudy.worker.runtime.Runtime`, so the shadow iterations issue exactly the
+collectives a real step does, the vote included. What gets warm: the imports the job's module
+pulled in, the model and optimizer objects (built once, kept), the allocator pools, kernels
+compiled or autotuned on first use, the data path of ``compute``; on a GPU, the CUDA context.
+
+If the recording is missing, made for something else (:class:`RecordingMismatch`), or the job's
+calls stop matching it (:class:`ReplayDiverged`), the warmup falls back to a **plain warm
+start**: the job is built (on groups that exist only after promotion) and no shadow iteration
+runs. It never fails for these reasons; other errors of the job propagate.
+
+The warmed job keeps the :class:`~understudy.worker.api.JobContext` it was built with, so it can
+take over only the rank it was warmed as; for another rank of the same role type, build a new
+job after promotion (the process, its imports and kernels are still warm).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+from understudy.sandbox.errors import RecordingError, RecordingMismatch, ReplayDiverged
+from understudy.sandbox.manifest import CodeVersion, Expectation, Layout, RoleType
+from understudy.sandbox.replay import Recording, ReplayGroups
+from understudy.worker.api import Communicator, GroupsProvider, JobContext, TrainingJob
+from understudy.worker.runtime import Runtime
+
+
+def _never() -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class SandboxTarget:
+    """Who the standby warms up as: the job, its layout, the rank (whose role type picks the
+    recording) and the :class:`JobContext` fields. ``code`` defaults to the code version of
+    ``script`` in this process.
+
+    Raises (at construction):
+        ValueError: as :class:`Layout`, or ``rank`` outside it.
+    """
+
+    job: str
+    world_size: int
+    tp: int
+    rank: int
+    script: Path
+    pp: int = 1
+    seed: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    collective_timeout: float = 60.0
+    poll_interval: float = 0.05
+    should_abort: Callable[[], bool] = _never
+    code: CodeVersion | None = None
+
+    def __post_init__(self) -> None:
+        self.layout.coordinates(self.rank)
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.world_size, self.tp, self.pp)
+
+    @property
+    def role_type(self) -> RoleType:
+        return RoleType.of(self.rank, self.layout)
+
+
+class SandboxGroups:
+    """The groups provider a standby's job is built on. In the sandbox it hands out the replay
+    groups (with none, after a fallback, every group is missing: ``ValueError``, as for a
+    group not switched in yet); after :meth:`promote` it defers to the real provider.
+    Promotion is one-way."""
+
+    def __init__(self, replay: ReplayGroups | None) -> None:
+        self.replay = replay
+        self._real: GroupsProvider | None = None
+
+    @property
+    def promoted(self) -> bool:
+        return self._real is not None
+
+    def current(self, name: str) -> Communicator:
+        """Raises: ValueError: unknown group, or no group in the sandbox without a recording."""
+        real = self._real
+        if real is not None:
+            return real.current(name)
+        if self.replay is None:
+            raise ValueError(f"group {name!r} does not exist in the sandbox: no recording "
+                             "answers it (plain warm start); it exists after promotion")
+        return self.replay.current(name)
+
+    def promote(self, real: GroupsProvider) -> None:
+        """From now on every group comes from ``real``; the replay groups are dropped."""
+        self._real = real
+        if self.replay is not None:
+            self.replay.close()
+            self.replay = None
+
+
+class WarmupOutcome(enum.Enum):
+    SHADOWED = "shadow-iterations"
+    """The job was built on replay groups and ran the shadow iterations."""
+    PLAIN = "plain-warm-start"
+    """The job was built, but no shadow iteration completed (see ``fallback_reason``)."""
+
+
+@dataclass(frozen=True)
+class WarmupReport:
+    """What a warmup did. ``warmed`` names what is warm now, in words. Times are seconds;
+    ``shadow_s`` holds one entry per shadow iteration that completed (the first is the slow
+    one: lazy imports, first-use kernels, allocator growth), ``losses`` what ``compute``
+    returned in each."""
+
+    outcome: WarmupOutcome
+    warmed: tuple[str, ...]
+    role_type: str
+    rank: int
+    recording: str
+    #: shadow iterations asked for (None: all recorded)
+    requested: int | None
+    iterations: int
+    losses: tuple[float | None, ...]
+    calls_answered: int
+    inputs_differed: int
+    load_s: float
+    build_s: float
+    shadow_s: tuple[float, ...]
+    total_s: float
+    fallback_reason: str | None = None
+
+    def summary(self) -> str:
+        """One sentence for the logs."""
+        if self.outcome is WarmupOutcome.SHADOWED:
+            return (f"Warmed up as rank {self.rank} ({self.role_type}): built in "
+                    f"{self.build_s:.2f} s, {self.iterations} shadow iterations in "
+                    f"{sum(self.shadow_s):.2f} s answered by {self.calls_answered} recorded "
+                    f"collectives ({self.inputs_differed} with other inputs).")
+        return (f"Plain warm start as rank {self.rank} ({self.role_type}): built in "
+                f"{self.build_s:.2f} s, no shadow iteration, because {self.fallback_reason}.")
+
+
+@dataclass
+class Warmed:
+    """A warmed-up standby: the built runtime (parked on :attr:`groups`) and its report."""
+
+    runtime: Runtime
+    groups: SandboxGroups
+    report: WarmupReport
+
+    def promote(self, real: GroupsProvider) -> Runtime:
+        """Point the job at the real groups and hand back its runtime, to be given the real
+        state with ``load_state`` before its first step.
+
+        Raises:
+            RuntimeError: promoted already.
+        """
+        if self.groups.promoted:
+            raise RuntimeError("this warmed standby was promoted already")
+        self.groups.promote(real)
+        return self.runtime
+
+
+class _Shadow(TrainingJob):
+    """Runs the job for the shadow iterations, keeping the losses and the first error of
+    ``compute``. A compute error would vote no, but the replayed vote says what the recorded
+    rank voted; so apply is skipped after one, and the warmup falls back."""
+
+    def __init__(self, job: TrainingJob) -> None:
+        self.job = job
+        self.losses: list[float | None] = []
+        self.error: str | None = None
+
+    def build(self, ctx: JobContext) -> None:
+        self.job.build(ctx)
+
+    def compute(self, step: int) -> float | None:
+        try:
+            loss = self.job.compute(step)
+        except ReplayDiverged:
+            raise
+        except Exception as exc:  # the job's own failure: recorded, decided on by warm_up
+            self.error = self.error or f"the job's compute raised {type(exc).__name__}: {exc}"
+            raise
+        self.losses.append(loss)
+        return loss
+
+    def apply(self, step: int) -> None:
+        if self.error is None:
+            self.job.apply(step)
+
+    def discard(self, step: int) -> None:
+        self.job.discard(step)
+
+    def state(self) -> dict[str, Any]:
+        return self.job.state()
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.job.load_state(state)
+
+
+def warm_up(make_job: Callable[[], TrainingJob], target: SandboxTarget,
+            recording_dir: Path | str, iterations: int | None = None, *,
+            strict_inputs: bool = False,
+            clock: Callable[[], float] = time.perf_counter) -> Warmed:
+    """Build the job for ``target`` on the recording of its role type under
+    ``recording_dir`` and run up to ``iterations`` shadow iterations (default: all that were
+    recorded). See the module docstring.
+
+    Raises:
+        ValueError: ``iterations`` is negative.
+        Exception: whatever the job's ``build`` raises for reasons of its own.
+    """
+    if iterations is not None and iterations < 0:
+        raise ValueError(f"iterations must not be negative, got {iterations}")
+    log = structlog.get_logger("understudy.sandbox").bind(job=target.job, rank=target.rank,
+                                                          role_type=target.role_type.key)
+    t0 = clock()
+    code = target.code or CodeVersion.of(target.script)
+    expect = Expectation(target.job, target.layout, target.role_type, code)
+    folder = str(Path(recording_dir) / target.role_type.key)
+    reason: str | None = None
+    replay: ReplayGroups | None = None
+    try:
+        replay = ReplayGroups(Recording.load(recording_dir, target.role_type, expect),
+                              strict_inputs=strict_inputs)
+    except (RecordingMismatch, RecordingError) as exc:
+        reason = f"the recording was refused: {exc}"
+    t1 = clock()
+
+    runtime, sandbox, shadow = _build(make_job, target, replay)
+    if replay is not None and replay.diverged is not None:
+        reason = f"the job's build diverged from the recording: {replay.diverged}"
+        replay.close()
+        replay = None
+        runtime, sandbox, shadow = _build(make_job, target, None)
+    t2 = clock()
+
+    shadow_s: list[float] = []
+    if replay is not None:
+        manifest = replay.recording.manifest
+        wanted = manifest.iterations if iterations is None else min(iterations,
+                                                                   manifest.iterations)
+        runtime.step = manifest.first_step
+        for _ in range(wanted):
+            start = clock()
+            try:
+                runtime.run(runtime.step + 1)
+            except ReplayDiverged as exc:
+                reason = f"shadow iteration {len(shadow_s)} diverged from the recording: {exc}"
+            if reason is None and replay.diverged is not None:
+                reason = (f"shadow iteration {len(shadow_s)} diverged from the recording (the "
+                          f"job went on after): {replay.diverged}")
+            if reason is None and shadow.error is not None:
+                reason = f"shadow iteration {len(shadow_s)} failed: {shadow.error}"
+            if reason is not None:
+                break
+            shadow_s.append(clock() - start)
+    # Shadow results never reach training: the runtime starts over, the state is loaded at
+    # promotion, and the wrapper that watched the shadow steps goes.
+    runtime.job = shadow.job
+    runtime.step, runtime.redone = 0, 0
+    runtime.timings.clear()
+    outcome = WarmupOutcome.PLAIN if reason is not None else WarmupOutcome.SHADOWED
+    warmed = ["imports of the job's modules", "the job's build: model, optimizer, data source"]
+    if target.device.type == "cuda":
+        warmed.append("the CUDA context")
+    if outcome is WarmupOutcome.SHADOWED:
+        warmed.append(f"{len(shadow_s)} shadow iterations: forward, backward, the collectives' "
+                      "code paths, the vote and the optimizer step (kernels, allocator pools)")
+    report = WarmupReport(
+        outcome=outcome, warmed=tuple(warmed), role_type=target.role_type.key,
+        rank=target.rank, recording=folder, requested=iterations,
+        iterations=len(shadow_s) if outcome is WarmupOutcome.SHADOWED else 0,
+        losses=tuple(shadow.losses[:len(shadow_s)]),
+        calls_answered=replay.answered if replay is not None else 0,
+        inputs_differed=replay.inputs_differed if replay is not None else 0,
+        load_s=t1 - t0, build_s=t2 - t1, shadow_s=tuple(shadow_s), total_s=clock() - t0,
+        fallback_reason=reason)
+    if outcome is WarmupOutcome.PLAIN:
+        log.warning(report.summary())
+    else:
+        log.info(report.summary())
+    return Warmed(runtime, sandbox, report)
+
+
+def _build(make_job: Callable[[], TrainingJob], target: SandboxTarget,
+           replay: ReplayGroups | None) -> tuple[Runtime, SandboxGroups, _Shadow]:
+    """A runtime for ``target`` with the job built on ``replay`` (or on no groups). A build
+    that diverges is left half done; the caller checks ``replay.diverged`` and builds anew."""
+    sandbox = SandboxGroups(replay)
+    ctx = JobContext(job=target.job, rank=target.rank, world_size=target.world_size,
+                     tp=target.tp, groups=sandbox, seed=target.seed, device=target.device,
+                     collective_timeout=target.collective_timeout,
+                     poll_interval=target.poll_interval, should_abort=target.should_abort)
+    shadow = _Shadow(make_job())
+    runtime = Runtime(shadow, ctx)
+    try:
+        runtime.build()
+    except ReplayDiverged:
+        if replay is None or replay.diverged is None:
+            raise
+    return runtime, sandbox, shadow
