@@ -15,7 +15,6 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -29,6 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.unit import test_groups as _groups_tests
 from understudy.groups.versioned import FORWARDED
 from understudy.sandbox import ops
 from understudy.sandbox.errors import RecordingError, RecordingMismatch, ReplayDiverged
@@ -75,28 +75,8 @@ ROLE = RoleType(Stage.ONLY, 0, 1)
 
 
 def run_ranks(fns: dict[int, Callable[[], Any]], timeout: float = 30.0) -> dict[int, Any]:
-    """Run each function on its own thread; return results, re-raise the first error."""
-    results: dict[int, Any] = {}
-    errors: dict[int, BaseException] = {}
-
-    def run(rank: int, fn: Callable[[], Any]) -> None:
-        try:
-            results[rank] = fn()
-        except BaseException as exc:
-            errors[rank] = exc
-
-    threads = [threading.Thread(target=run, args=(r, f), name=f"rank {r}")
-               for r, f in fns.items()]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + timeout
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    assert not any(t.is_alive() for t in threads), "a rank thread did not finish in time"
-    if errors:
-        rank, exc = next(iter(errors.items()))
-        raise AssertionError(f"rank {rank} failed: {exc!r}") from exc
-    return results
+    """As tests/unit/test_groups.py's, keyed by rank."""
+    return _groups_tests.run_ranks(fns, timeout)  # type: ignore[arg-type,return-value]
 
 
 def socket_inodes(pid: int | str = "self") -> set[str]:
