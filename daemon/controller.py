@@ -24,6 +24,7 @@ from understudy.daemon.metrics import Metrics
 from understudy.daemon.node import NodeAgent
 from understudy.daemon.planner import (
     Action,
+    AddStandbys,
     AdvanceMigration,
     AssignJob,
     ClusterView,
@@ -273,6 +274,14 @@ class Controller:
                 await self._apply_job(action)
             elif isinstance(action, StartMigration | AdvanceMigration):
                 await self._apply_migration(action)
+            elif isinstance(action, AddStandbys):
+                a = action.assignment
+                if await self.store.cas(self.keys.job_assignment(a.job), a.encode(),
+                                        self._jobs.assignments[a.job][1]):
+                    self.log.info(f"Job {a.job}: {action.reason}.", job=a.job)
+                    await self.events.emit("standbys-added", f"Job {a.job}: {action.reason}.",
+                                           job=a.job, standbys=list(a.standbys))
+                self._changed.set()
             elif isinstance(action, MarkFailed):
                 entry, rev = self._registry[action.node]
                 failed = dataclasses.replace(entry, state=NodeState.FAILED, reason=action.reason,
@@ -353,7 +362,7 @@ class Controller:
                                 self._jobs.status_rev(action.job)):
             self.log.info(f"Job {action.job} is {action.state}: {action.reason}.",
                           job=action.job)
-            await self.events.emit(f"job-{action.state}",
+            await self.events.emit(action.event or f"job-{action.state}",
                                    f"Job {action.job} is {action.state}: {action.reason}.",
                                    job=action.job)
         self._changed.set()

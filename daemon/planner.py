@@ -7,6 +7,7 @@ race is normal: the next round plans again from fresh state.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -22,6 +23,9 @@ from understudy.daemon.records import (
     RegistryEntry,
 )
 from understudy.daemon.states import NodeState
+
+#: how a running job's status reason starts while it waits for a standby to recover a rank
+PAUSED = "paused: "
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,8 @@ class SetJobState:
     job: str
     state: JobState
     reason: str
+    #: the event's name, when not ``job-<state>``
+    event: str = ""
 
 
 @dataclass(frozen=True)
@@ -74,7 +80,17 @@ class AdvanceMigration:
     assignment: Assignment | None = None
 
 
-Action = MarkFailed | PruneEvents | AssignJob | SetJobState | StartMigration | AdvanceMigration
+@dataclass(frozen=True)
+class AddStandbys:
+    """Replace the job's assignment by ``assignment`` (the same ranks and epoch, more standby
+    nodes), if it is still the one the planner saw."""
+
+    assignment: Assignment
+    reason: str
+
+
+Action = (MarkFailed | PruneEvents | AssignJob | SetJobState | StartMigration
+          | AdvanceMigration | AddStandbys)
 
 
 @dataclass(frozen=True)
@@ -194,25 +210,105 @@ def _plan_jobs(view: ClusterView, now: float) -> list[Action]:
                 job.migration is not None and job.migration.active:
             actions.extend(_advance_migration(job, job.migration, view, now))
         elif state == JobState.RUNNING and job.assignment is not None:
+            gone = _gone_ranks(job, job.assignment, view)
+            if gone:
+                actions.extend(_plan_recovery(job, job.assignment, gone, view, now))
+                continue
             migration = _plan_migration(job, job.assignment, view, now)
             if migration is not None:
                 actions.append(migration)
                 continue
-            failed = [e for e in job.exits.values() if e.failed]
-            lost = [(r, n) for r, n in enumerate(job.assignment.ranks)
-                    if n not in view.live and r not in job.exits]
-            if lost:
-                # Recovery onto a standby is the next step; until then the job fails cleanly.
-                rank, node = lost[0]
-                actions.append(SetJobState(name, JobState.FAILED,
-                                           f"node {node} holding rank {rank} is gone"))
-            elif failed:
-                first = min(failed, key=lambda e: e.time)
-                actions.append(SetJobState(name, JobState.FAILED,
-                                           f"rank {first.rank} failed: {first.description}"))
-            elif len(job.exits) == job.spec.world_size:
+            if len(job.exits) == job.spec.world_size:
                 actions.append(SetJobState(name, JobState.DONE, "every rank finished"))
+                continue
+            if job.status is not None and job.status.reason.startswith(PAUSED):
+                actions.append(SetJobState(name, JobState.RUNNING,
+                                           "resumed: every rank is held again",
+                                           event="job-resumed"))
+            refill = _refill_standbys(job, job.assignment, view, now)
+            if refill is not None:
+                actions.append(refill)
     return actions
+
+
+def _gone_ranks(job: JobView, a: Assignment, view: ClusterView) -> dict[int, str]:
+    """Ranks of the current epoch whose process failed or whose node is gone -> why."""
+    gone = {e.rank: f"rank {e.rank} failed on {e.node}: {e.description}"
+            for e in job.exits.values() if e.failed}
+    for r, n in enumerate(a.ranks):
+        if n not in view.live and r not in job.exits:
+            gone[r] = f"node {n} holding rank {r} is gone"
+    return dict(sorted(gone.items()))
+
+
+def _free_standbys(job: JobView, a: Assignment, view: ClusterView) -> list[str]:
+    """The job's standby nodes that may take a rank now, a joiner of an attempt that was just
+    called off last (it hung, or is being replaced)."""
+    placeable = {rec.name for rec in placeable_nodes(view)}  # a cordoned standby takes no rank
+    free = [n for n in a.standbys if n in placeable and view.live[n].state == NodeState.STANDBY]
+    last = job.migration
+    if last is not None and last.phase == MigrationPhase.ABORTED:
+        free.sort(key=lambda n: n in last.joiners)
+    return free
+
+
+def _plan_recovery(job: JobView, a: Assignment, gone: dict[int, str], view: ClusterView,
+                   now: float) -> list[Action]:
+    """Replace ranks whose process or node is gone by standbys, each taking the state of the
+    last committed step from a live data-parallel replica (same TP index)."""
+    name, tp = a.job, job.spec.tp
+    donors = []
+    for r in gone:
+        replicas = [d for d in range(r % tp, job.spec.world_size, tp)
+                    if d not in gone and a.ranks[d] in view.live]
+        if not replicas:
+            return [SetJobState(name, JobState.FAILED,
+                                f"{gone[r]}, and no live data-parallel replica holds its state "
+                                "(rolling back to a snapshot is not implemented yet)")]
+        donors.append(replicas[0])
+    free = _free_standbys(job, a, view)
+    what = "; ".join(gone.values())
+    if job.spec.standby == 0:
+        return [SetJobState(name, JobState.FAILED, f"{what}, and the job has no standby pool "
+                                                   "(it was started with --standby 0)")]
+    if len(free) < len(gone):
+        refill = _refill_standbys(job, a, view, now)
+        if refill is not None:
+            return [refill]  # capacity returned: the next round recovers onto it
+        reason = (f"{PAUSED}{what}; waiting for a standby to take over ({len(free)} free, "
+                  f"{len(gone)} needed)")
+        if job.status is None or job.status.reason != reason:
+            return [SetJobState(name, JobState.RUNNING, reason, event="job-paused")]
+        return []
+    ranks = tuple(gone)
+    migration = Migration(
+        job=name, id=f"e{a.epoch + 1}-{int(now * 1000)}", from_epoch=a.epoch,
+        to_epoch=a.epoch + 1, ranks=ranks, leavers=tuple(a.ranks[r] for r in ranks),
+        joiners=tuple(free[:len(ranks)]), phase=MigrationPhase.PLANNED, reason=what,
+        created_at=now, deadline=now + view.migration_timeout, updated_at=now,
+        timings={"planned": now}, kind="recovery", donors=tuple(donors))
+    moves = ", ".join(f"rank {r} -> {j} (state from rank {d})" for r, j, d in
+                      zip(migration.ranks, migration.joiners, donors, strict=True))
+    return [StartMigration(migration, f"recovery: {moves}")]
+
+
+def _refill_standbys(job: JobView, a: Assignment, view: ClusterView,
+                     now: float) -> AddStandbys | None:
+    """Give a job whose standbys were used up, or went offline, free standby nodes again
+    (capacity returned). Offline standbys leave the pool in the same write."""
+    alive = tuple(n for n in a.standbys if n in view.live)
+    missing = job.spec.standby - len(alive)
+    if missing <= 0:
+        return None
+    taken = reserved_standbys(view)
+    fresh = [rec.name for rec in placeable_nodes(view) if rec.state == NodeState.STANDBY
+             and rec.name not in taken][:missing]
+    if not fresh:
+        return None
+    return AddStandbys(dataclasses.replace(a, standbys=(*alive, *fresh),
+                                           reason=f"standby pool refilled with "
+                                                  f"{', '.join(fresh)}", updated_at=now),
+                       f"{', '.join(fresh)} now stand by for job {a.job}")
 
 
 def _plan_migration(job: JobView, a: Assignment, view: ClusterView,
@@ -222,12 +318,7 @@ def _plan_migration(job: JobView, a: Assignment, view: ClusterView,
                if n in view.live and view.live[n].state == NodeState.DRAINING]
     if not leaving:
         return None
-    placeable = {rec.name for rec in placeable_nodes(view)}  # a cordoned standby takes no rank
-    free = [n for n in a.standbys if n in placeable and view.live[n].state == NodeState.STANDBY]
-    last = job.migration
-    if last is not None and last.phase == MigrationPhase.ABORTED:
-        # A joiner of the attempt that was just called off (hung, or being replaced) goes last.
-        free.sort(key=lambda n: n in last.joiners)
+    free = _free_standbys(job, a, view)
     if len(free) < len(leaving):
         return None  # the drain cannot be satisfied live; its deadline stops the ranks
     deadline = min((d for d in (view.drain_deadlines.get(n) for _, n in leaving) if d),
@@ -248,7 +339,7 @@ def _plan_migration(job: JobView, a: Assignment, view: ClusterView,
 
 def _advance_migration(job: JobView, m: Migration, view: ClusterView,
                        now: float) -> list[Action]:
-    def reported(kind: str, ranks: range | tuple[int, ...]) -> bool:
+    def reported(kind: str, ranks: tuple[int, ...]) -> bool:
         return all(f"{kind}/{r}" in job.progress for r in ranks)
 
     if "aborted" in job.progress:
@@ -258,11 +349,19 @@ def _advance_migration(job: JobView, m: Migration, view: ClusterView,
     if gone and m.phase != MigrationPhase.SWITCHING:
         return [AdvanceMigration(m.job, m.id, MigrationPhase.ABORTED,
                                  f"joiner node {gone[0]} is gone")]
+    assert job.assignment is not None
+    # A rank that fails during a migration: a planned one is called off before its switch and
+    # the next round recovers the job; a recovery starts over with the new loss included.
+    failed = {r: why for r, why in _gone_ranks(job, job.assignment, view).items()
+              if not (m.recovery and r in m.ranks)}
+    if failed and m.phase != MigrationPhase.SWITCHING:
+        return [AdvanceMigration(m.job, m.id, MigrationPhase.ABORTED,
+                                 f"{next(iter(failed.values()))} during the migration")]
     if now > m.deadline and m.phase != MigrationPhase.SWITCHING:
         return [AdvanceMigration(
             m.job, m.id, MigrationPhase.ABORTED,
             f"the deadline passed ({m.phase} {now - m.created_at:.1f} s after it was planned)")]
-    world = range(job.spec.world_size)
+    world = tuple(r for r in range(job.spec.world_size) if not (m.recovery and r in m.ranks))
     if m.phase == MigrationPhase.PLANNED and reported("bound", m.ranks):
         return [AdvanceMigration(m.job, m.id, MigrationPhase.PREPARING, "joiners are bound")]
     if m.phase == MigrationPhase.PREPARING and reported("prepared", world) \
@@ -271,8 +370,8 @@ def _advance_migration(job: JobView, m: Migration, view: ClusterView,
     if m.phase == MigrationPhase.READY and "switching" in job.progress:
         return [AdvanceMigration(m.job, m.id, MigrationPhase.SWITCHING,
                                  "the ranks agreed on the switch step")]
-    if m.phase in (MigrationPhase.READY, MigrationPhase.SWITCHING) \
-            and reported("switched", m.ranks):
+    if (m.phase in (MigrationPhase.READY, MigrationPhase.SWITCHING) or (m.recovery
+            and m.phase == MigrationPhase.PREPARING)) and reported("switched", m.ranks):
         a = job.assignment
         assert a is not None
         ranks = list(a.ranks)

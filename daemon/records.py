@@ -234,7 +234,8 @@ class JobSpec(Record):
 @dataclass(frozen=True)
 class Assignment(Record):
     """Which node holds each rank, and which standby nodes serve the job. Written by the
-    controller by compare-and-swap; every change raises ``epoch``."""
+    controller by compare-and-swap; every change of a rank's node raises ``epoch`` (a standby
+    added to the pool does not: no rank moves)."""
 
     KIND: ClassVar[str] = "assignment"
     job: str
@@ -278,6 +279,10 @@ class MigrationPhase(enum.StrEnum):
         planned -> preparing -> ready -> switching -> done
         any of the first four -> aborted   (joiner died, deadline passed: the leaver stays)
 
+    A recovery (``kind="recovery"``: the rank's process or node is gone) skips ``switching``:
+    the job is stopped already, and the joiner takes the state from a data-parallel replica
+    (``donors``) instead of the leaver.
+
     planned: joiners bind to their ranks; preparing: every member of a group that contains a
     leaver builds that group's next version in the background (phase 1); ready: all reported
     prepared; switching: the ranks agreed (by the step vote) on the boundary where the state
@@ -292,9 +297,17 @@ class MigrationPhase(enum.StrEnum):
     ABORTED = "aborted"
 
 
+MIGRATION_KINDS = ("planned", "recovery")
+
+
 @dataclass(frozen=True)
 class Migration(Record):
-    """Moves ``ranks[i]`` from node ``leavers[i]`` to the standby on node ``joiners[i]``."""
+    """Moves ``ranks[i]`` from node ``leavers[i]`` to the standby on node ``joiners[i]``.
+
+    ``kind`` is ``planned`` (drain, notice: the leaver is alive and hands its state off) or
+    ``recovery`` (the leaver is gone: rank ``donors[i]``, a data-parallel replica of
+    ``ranks[i]``, gives the joiner the state of the last committed step).
+    """
 
     KIND: ClassVar[str] = "migration"
     job: str
@@ -311,6 +324,8 @@ class Migration(Record):
     updated_at: float
     #: phase name -> wall time it was entered, and measured durations reported by workers
     timings: dict[str, Any] = field(default_factory=dict)
+    kind: str = "planned"
+    donors: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not len(self.ranks) == len(self.leavers) == len(self.joiners) > 0:
@@ -318,6 +333,18 @@ class Migration(Record):
                              "for each")
         if self.to_epoch != self.from_epoch + 1:
             raise ValueError("a migration raises the epoch by exactly one")
+        if self.kind not in MIGRATION_KINDS:
+            raise ValueError(f"kind {self.kind!r} is not one of {', '.join(MIGRATION_KINDS)}")
+        if self.kind == "recovery" and len(self.donors) != len(self.ranks):
+            raise ValueError("a recovery names one donor rank for each rank it replaces")
+        if self.kind == "planned" and self.donors:
+            raise ValueError("a planned migration takes the state from its leavers, not donors")
+        if set(self.donors) & set(self.ranks):
+            raise ValueError("a rank being replaced cannot be a donor")
+
+    @property
+    def recovery(self) -> bool:
+        return self.kind == "recovery"
 
     @property
     def active(self) -> bool:

@@ -306,3 +306,22 @@ class TrainingJob(abc.ABC):
     def load_state(self, state: dict[str, Any]) -> None:
         """Take a state :meth:`state` returned on a rank with the same role. Called after
         :meth:`build`, before the first step."""
+
+    def reseed(self, step: int) -> None:
+        """Key this rank's random streams to ``step``: seed the process-global generators (and
+        any the job owns whose state differs between data-parallel replicas) from the job's
+        seed, this rank's coordinates and ``step`` alone. The runtime calls it before every
+        attempt at every step.
+
+        A job that implements it can lose a rank and have it rebuilt from a data-parallel
+        replica's state: what the replicas share (parameters, optimizer, schedule, a
+        tensor-parallel RNG tracker) travels, and what is the rank's own (its dropout stream)
+        follows from the step. A job that does not is not recoverable from a replica.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not key its random streams to "
+                                  "the step")
+
+
+def reseeds(job: TrainingJob) -> bool:
+    """Whether ``job`` implements :meth:`TrainingJob.reseed`."""
+    return type(job).reseed is not TrainingJob.reseed

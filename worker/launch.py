@@ -22,11 +22,12 @@ import os
 import signal
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from understudy.daemon import env, failpoints
 from understudy.daemon import logs as daemon_logs
 from understudy.groups.groupset import GroupSet
-from understudy.worker.api import JobContext, TrainingJob, group_ranks
+from understudy.worker.api import CollectiveAborted, JobContext, TrainingJob, group_ranks
 from understudy.worker.daemon_client import DaemonClient
 from understudy.worker.errors import install_excepthook
 from understudy.worker.migration import (
@@ -38,6 +39,7 @@ from understudy.worker.migration import (
     member,
     wait_for_plan,
 )
+from understudy.worker.recovery import recover, wait_for_recovery
 from understudy.worker.runtime import Outcome, Runtime
 from understudy.worker.transfer import TransferError
 
@@ -72,6 +74,11 @@ def main(make_job: Callable[[], TrainingJob], steps: int, *, seed: int = 0,
         raise LaunchError(f"the daemon does not know job {job!r}")
     nodes = tuple(info["assignment"]["ranks"])
     log = daemon_logs.get(job=job, node=node)
+    # A collective waiting on a lost peer is released as soon as the job is recovering.
+    hooks: list[MigrationHook] = []
+
+    def should_abort() -> bool:
+        return bool(hooks) and hooks[0].recovery() is not None
 
     if _env(env.WORKER_ROLE) == "standby":
         log.info("Standby worker is up and waiting to be chosen as a joiner.")
@@ -90,7 +97,8 @@ def main(make_job: Callable[[], TrainingJob], steps: int, *, seed: int = 0,
         for logical, name in group_names(rank, world, tp).items():
             ranks = group_ranks(logical, rank, world, tp)
             groups.reserve(name, ranks.index(rank), len(ranks))
-        runtime = _runtime(make_job, job, rank, world, tp, seed, groups, collective_timeout)
+        runtime = _runtime(make_job, job, rank, world, tp, seed, groups, collective_timeout,
+                           should_abort)
         runtime.build()
         joiner = Joiner(control, groups, plan, job=job, rank=rank, node=node, tp=tp,
                         nodes=nodes, timeout=collective_timeout)
@@ -115,7 +123,8 @@ def main(make_job: Callable[[], TrainingJob], steps: int, *, seed: int = 0,
         for name in ("world", f"tp-{rank // tp}", f"dp-{rank % tp}"):
             groups.prepare(name, epoch, group_members(name, nodes, tp))
         groups.switch(groups.pending())
-        runtime = _runtime(make_job, job, rank, world, tp, seed, groups, collective_timeout)
+        runtime = _runtime(make_job, job, rank, world, tp, seed, groups, collective_timeout,
+                           should_abort)
         runtime.build()
         finished = ()
 
@@ -123,7 +132,8 @@ def main(make_job: Callable[[], TrainingJob], steps: int, *, seed: int = 0,
                          tp=tp, nodes=nodes, transfer_timeout=collective_timeout,
                          finished=finished, stop=stop)
     runtime.hook = hook
-    outcome = runtime.run(steps)
+    hooks.append(hook)
+    outcome = _train(runtime, hook, steps, stop, collective_timeout, log)
     log.info(f"Rank {rank} finished: {outcome.value} at step {runtime.step}.", rank=rank)
     if outcome is Outcome.HANDED_OFF:
         # The joiner holds the state now; tearing down communicators whose peers moved on can
@@ -137,9 +147,31 @@ def main(make_job: Callable[[], TrainingJob], steps: int, *, seed: int = 0,
     return 0
 
 
+def _train(runtime: Runtime, hook: MigrationHook, steps: int, stop: threading.Event,
+           timeout: float, log: Any) -> Outcome:
+    """Run the loop; after a step aborted by a lost peer, take part in the job's recovery and
+    run on. A step aborted with no recovery coming (and the job not paused waiting for a
+    standby) fails this worker after ``timeout`` seconds: never a silent hang."""
+    while True:
+        try:
+            return runtime.run(steps)
+        except CollectiveAborted as exc:
+            log.warning(f"Step {runtime.step} aborted: {exc}. Waiting for the job's recovery.",
+                        rank=hook.rank)
+            while True:
+                plan = wait_for_recovery(hook, stop, timeout)
+                if plan is None:
+                    if stop.is_set():
+                        return Outcome.STOPPED
+                    raise
+                if recover(runtime, hook, plan, timeout=timeout):
+                    break
+
+
 def _runtime(make_job: Callable[[], TrainingJob], job: str, rank: int, world: int, tp: int,
-             seed: int, groups: GroupSet, timeout: float) -> Runtime:
+             seed: int, groups: GroupSet, timeout: float,
+             should_abort: Callable[[], bool]) -> Runtime:
     ctx = JobContext(job=job, rank=rank, world_size=world, tp=tp,
                      groups=JobGroups(groups, rank, world, tp), seed=seed,
-                     collective_timeout=timeout)
+                     collective_timeout=timeout, should_abort=should_abort)
     return Runtime(make_job(), ctx)

@@ -24,19 +24,28 @@ switches, and carries on at that step.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from understudy.daemon import failpoints, logs
+from understudy.daemon.planner import PAUSED
 from understudy.groups.errors import GroupError
 from understudy.groups.groupset import GroupSet
+from understudy.worker.api import CollectiveAborted
 from understudy.worker.daemon_client import DaemonClient, DaemonError
 from understudy.worker.runtime import Action
 from understudy.worker.transfer import PairGroupTransport, TransferError, receive_state, send_state
 
 READY_PHASES = ("ready", "switching")
+#: how often a rank waiting in a collective asks its daemon whether the job is recovering
+RECOVERY_POLL_S = 0.1
+
+
+class RecoveryNeeded(CollectiveAborted):
+    """A rank of the job is gone and a recovery is planned: this rank stops its step."""
 
 
 def member(rank: int, node: str) -> str:
@@ -50,19 +59,21 @@ def group_names(rank: int, world_size: int, tp: int) -> dict[str, str]:
     return {"world": "world", "tp": f"tp-{dp_index}", "dp": f"dp-{tp_index}"}
 
 
+def group_rank_ids(name: str, world_size: int, tp: int) -> range:
+    """The ranks in concrete group ``name``, in group order."""
+    if name == "world":
+        return range(world_size)
+    if name.startswith("tp-"):
+        k = int(name[3:])
+        return range(k * tp, (k + 1) * tp)
+    if name.startswith("dp-"):
+        return range(int(name[3:]), world_size, tp)
+    raise ValueError(f"unknown group {name!r}")
+
+
 def group_members(name: str, nodes: tuple[str, ...], tp: int) -> tuple[str, ...]:
     """Members of concrete group ``name`` when rank ``i`` lives on ``nodes[i]``."""
-    world = len(nodes)
-    if name == "world":
-        ranks: range = range(world)
-    elif name.startswith("tp-"):
-        k = int(name[3:])
-        ranks = range(k * tp, (k + 1) * tp)
-    elif name.startswith("dp-"):
-        ranks = range(int(name[3:]), world, tp)
-    else:
-        raise ValueError(f"unknown group {name!r}")
-    return tuple(member(r, nodes[r]) for r in ranks)
+    return tuple(member(r, nodes[r]) for r in group_rank_ids(name, len(nodes), tp))
 
 
 def pair_name(rank: int, version: int) -> str:
@@ -84,6 +95,10 @@ class Plan:
     #: the group version this attempt builds: unique per attempt (a version number is burned
     #: once used, even by an aborted attempt) and the same on every rank
     version: int
+    #: "planned" (the leaver hands its state off) or "recovery" (the leaver is gone)
+    kind: str = "planned"
+    #: recovery: rank -> the data-parallel replica that gives its joiner the state
+    donors: dict[int, int] = field(default_factory=dict)
 
     @classmethod
     def from_info(cls, info: dict[str, Any] | None) -> Plan | None:
@@ -94,7 +109,25 @@ class Plan:
                    to_epoch=m["to_epoch"],
                    moves={r: (ln, jn) for r, ln, jn in
                           zip(m["ranks"], m["leavers"], m["joiners"], strict=True)},
-                   deadline=m["deadline"], version=int(m["created_at"] * 1000))
+                   deadline=m["deadline"], version=int(m["created_at"] * 1000),
+                   kind=m.get("kind", "planned"),
+                   donors=dict(zip(m["ranks"], m.get("donors") or (), strict=False)))
+
+    @property
+    def recovery(self) -> bool:
+        return self.kind == "recovery"
+
+    @property
+    def active(self) -> bool:
+        return self.phase not in ("done", "aborted")
+
+    def source(self, rank: int, nodes: tuple[str, ...]) -> str:
+        """The member that sends ``rank``'s state to its joiner: the leaver, or in a recovery
+        the donor replica (``nodes``: each rank's node before the move)."""
+        if self.recovery:
+            donor = self.donors[rank]
+            return member(donor, nodes[donor])
+        return member(rank, self.moves[rank][0])
 
     def nodes_after(self, nodes: tuple[str, ...]) -> tuple[str, ...]:
         out = list(nodes)
@@ -139,11 +172,50 @@ class MigrationHook:
         self._reports: DaemonClient | None = None
         #: seconds spent in phase 2 on this rank, for the events
         self.last_switch_s: float | None = None
+        self._recovery: Plan | None = None
+        self._recovery_checked = 0.0
+        #: the job waits for a standby to recover a rank (as of the last :meth:`recovery`)
+        self.paused = False
 
     # -- following the plan -------------------------------------------------------------------
 
+    def recovery(self) -> Plan | None:
+        """The recovery this rank must take part in now: one from this rank's epoch, not yet
+        over. Read afresh at most every ``RECOVERY_POLL_S`` (it is polled inside waits)."""
+        now = time.monotonic()
+        if now - self._recovery_checked >= RECOVERY_POLL_S:
+            self._recovery_checked = now
+            # A daemon that does not answer says nothing; the wait's own timeout still bounds it.
+            with contextlib.suppress(DaemonError):
+                info = self.control.job() or {}
+                self._note_recovery(Plan.from_info(info))
+                reason = (info.get("status") or {}).get("reason") or ""
+                self.paused = isinstance(reason, str) and reason.startswith(PAUSED)
+        return self._recovery
+
+    def _note_recovery(self, plan: Plan | None) -> None:
+        self._recovery = plan if (plan is not None and plan.recovery and plan.active
+                                  and plan.from_epoch == self.groups.epoch
+                                  and plan.id not in self._finished) else None
+
+    def recovered(self, plan: Plan) -> None:
+        """The survivors' side of ``plan`` is done: the joiners hold their ranks."""
+        self._forget_planned()
+        self.nodes = plan.nodes_after(self.nodes)
+        self.groups.epoch = plan.to_epoch
+        self._finished.add(plan.id)
+        self._recovery = None
+
+    def _forget_planned(self) -> None:
+        """Call off this rank's part in a planned migration (a rank failed meanwhile)."""
+        if self._plan is not None:
+            self._forget("a rank failed: the job is recovering")
+
     def _current_plan(self) -> Plan | None:
         plan = Plan.from_info(self.control.job())
+        self._note_recovery(plan)
+        if plan is not None and plan.recovery:
+            plan = None  # not this hook's to follow: see worker/recovery.py
         if self._plan is not None and (plan is None or plan.id != self._plan.id):
             # called off (and maybe replaced) before this rank saw it end
             self._forget("superseded" if plan is None else f"superseded by {plan.id}")
@@ -203,6 +275,10 @@ class MigrationHook:
         if self._switch_next:
             return self._switch_action(step)
         plan = self._current_plan()
+        if self._recovery is not None:
+            raise RecoveryNeeded(f"migration {self._recovery.id} recovers "
+                                 f"{sorted(self._recovery.moves)}", what=f"step {step}",
+                                 waited=0.0)
         if plan is None:
             return Action.CONTINUE
         if plan.phase in ("preparing", *READY_PHASES) and not self._prepared:
@@ -338,10 +414,10 @@ class Joiner:
         for name in names:
             self.groups.prepare(name, self.plan.version,
                                 group_members(name, self.nodes, self.tp))
-        leaver, joiner = self.plan.moves[self.rank]
         pair = pair_name(self.rank, self.plan.version)
         self.groups.prepare(pair, self.plan.version,
-                            (member(self.rank, leaver), member(self.rank, joiner)))
+                            (self.plan.source(self.rank, self.nodes_before),
+                             member(self.rank, self.node)))
         while not self.groups.ready([*names, pair]):
             if time.monotonic() > deadline:
                 raise TransferError("the new groups did not come up in time")

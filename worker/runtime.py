@@ -12,11 +12,19 @@ One iteration of :meth:`Runtime.run`, for the step ``s`` after the last committe
    step ``s`` runs again from the boundary, on every rank alike, since all saw the same vote.
 
 If a collective of the step aborts (:class:`~understudy.worker.api.CollectiveAborted`, from
-compute or from the vote), the step is rolled back as in 4 and the error propagates out of
-:meth:`Runtime.run`: the groups are broken and only the migration protocol can replace them.
-Calling :meth:`Runtime.run` again resumes at the same step. A rank that aborted in the vote
-cannot know whether its peers received the result: some may have committed ``s``; the recovery
-protocol reconciles committed steps across survivors.
+compute or from the vote), the error propagates out of :meth:`Runtime.run`: the groups are
+broken and only the recovery protocol can replace them. A rank that aborted in compute rolls the
+step back as in 4. A rank that computed ``s`` and aborted in the vote cannot know whether its
+peers received the result (a peer that died inside the all-reduce may have sent its part to
+some ranks), so it keeps the step **pending**: its gradients and the generators' states on both
+sides of compute. The recovery protocol learns the most advanced survivor's committed step and
+calls :meth:`Runtime.settle` on every survivor: a pending ``s`` is applied if anyone committed
+it (the vote was then all-ok), else discarded. Survivors differ by at most that one step: no
+rank can reach the vote of ``s + 1`` before every rank voted on ``s``.
+
+Jobs that implement :meth:`~understudy.worker.api.TrainingJob.reseed` get it called before every
+attempt, so a rank's random streams follow from the step and a rank rebuilt from a replica's
+state draws what the lost rank would have.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ from understudy.worker.api import (
     TrainingJob,
     allreduce_options,
     group_ranks,
+    reseeds,
 )
 
 
@@ -144,11 +153,12 @@ class Runtime:
     """Runs a job step by step (see the module docstring).
 
     ``max_attempts`` bounds how often one step is tried before :class:`StepFailed`;
-    ``keep_timings`` how many :class:`StepTiming` records :attr:`timings` keeps (the newest).
+    ``keep_timings`` how many :class:`StepTiming` records :attr:`timings` keeps (the newest);
+    every ``log_every`` committed steps a line says so (0: never).
     """
 
     def __init__(self, job: TrainingJob, ctx: JobContext, *, hook: BoundaryHook | None = None,
-                 max_attempts: int = 3, keep_timings: int = 100_000,
+                 max_attempts: int = 3, keep_timings: int = 100_000, log_every: int = 50,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
@@ -156,6 +166,7 @@ class Runtime:
         self.ctx = ctx
         self.hook: BoundaryHook = hook or NoMigration()
         self.max_attempts = max_attempts
+        self.log_every = log_every
         self.timings: deque[StepTiming] = deque(maxlen=keep_timings)
         #: The next step to run: the number of committed steps.
         self.step = 0
@@ -164,6 +175,9 @@ class Runtime:
         self._clock = clock
         self._built = False
         self._last_error: str | None = None  # this rank's compute error in the last attempt
+        self._reseeds = reseeds(job)
+        #: a step computed here whose vote aborted: (step, RNG before compute, RNG after)
+        self.pending: tuple[int, dict[str, Any], dict[str, Any]] | None = None
         self._log = structlog.get_logger("understudy.worker").bind(job=ctx.job, rank=ctx.rank)
 
     def build(self) -> None:
@@ -232,8 +246,36 @@ class Runtime:
                                  step=step, attempts=attempt)
         return Outcome.COMPLETED
 
+    def settle(self, committed: int) -> None:
+        """After an abort, take the survivors' word: ``committed`` steps are committed (the
+        most advanced survivor's count). Applies or discards a pending step to match.
+
+        Raises:
+            RuntimeError: this rank cannot reach ``committed`` (it is more than the pending
+                step away, or ahead of it): the survivors' reports are inconsistent.
+        """
+        self._require_built()
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            step, before, after = pending
+            if committed == step + 1:
+                rng.restore(after)
+                self.job.apply(step)
+                self.step = step + 1
+                self._log.info("applied the step whose vote aborted: a peer committed it",
+                               step=step)
+            else:
+                self._roll_back(step, before)
+        if self.step != committed:
+            raise RuntimeError(f"this rank has committed {self.step} steps and cannot settle "
+                               f"on {committed}")
+
     def _attempt(self, step: int, attempt: int, t0: float, action: str = "continue") -> bool:
         """Run ``step`` once; True if it was committed."""
+        if self.pending is not None:
+            raise RuntimeError(f"step {self.pending[0]} is pending: call settle() first")
+        if self._reseeds:
+            self.job.reseed(step)
         before = rng.capture()
         t1 = self._clock()
         error: Exception | None = None
@@ -250,12 +292,17 @@ class Runtime:
         try:
             committed = self._vote(ok=error is None, step=step)
         except CollectiveAborted:
-            self._roll_back(step, before)
+            if error is None:  # a peer may have committed it: keep it (see settle)
+                self.pending = (step, before, rng.capture())
+            else:
+                self._roll_back(step, before)
             raise
         t3 = self._clock()
         if committed:
             self.job.apply(step)
             self.step = step + 1
+            if self.log_every and self.step % self.log_every == 0:
+                self._log.info(f"{self.step} steps committed on rank {self.ctx.rank}")
         else:
             self._roll_back(step, before)
             self.redone += 1

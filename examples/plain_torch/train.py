@@ -96,6 +96,11 @@ class PlainJob(TrainingJob):
         # rank has its own stream, as each holds different activations.
         rng.seed_all(ctx.seed * 1_000_003 + ctx.rank)
 
+    def reseed(self, step: int) -> None:
+        # This rank's dropout stream follows from (seed, rank, step): a rank rebuilt from a
+        # data-parallel replica's state draws the masks the lost rank would have.
+        rng.seed_all((self.ctx.seed * 1_000_003 + self.ctx.rank) * 1_000_033 + step)
+
     def _lr_factor(self, step: int) -> float:
         if step < self.warmup:
             return (step + 1) / self.warmup

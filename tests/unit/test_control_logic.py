@@ -10,6 +10,7 @@ import pytest
 from understudy.daemon.errors import RecordError
 from understudy.daemon.fencing import FenceTimer
 from understudy.daemon.planner import (
+    AddStandbys,
     AdvanceMigration,
     AssignJob,
     ClusterView,
@@ -172,13 +173,89 @@ def test_job_ends_done_failed_or_failed_with_a_lost_node() -> None:
     done = plan(_cluster(j=JobView(spec, running, a, {0: exit_(0, 0), 1: exit_(1, 0)})), 1.0)
     assert done == [SetJobState("j", JobState.DONE, "every rank finished")]
     (failed,) = plan(_cluster(j=JobView(spec, running, a, {1: exit_(1, 3)})), 1.0)
-    assert isinstance(failed, SetJobState) and "rank 1 failed: code 3" in failed.reason
+    assert isinstance(failed, SetJobState) and failed.state == JobState.FAILED
+    assert "rank 1 failed on a: code 3, and the job has no standby pool" in failed.reason
     lost_view = _cluster(j=JobView(spec, running, a))
     del lost_view.live["b"]  # type: ignore[attr-defined]
     actions = plan(lost_view, 1.0)
     assert any(isinstance(x, MarkFailed) and x.node == "b" for x in actions)
     (lost,) = [x for x in actions if isinstance(x, SetJobState)]
-    assert "node b holding rank 1 is gone" in lost.reason
+    assert lost.state == JobState.FAILED and "node b holding rank 1 is gone" in lost.reason
+
+
+def _recovery_view(exits: dict[int, RankExit] | None = None, drop: tuple[str, ...] = (),
+                   standbys: tuple[str, ...] = ("s1", "s2"), tp: int = 2,
+                   status_reason: str = "") -> ClusterView:
+    a = Assignment(job="j", epoch=3, ranks=("a", "a", "b", "b"), standbys=standbys,
+                   reason="", updated_at=0)
+    running = JobStatus(job="j", state=JobState.RUNNING, reason=status_reason, updated_at=0)
+    live = {"a": _live("a", NodeState.ACTIVE, 2), "b": _live("b", NodeState.ACTIVE, 2),
+            "s1": _live("s1", NodeState.STANDBY, 1), "s2": _live("s2", NodeState.STANDBY, 1)}
+    for n in drop:
+        live.pop(n)
+    return ClusterView(registry={n: (_entry(n), 1) for n in ("a", "b", "s1", "s2")},
+                       live=live, jobs={"j": JobView(_spec(tp=tp, dp=4 // tp), running, a,
+                                                     exits=exits or {})})
+
+
+def _crash(rank: int, node: str = "a") -> RankExit:
+    return RankExit(job="j", rank=rank, epoch=3, node=node, returncode=-9, failed=True,
+                    description="killed by SIGKILL", time=1.0)
+
+
+def test_a_crashed_rank_is_recovered_from_its_data_parallel_replica() -> None:
+    (start,) = plan(_recovery_view({1: _crash(1)}), 5.0)
+    assert isinstance(start, StartMigration)
+    m = start.migration
+    assert m.kind == "recovery" and m.ranks == (1,) and m.leavers == ("a",)
+    assert m.joiners == ("s1",) and m.donors == (3,)  # rank 3 holds tp index 1 too
+    assert (m.from_epoch, m.to_epoch) == (3, 4) and "killed by SIGKILL" in m.reason
+
+
+def test_a_lost_node_is_recovered_rank_by_rank_onto_as_many_standbys() -> None:
+    actions = plan(_recovery_view(drop=("b",)), 5.0)
+    (start,) = [x for x in actions if isinstance(x, StartMigration)]
+    m = start.migration
+    assert m.ranks == (2, 3) and m.joiners == ("s1", "s2") and m.donors == (0, 1)
+
+
+def test_recovery_without_a_replica_fails_the_job_with_the_reason() -> None:
+    (failed,) = plan(_recovery_view({1: _crash(1)}, tp=4), 5.0)
+    assert isinstance(failed, SetJobState) and failed.state == JobState.FAILED
+    assert "no live data-parallel replica" in failed.reason
+
+
+def test_an_exhausted_pool_pauses_the_job_once_and_a_refill_resumes_it() -> None:
+    view = _recovery_view({1: _crash(1)}, standbys=("s1", "s2"), drop=("s1", "s2"))
+    paused = next(x for x in plan(view, 5.0) if not isinstance(x, MarkFailed))
+    assert isinstance(paused, SetJobState) and paused.state == JobState.RUNNING
+    assert paused.event == "job-paused" and "waiting for a standby" in paused.reason
+    again = _recovery_view({1: _crash(1)}, standbys=("s1", "s2"), drop=("s1", "s2"),
+                           status_reason=paused.reason)
+    assert [x for x in plan(again, 6.0) if not isinstance(x, MarkFailed)] == []  # said once
+    # Capacity returns (a standby node comes online): it joins the pool, then the rank is
+    # recovered onto it, then the job says it resumed.
+    returned = _recovery_view({1: _crash(1)}, standbys=(), status_reason=paused.reason)
+    (refill,) = plan(returned, 7.0)
+    assert isinstance(refill, AddStandbys)
+    assert refill.assignment.standbys == ("s1",) and refill.assignment.epoch == 3
+    refilled = _recovery_view({1: _crash(1)}, standbys=("s1",), status_reason=paused.reason)
+    (start,) = plan(refilled, 8.0)
+    assert isinstance(start, StartMigration) and start.migration.joiners == ("s1",)
+    healed = _recovery_view(standbys=(), status_reason=paused.reason)
+    resumed = [x for x in plan(healed, 9.0) if isinstance(x, SetJobState)]
+    assert resumed and resumed[0].event == "job-resumed"
+
+
+def test_a_rank_failing_during_a_drain_calls_the_drain_off() -> None:
+    view, _ = _migrating_view(phase="preparing")
+    job = view.jobs["j"]
+    crashed = dataclasses.replace(job, exits={0: RankExit(
+        job="j", rank=0, epoch=1, node="a", returncode=1, failed=True, description="code 1",
+        time=1.0)})
+    (abort,) = plan(dataclasses.replace(view, jobs={"j": crashed}), 10.0)
+    assert isinstance(abort, AdvanceMigration) and abort.phase == MigrationPhase.ABORTED
+    assert "rank 0 failed" in abort.reason
 
 
 def _migrating_view(progress: frozenset[str] = frozenset(), phase: str = "planned",
@@ -274,3 +351,9 @@ def test_migrations_abort_on_deadline_dead_joiner_or_report() -> None:
     # While switching, the ranks decide: a late deadline alone does not pull the plug.
     view, m = _migrating_view(phase="switching")
     assert not [x for x in plan(view, now=m.deadline + 1) if isinstance(x, AdvanceMigration)]
+
+
+def test_an_offline_standby_is_replaced_in_the_pool_by_a_fresh_one() -> None:
+    view = _recovery_view(standbys=("s1",), drop=("s1",))
+    (refill,) = [x for x in plan(view, 5.0) if isinstance(x, AddStandbys)]
+    assert refill.assignment.standbys == ("s2",)

@@ -228,7 +228,8 @@ class MegatronJob(TrainingJob):
       all-reduce of every gradient over DP, waited abortably; ``apply`` steps a plain
       ``torch.optim.Adam`` and a linear-warmup schedule.
     - **RNG**: the process-global generators (hidden and embedding dropout, identical within a
-      TP group) are seeded from ``(seed, dp_index)`` and saved by the runtime; the TP tracker's
+      TP group) are seeded from ``(seed, dp_index, step)`` before every step (:meth:`reseed`),
+      so a rank rebuilt from a data-parallel replica draws what it would have; the TP tracker's
       streams (attention dropout, one per TP rank) are saved here and rewound by
       :meth:`discard`.
 
@@ -305,6 +306,11 @@ class MegatronJob(TrainingJob):
         rng.seed_all(ctx.seed * 1_000_003 + ctx.dp_index)
         log.info("built the Megatron GPT model", rank=ctx.rank, tp=ctx.tp, dp=ctx.dp,
                  parameters=sum(p.numel() for p in self.params))
+
+    def reseed(self, step: int) -> None:
+        """The process-global streams follow ``(seed, dp_index, step)``; the TP tracker's
+        streams are the same on every data-parallel replica and travel with the state."""
+        rng.seed_all((self.ctx.seed * 1_000_003 + self.ctx.dp_index) * 1_000_033 + step)
 
     def _require_model(self) -> GPTModel:
         if self.model is None:

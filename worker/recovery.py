@@ -1,0 +1,248 @@
+"""The survivors' side of a recovery: a rank's process or node is gone, and a standby takes its
+place with the state of a data-parallel replica (the controller's side is ``daemon/planner.py``,
+the joiner's is :class:`~understudy.worker.migration.Joiner`).
+
+A survivor learns of the loss from its daemon: the collective it waits in is released within
+:data:`~understudy.worker.migration.RECOVERY_POLL_S` of the recovery plan reaching the daemon
+(or at once, when the peer's death resets the connection), and :meth:`Runtime.run` raises. Then
+:func:`recover`, on every survivor, against the plan's reports in the key-value namespace
+``<job>/migration/<id>``:
+
+1. **Stop and report** ``stopped/<rank>``: the rank's committed step, its pending step (computed,
+   vote aborted) and how many operations it issued on each of its groups' current versions.
+2. **Settle.** Every survivor reads every survivor's report and settles on the most advanced
+   committed step (:meth:`Runtime.settle`): a pending step somebody committed is applied, else
+   discarded. All survivors now hold the same committed step, with nothing half-applied.
+3. **Rebuild** the groups that contained a lost rank, and the groups whose members issued
+   different numbers of operations (an abandoned collective is still queued on one side: the
+   next one would pair with it). Every member computes the same set from the same reports;
+   the other groups are kept, communicators and all. The next versions are built with the
+   joiners in the lost ranks' slots; each donor also builds a pair group with its joiner.
+   ``prepared/<rank>`` when they are up.
+4. **Transfer.** Each donor streams its state (the settled committed step) to its joiner and
+   reports ``transferred/<lost rank>``; the others wait for every ``transferred`` to say ok.
+5. **Switch** to the new versions under the new epoch; :meth:`Runtime.run` resumes at the settled
+   step, which the joiners redo with everyone.
+
+If the plan is called off at any point (the joiner or another rank died meanwhile, the deadline
+passed) the prepared versions are abandoned and the survivor waits for the next plan; its step
+stays settled, so a second attempt reports the same step and nothing pending.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from understudy.daemon import logs
+from understudy.groups.errors import GroupError
+from understudy.groups.groupset import GroupSet
+from understudy.worker.daemon_client import DaemonClient, DaemonError
+from understudy.worker.migration import (
+    MigrationHook,
+    Plan,
+    group_members,
+    group_names,
+    group_rank_ids,
+    member,
+    pair_name,
+)
+from understudy.worker.runtime import Runtime
+from understudy.worker.transfer import PairGroupTransport, TransferError, send_state
+
+#: how often a survivor re-reads the plan while it waits for peers' reports
+POLL_S = 0.05
+
+
+class CalledOff(Exception):
+    """The recovery plan this survivor followed was aborted or replaced."""
+
+
+def wait_for_recovery(hook: MigrationHook, stop: threading.Event,
+                      timeout: float) -> Plan | None:
+    """After an aborted step: the recovery plan for this rank's epoch, once the controller
+    wrote it. None if ``stop`` is set, or no plan came within ``timeout`` seconds; a job paused
+    for want of a standby waits as long as it stays paused."""
+    deadline = time.monotonic() + timeout
+    while not stop.is_set():
+        plan = hook.recovery()
+        if plan is not None:
+            return plan
+        if hook.paused:
+            deadline = time.monotonic() + timeout
+        elif time.monotonic() > deadline:
+            return None
+        stop.wait(POLL_S)
+    return None
+
+
+def recover(runtime: Runtime, hook: MigrationHook, plan: Plan, *, timeout: float) -> bool:
+    """This survivor's part of ``plan`` (see the module docstring). True: the joiners hold
+    their ranks and training resumes on the new groups. False: the plan was called off; the
+    caller waits for the next one."""
+    return _Survivor(runtime, hook, plan, timeout).run()
+
+
+class _Survivor:
+    def __init__(self, runtime: Runtime, hook: MigrationHook, plan: Plan,
+                 timeout: float) -> None:
+        self.runtime, self.hook, self.plan, self.timeout = runtime, hook, plan, timeout
+        self.groups: GroupSet = hook.groups
+        self.rank, self.world, self.tp = hook.rank, hook.world_size, hook.tp
+        self.nodes = hook.nodes
+        self.after = plan.nodes_after(self.nodes)
+        self.log = logs.get(job=hook.job, rank=self.rank, node=hook.node)
+        self.reports = DaemonClient(f"{hook.job}/migration/{plan.id}", epoch=plan.from_epoch,
+                                    timeout=10)
+        self.prepared: list[str] = []
+
+    def run(self) -> bool:
+        t0 = time.monotonic()
+        try:
+            self.hook._forget_planned()
+            committed = self._settle()
+            rebuild = self._prepare(committed)
+            self._transfer(committed)
+            self._wait_transferred()
+            self._guarded(self.groups.switch, rebuild)
+        except CalledOff as exc:
+            self.log.warning(f"Recovery {self.plan.id} was called off ({exc}); waiting for the "
+                             "next plan.")
+            if self.prepared:
+                self.groups.abandon(self.prepared)
+            self.reports.close()
+            return False
+        self.hook.recovered(self.plan)
+        self.reports.close()
+        self.log.info(f"Recovered from the loss of rank(s) {sorted(self.plan.moves)} at step "
+                      f"{committed}: rebuilt {rebuild}, kept the others.",
+                      epoch=self.plan.to_epoch, seconds=round(time.monotonic() - t0, 3))
+        return True
+
+    # -- steps --------------------------------------------------------------------------------
+
+    def _my_groups(self) -> list[str]:
+        return list(group_names(self.rank, self.world, self.tp).values())
+
+    def _settle(self) -> int:
+        pending = self.runtime.pending
+        ops = {}
+        for name in self._my_groups():
+            version = self.groups.current(name).version
+            ops[name] = version.ops if version is not None else -1
+        mine = {"step": self.runtime.step, "pending": pending[0] if pending else None,
+                "ops": ops}
+        self._set(f"stopped/{self.rank}", json.dumps(mine).encode())
+        self.stopped = {r: self._read_report(r) for r in range(self.world)
+                        if r not in self.plan.moves}
+        committed = max(int(rep["step"]) for rep in self.stopped.values())
+        try:
+            self.runtime.settle(committed)
+        except RuntimeError as exc:
+            # Cannot happen while the step protocol holds; refusing is all that is left.
+            raise CalledOff(f"this rank cannot settle: {exc}") from exc
+        return committed
+
+    def _read_report(self, rank: int) -> dict[str, Any]:
+        value = self._wait_for(f"stopped/{rank}", f"rank {rank}'s report")
+        try:
+            report = json.loads(value)
+            int(report["step"])
+            dict(report["ops"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CalledOff(f"rank {rank}'s report is unreadable: {exc}") from exc
+        return dict(report)
+
+    def _prepare(self, committed: int) -> list[str]:
+        lost = set(self.plan.moves)
+        rebuild = []
+        for name in self._my_groups():
+            ranks = group_rank_ids(name, self.world, self.tp)
+            counts = {self.stopped[r]["ops"].get(name) for r in ranks if r not in lost}
+            if lost & set(ranks) or len(counts) > 1:
+                rebuild.append(name)
+        for name in rebuild:
+            self._guarded(self.groups.prepare, name, self.plan.version,
+                          group_members(name, self.after, self.tp))
+            self.prepared.append(name)
+        for r in self._donating():
+            pair = pair_name(r, self.plan.version)
+            self._guarded(self.groups.prepare, pair, self.plan.version,
+                          (member(self.rank, self.nodes[self.rank]),
+                           member(r, self.plan.moves[r][1])))
+            self.prepared.append(pair)
+        self.log.info(f"Recovery {self.plan.id}: settled on step {committed}; rebuilding "
+                      f"{rebuild}.", kept=[n for n in self._my_groups() if n not in rebuild])
+        self._until(lambda: self.groups.ready(self.prepared), "the new group versions")
+        self._set(f"prepared/{self.rank}")
+        return rebuild
+
+    def _donating(self) -> list[int]:
+        return [r for r, d in self.plan.donors.items() if d == self.rank]
+
+    def _transfer(self, committed: int) -> None:
+        for r in self._donating():
+            pair = pair_name(r, self.plan.version)
+            try:
+                self.groups.switch([pair])
+                with PairGroupTransport(self.groups.current(pair),
+                                        timeout_s=self.timeout) as transport:
+                    stats = send_state(transport, self.runtime.state())
+            except (TransferError, GroupError) as exc:
+                self._set(f"transferred/{r}", f"failed: {exc}".encode())
+                raise CalledOff(f"the state did not reach rank {r}'s joiner: {exc}") from exc
+            self._set(f"transferred/{r}", b"ok")
+            self.log.info(f"Gave rank {r}'s joiner the state of step {committed}: {stats}.")
+
+    def _wait_transferred(self) -> None:
+        for r in self.plan.moves:
+            value = self._wait_for(f"transferred/{r}", f"rank {r}'s state transfer")
+            if value != b"ok":
+                raise CalledOff(f"rank {r}'s state transfer failed: {value[:200]!r}")
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def _set(self, key: str, value: bytes = b"1") -> None:
+        try:
+            self.reports.set(key, value)
+        except DaemonError as exc:
+            raise CalledOff(f"could not report {key}: {exc}") from exc
+
+    def _check_plan(self) -> None:
+        try:
+            plan = Plan.from_info(self.hook.control.job())
+        except DaemonError:
+            return
+        if plan is None or plan.id != self.plan.id or plan.phase == "aborted":
+            raise CalledOff("aborted" if plan is not None and plan.id == self.plan.id
+                            else "replaced")
+
+    def _wait_for(self, key: str, what: str) -> bytes:
+        """The value of report ``key``, waiting while the plan stands (up to the timeout)."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                return self.reports.get(key, timeout=0.2)
+            except DaemonError:
+                pass
+            self._check_plan()
+            if time.monotonic() > deadline:
+                raise CalledOff(f"no word of {what} in {self.timeout:g} s")
+
+    def _until(self, done: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + self.timeout
+        while not done():
+            self._check_plan()
+            if time.monotonic() > deadline:
+                raise CalledOff(f"{what} did not come up in {self.timeout:g} s")
+            time.sleep(POLL_S)
+
+    def _guarded(self, action: Callable[..., Any], *args: Any) -> None:
+        try:
+            action(*args)
+        except (ValueError, GroupError) as exc:
+            self._set("aborted", f"recovery failed on rank {self.rank}: {exc}".encode())
+            raise CalledOff(str(exc)) from exc
