@@ -296,13 +296,14 @@ def _refill_standbys(job: JobView, a: Assignment, view: ClusterView,
                      now: float) -> AddStandbys | None:
     """Give a job whose standbys were used up, or went offline, free standby nodes again
     (capacity returned). Offline standbys leave the pool in the same write."""
-    alive = tuple(n for n in a.standbys if n in view.live)
+    used = used_slots(view)  # a joiner's node holds its rank before its state says active
+    alive = tuple(n for n in a.standbys if n in view.live and n not in used)
     missing = job.spec.standby - len(alive)
     if missing <= 0:
         return None
     taken = reserved_standbys(view)
     fresh = [rec.name for rec in placeable_nodes(view) if rec.state == NodeState.STANDBY
-             and rec.name not in taken][:missing]
+             and rec.name not in taken and rec.name not in used][:missing]
     if not fresh:
         return None
     return AddStandbys(dataclasses.replace(a, standbys=(*alive, *fresh),

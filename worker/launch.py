@@ -78,7 +78,7 @@ def main(make_job: Callable[[], TrainingJob], steps: int, *, seed: int = 0,
     hooks: list[MigrationHook] = []
 
     def should_abort() -> bool:
-        return bool(hooks) and hooks[0].recovery() is not None
+        return bool(hooks) and (hooks[0].recovery() is not None or hooks[0].paused)
 
     if _env(env.WORKER_ROLE) == "standby":
         log.info("Standby worker is up and waiting to be chosen as a joiner.")
@@ -116,6 +116,8 @@ def main(make_job: Callable[[], TrainingJob], steps: int, *, seed: int = 0,
             os._exit(0)
         joiner.switched()
         nodes = joiner.nodes
+        if plan.recovery:
+            runtime.announce = f"First step after recovery {plan.id}"
         finished: tuple[str, ...] = (plan.id,)
     else:
         rank = int(_env(env.RANK))
@@ -165,6 +167,7 @@ def _train(runtime: Runtime, hook: MigrationHook, steps: int, stop: threading.Ev
                         return Outcome.STOPPED
                     raise
                 if recover(runtime, hook, plan, timeout=timeout):
+                    runtime.announce = f"First step after recovery {plan.id}"
                     break
 
 

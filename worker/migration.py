@@ -136,6 +136,16 @@ class Plan:
         return tuple(out)
 
 
+def _paused(info: dict[str, Any]) -> bool:
+    """Whether the job waits for a standby to recover a rank: its status says so, and says it
+    after the current assignment was written (a stale "paused" outlives the recovery that
+    ended it by one controller round)."""
+    status, assignment = info.get("status") or {}, info.get("assignment") or {}
+    reason = status.get("reason")
+    return isinstance(reason, str) and reason.startswith(PAUSED) and \
+        float(status.get("updated_at", 0)) >= float(assignment.get("updated_at", 0))
+
+
 class JobGroups:
     """The runtime's groups provider: ``tp``/``dp``/``world`` -> this rank's current group."""
 
@@ -189,8 +199,7 @@ class MigrationHook:
             with contextlib.suppress(DaemonError):
                 info = self.control.job() or {}
                 self._note_recovery(Plan.from_info(info))
-                reason = (info.get("status") or {}).get("reason") or ""
-                self.paused = isinstance(reason, str) and reason.startswith(PAUSED)
+                self.paused = _paused(info)
         return self._recovery
 
     def _note_recovery(self, plan: Plan | None) -> None:

@@ -176,6 +176,8 @@ class Runtime:
         self._built = False
         self._last_error: str | None = None  # this rank's compute error in the last attempt
         self._reseeds = reseeds(job)
+        #: said in the log with the next committed step (the end of a recovery's downtime)
+        self.announce: str | None = None
         #: a step computed here whose vote aborted: (step, RNG before compute, RNG after)
         self.pending: tuple[int, dict[str, Any], dict[str, Any]] | None = None
         self._log = structlog.get_logger("understudy.worker").bind(job=ctx.job, rank=ctx.rank)
@@ -303,6 +305,10 @@ class Runtime:
             self.step = step + 1
             if self.log_every and self.step % self.log_every == 0:
                 self._log.info(f"{self.step} steps committed on rank {self.ctx.rank}")
+            if self.announce is not None:
+                self._log.info(f"{self.announce}: step {step} committed on rank "
+                               f"{self.ctx.rank}.", step=step)
+                self.announce = None
         else:
             self._roll_back(step, before)
             self.redone += 1

@@ -133,3 +133,64 @@ def test_migration_smoke(tmp_path: Path) -> None:
     assert s["transfer"]["fraction_of_raw_64mib_bandwidth"] > 0
     assert s["p2p"]["target_fraction"] == 0.7
     assert s["p2p"]["send_state_fraction_of_raw_64mib"]["median"] > 0
+
+
+@pytest.mark.timeout(600)
+def test_recovery_smoke(tmp_path: Path) -> None:
+    if shutil.which("etcd") is None:
+        pytest.fail("etcd is not installed: the test command installs it (scripts/test)")
+    out_file = tmp_path / "recovery.json"
+    res = run_benchmark("recovery.py", "--smoke", "--out", str(out_file), timeout=540)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "worker crash (kill -9 rank 1): end to end" in res.stdout
+    assert "cold / warm" in res.stdout
+
+    data = json.loads(out_file.read_text())
+    assert {"benchmark", "command", "machine", "config", "summary", "repeats"} <= set(data)
+    assert {"platform", "cpu_count", "python", "etcd_version"} <= set(data["machine"])
+    assert "--smoke" in data["command"]
+    cfg = data["config"]
+    assert cfg["smoke"] is True and cfg["repeats"] == 1 and cfg["ttl"] >= 3
+    assert len(data["repeats"]) == cfg["repeats"]
+
+    phases = ("detection", "planning", "settle", "rebuild_transfer", "first_step")
+    for rep in data["repeats"]:
+        for key, lost in (("worker_crash", ["1"]), ("node_loss", ["2", "3"])):
+            sc = rep[key]
+            # Every lost rank was taken by a standby, from a live data-parallel replica.
+            assert sorted(sc["transfers"]) == sorted(sc["joiners"]) == lost
+            assert set(sc["joiners"].values()) <= {"node-s1", "node-s2"}
+            assert sc["controller"] == "node-a"
+            # The phases follow each other and add up to the end-to-end figure.
+            assert sc["end_to_end_s"] > 0 and sc["phases_s"]["detection"] > 0
+            assert sum(sc["phases_s"][p] for p in phases) == pytest.approx(
+                sc["end_to_end_s"], abs=1e-4)  # microsecond JSON
+            for t in sc["transfers"].values():
+                assert t["payload_bytes"] > 0 and t["send_s"] > 0 and t["joiner_receive_s"] > 0
+                assert t["step"] == sc["settled_step"]
+            for j in sc["joiner_timeline"].values():
+                assert 0 < j["chosen_to_took_over_s"] < j["chosen_to_first_step_s"]
+            # The failure landed mid-run; the job redid no more than the step it lost.
+            assert cfg["crash_at"] <= sc["steps_before_failure"] <= sc["settled_step"]
+            assert sc["settled_step"] < cfg["steps"] and sc["settled_steps_agree"]
+            assert sc["first_step_after"] == sc["settled_step"]
+            assert sc["recovery"]["phase"] == "done"
+        assert rep["worker_crash"]["exit_record"]["failed"] is True
+        assert "node-b" in rep["node_loss"]["node_failed_message"]
+        cold = rep["cold_start"]
+        assert cold["saved_step"] == cfg["steps"] and set(cold["ranks"]) == {"0", "1", "2", "3"}
+        for r in cold["ranks"].values():
+            assert 0 < r["first_step_s"] < r["spawn_to_first_step_s"] <= r["spawn_to_exit_s"]
+        assert cold["spawn_s"] > 0 and cold["imports_s"] > 0
+        assert rep["warm_vs_cold"]["cold_over_warm"] > 0
+
+    s = data["summary"]
+    for key in ("worker_crash", "node_loss"):
+        for fig in ("end_to_end_s", *(f"{p}_s" for p in phases), "transfer_send_s"):
+            assert {"median", "min", "max", "spread", "n"} <= set(s[key][fig])
+            assert s[key][fig]["min"] <= s[key][fig]["median"] <= s[key][fig]["max"]
+        assert s[key]["end_to_end_s"]["min"] > 0
+    assert s["node_loss"]["lease_ttl_s"] == cfg["ttl"]
+    w = s["warm_vs_cold"]
+    for fig in ("warm_chosen_to_first_step_s", "cold_spawn_to_first_step_s", "cold_over_warm"):
+        assert w[fig]["median"] > 0

@@ -12,6 +12,9 @@
 3. One rank per node: a rank whose TP and DP partners stay is drained, then drained again from
    the standby that took it; then another rank's joiner is killed in the middle of the state
    stream: that migration aborts, the leaver trains on to the end. Bitwise equal again.
+4. Rank 1 killed mid-run (kill -9): a standby rebuilds it from rank 3's state (its data-parallel
+   replica), the aborted step is redone by everyone, and every loss and the final state are the
+   uninterrupted run's.
 
 The states the workers save load as plain tensors and dictionaries, without megatron-core.
 """
@@ -278,3 +281,42 @@ def test_one_rank_drained_twice_then_a_joiner_killed_mid_stream(etcd: EmbeddedEt
         assert_bitwise_equal(reference, out)
     finally:
         c.stop_all(timeout=5)
+
+
+def test_a_killed_megatron_rank_is_rebuilt_from_its_replica_bitwise(
+        cluster: LocalCluster, reference: Path, tmp_path: Path) -> None:
+    # Rank 1 dies by kill -9 mid-run; its TP partner (rank 0) and the other TP group abort
+    # their step; a standby builds the model for rank 1 and takes rank 3's state (same TP
+    # index: the same shards, Adam state and TP RNG tracker); the step is redone by everyone.
+    out = tmp_path / "out"
+    env = [f"--env={k}={v}" for k, v in ONE_THREAD.items()]
+    run = cluster.cli("run", "--job", "gpt", "--tp", "2", "--dp", "2", "--standby", "2", *env,
+                      "--", sys.executable, *_job_args(out))
+    assert run.returncode == 0, run.stderr
+    a = cluster.daemons["node-a"]
+    wait_standbys(cluster, ("node-s1", "node-s2"), timeout=240)
+    deadline = time.monotonic() + 240
+    while sum(cluster.daemons[n].log_text().count("built the Megatron GPT model")
+              for n in ("node-a", "node-b")) < 4:
+        assert time.monotonic() < deadline, "the ranks did not build their models in time"
+        time.sleep(0.5)
+    time.sleep(3)
+    os.kill(worker_pid(a, "gpt.r1"), 9)
+    cluster.wait_for("the job to finish", lambda s: s.job("gpt") is not None and
+                     s.job("gpt").state in ("done", "failed"), timeout=300)
+    job = cluster.status().job("gpt")
+    assert job is not None and job.state == "done", job.status
+    assert job.assignment is not None and job.assignment.epoch == 2
+    assert job.assignment.ranks == ("node-a", "node-s1", "node-b", "node-b")
+    planned = next(e for e in events(cluster) if e["kind"] == "migration-planned")
+    assert "recovery: rank 1 -> node-s1 (state from rank 3)" in planned["message"]
+    assert a.log_text().count("Started rank 0 of job gpt") == 1
+    # Every step's loss, the redone one included, is the uninterrupted run's.
+    for rank in (0, 2, 3):
+        assert _summary(out, rank)["losses"] == _summary(reference, rank)["losses"]
+    summary = _summary(out, 1)
+    took_over = min(int(s) for s in summary["losses"])
+    assert 1 < took_over < STEPS - 1, took_over
+    expected = _summary(reference, 1)["losses"]
+    assert summary["losses"] == {s: v for s, v in expected.items() if int(s) >= took_over}
+    assert_bitwise_equal(reference, out)

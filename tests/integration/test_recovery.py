@@ -5,9 +5,11 @@ step is redone, and the final state is compared bit for bit with an uninterrupte
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -54,6 +56,123 @@ def test_a_killed_rank_is_replaced_from_its_replica_and_the_result_is_bitwise_id
         assert done["details"]["id"] == planned["details"]["id"]
         summary = json.loads((out / "rank1.json").read_text())
         assert summary["step"] == STEPS
+        assert_bitwise_equal(reference, out, world=4)
+    finally:
+        c.stop_all(timeout=5)
+
+
+def test_a_crashed_node_is_replaced_after_its_lease_expires(
+        etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:  # noqa: F811
+    c = start(etcd, tmp_path / "cluster", {"node-a": 2, "node-b": 2}, ("node-s1", "node-s2"))
+    try:
+        out = tmp_path / "out"
+        _run_job(c, out)
+        wait_standbys(c, ("node-s1", "node-s2"))
+        _wait_steps(c.daemons["node-b"], 2, 50)
+        c.daemons["node-b"].kill9()  # the daemon and both its ranks, at once
+        _recovery_done(c)
+        evs = events(c)
+        kinds = [e["kind"] for e in evs]
+        # Detected by the lease: the node failed first, then its ranks were recovered.
+        assert kinds.index("node-failed") < kinds.index("migration-planned"), kinds
+        planned = next(e for e in evs if e["kind"] == "migration-planned")
+        assert "rank 2 -> node-s1 (state from rank 0)" in planned["message"]
+        assert "rank 3 -> node-s2 (state from rank 1)" in planned["message"]
+        job = _finish(c)
+        assert job.assignment.epoch == 2
+        assert job.assignment.ranks == ("node-a", "node-a", "node-s1", "node-s2")
+        assert c.daemons["node-a"].log_text().count("Started rank 0 of job mig") == 1
+        assert_bitwise_equal(reference, out, world=4)
+    finally:
+        c.stop_all(timeout=5)
+
+
+def test_a_frozen_node_is_replaced_fences_itself_on_waking_and_rejoins_clean(
+        etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:  # noqa: F811
+    # SIGSTOP of the daemon and its ranks: no process dies, no connection is reset. The
+    # survivors wait in their collectives until the lease expires and the recovery is planned.
+    c = start(etcd, tmp_path / "cluster", {"node-a": 2, "node-b": 2}, ("node-s1", "node-s2"))
+    b = c.daemons["node-b"]
+    try:
+        out = tmp_path / "out"
+        _run_job(c, out)
+        wait_standbys(c, ("node-s1", "node-s2"))
+        _wait_steps(b, 2, 50)
+        os.killpg(b.pid, signal.SIGSTOP)
+        _recovery_done(c)
+        a_log = c.daemons["node-a"].log_text()
+        assert "told to abort" in a_log  # released by the daemon's word, not a timeout
+        os.killpg(b.pid, signal.SIGCONT)
+        # On waking it finds its lease gone: it kills its old ranks and comes back as a new
+        # incarnation with no rank; the job, at epoch 2, never hears from them.
+        wait_log(b, "fenced itself")
+        c.wait_state("node-b", "active", timeout=30)
+        job = _finish(c)
+        assert job.assignment.epoch == 2
+        assert job.assignment.ranks == ("node-a", "node-a", "node-s1", "node-s2")
+        assert_bitwise_equal(reference, out, world=4)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(b.pid, signal.SIGCONT)
+        c.stop_all(timeout=5)
+
+
+def test_an_exhausted_pool_pauses_the_job_until_a_standby_joins(
+        etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:  # noqa: F811
+    c = start(etcd, tmp_path / "cluster", {"node-a": 2, "node-b": 2}, ("node-s1",))
+    try:
+        out = tmp_path / "out"
+        _run_job(c, out, standby=1)
+        wait_standbys(c, ("node-s1",))
+        _wait_steps(c.daemons["node-a"], 1, 50)
+        os.kill(worker_pid(c.daemons["node-a"], "mig.r1"), signal.SIGKILL)
+        _recovery_done(c)
+        # The pool is empty now: the next loss pauses the job (nothing fails, nothing hangs).
+        _wait_steps(c.daemons["node-b"], 2, 100)
+        os.kill(worker_pid(c.daemons["node-b"], "mig.r2"), signal.SIGKILL)
+        c.wait_for("the job to pause", lambda s: any(
+            e["kind"] == "job-paused" for e in events(c)), timeout=60)
+        paused = next(e for e in events(c) if e["kind"] == "job-paused")
+        assert "waiting for a standby" in paused["message"]
+        time.sleep(3)
+        job = c.status().job("mig")
+        assert job is not None and job.state == "running" and job.assignment.epoch == 2
+        # Capacity returns: a new standby node joins the pool and takes rank 2.
+        c.add("node-s3", "standby")
+        job = _finish(c)
+        kinds = [e["kind"] for e in events(c)]
+        assert "standbys-added" in kinds and "job-resumed" in kinds, kinds
+        assert job.assignment.epoch == 3
+        assert job.assignment.ranks == ("node-a", "node-s1", "node-s3", "node-b")
+        assert_bitwise_equal(reference, out, world=4)
+    finally:
+        c.stop_all(timeout=5)
+
+
+def test_a_rank_crashing_during_a_drain_aborts_it_recovers_then_the_drain_completes(
+        etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:  # noqa: F811
+    c = start(etcd, tmp_path / "cluster", {"node-a": 2, "node-b": 2},
+              ("node-s1", "node-s2", "node-s3"))
+    a = c.daemons["node-a"]
+    try:
+        out = tmp_path / "out"
+        _run_job(c, out, standby=3, step_sleep=0.08)
+        wait_standbys(c, ("node-s1", "node-s2", "node-s3"))
+        _wait_steps(a, 0, 50)
+        assert c.cli("drain", "node-b", "--deadline", "240").returncode == 0
+        c.wait_for("phase 1", lambda s: any(
+            e["kind"] == "migration-preparing" for e in events(c)), timeout=60)
+        os.kill(worker_pid(a, "mig.r0"), signal.SIGKILL)  # a stayer, in phase 1
+        c.wait_for("the drain to be called off", lambda s: any(
+            e["kind"] == "migration-aborted" for e in events(c)), timeout=60)
+        aborted = next(e for e in events(c) if e["kind"] == "migration-aborted")
+        assert "rank 0 failed" in aborted["message"], aborted
+        job = _finish(c)
+        planned = [e["message"] for e in events(c) if e["kind"] == "migration-planned"]
+        assert any("recovery: rank 0 ->" in m for m in planned), planned
+        # Recovery (epoch 2), then the drain again (epoch 3): node-b holds nothing.
+        assert job.assignment.epoch == 3
+        assert "node-b" not in job.assignment.ranks
         assert_bitwise_equal(reference, out, world=4)
     finally:
         c.stop_all(timeout=5)

@@ -357,3 +357,15 @@ def test_an_offline_standby_is_replaced_in_the_pool_by_a_fresh_one() -> None:
     view = _recovery_view(standbys=("s1",), drop=("s1",))
     (refill,) = [x for x in plan(view, 5.0) if isinstance(x, AddStandbys)]
     assert refill.assignment.standbys == ("s2",)
+
+
+def test_a_promoted_joiner_still_reading_standby_is_not_put_back_in_the_pool() -> None:
+    # Right after a recovery commits, the joiner's node holds rank 1 but its record still says
+    # standby until its daemon catches up.
+    view = _recovery_view(standbys=())
+    job = view.jobs["j"]
+    assert job.assignment is not None
+    moved = dataclasses.replace(job.assignment, ranks=("a", "s1", "b", "b"))
+    view = dataclasses.replace(view, jobs={"j": dataclasses.replace(job, assignment=moved)})
+    (refill,) = [x for x in plan(view, 5.0) if isinstance(x, AddStandbys)]
+    assert refill.assignment.standbys == ("s2",)

@@ -33,6 +33,7 @@ from understudy.worker.api import (
 from understudy.worker.errors import read_error
 from understudy.worker.runtime import (
     Action,
+    NoMigration,
     Outcome,
     Runtime,
     StaticGroups,
@@ -258,6 +259,58 @@ def test_an_aborted_collective_rolls_back_and_propagates(solo: JobContext) -> No
     assert job.calls[-1] == ("discard", 1) and runtime.step == 1
     assert runtime.run(3) is Outcome.COMPLETED  # resumes at the step that aborted
     assert job.applied == [0, 1, 2]
+
+
+class LosesAPeerInTheVote(NoMigration):
+    """The vote of ``step`` aborts once, after this rank computed it (a peer died inside the
+    all-reduce: this rank cannot know whether others received the result)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def vote_flag(self, step: int) -> int:
+        if step == self.step:
+            self.step = -1
+            raise CollectiveAborted("the vote on step 2 failed: a peer is gone",
+                                    what="the vote", waited=0.1)
+        return 0
+
+
+def _draws_uninterrupted(solo: JobContext, steps: int) -> list[tuple[int, float]]:
+    job = ScriptedJob()
+    _runtime(job, solo).run(steps)
+    return job.draws
+
+
+@pytest.mark.parametrize("peer_committed", [True, False])
+def test_a_step_whose_vote_aborted_stays_pending_until_the_survivors_settle(
+        solo: JobContext, peer_committed: bool) -> None:
+    expected = _draws_uninterrupted(solo, 5)
+    job = ScriptedJob()
+    runtime = _runtime(job, solo, hook=LosesAPeerInTheVote(2))
+    with pytest.raises(CollectiveAborted):
+        runtime.run(5)
+    assert runtime.pending is not None and runtime.pending[0] == 2
+    assert job.applied == [0, 1] and ("discard", 2) not in job.calls  # gradients kept
+    with pytest.raises(RuntimeError, match="call settle"):
+        runtime.run(5)
+    runtime.settle(3 if peer_committed else 2)
+    assert runtime.pending is None
+    assert runtime.run(5) is Outcome.COMPLETED
+    assert job.applied == [0, 1, 2, 3, 4]
+    if peer_committed:  # applied as computed: step 2 ran once, step 3 drew what it would have
+        assert job.calls.count(("compute", 2)) == 1
+    else:  # discarded and redone from the same generator state
+        assert ("discard", 2) in job.calls and job.calls.count(("compute", 2)) == 2
+    assert dict(job.draws) == dict(expected)
+
+
+def test_settling_on_an_unreachable_step_is_refused(solo: JobContext) -> None:
+    runtime = _runtime(ScriptedJob(), solo, hook=LosesAPeerInTheVote(2))
+    with pytest.raises(CollectiveAborted):
+        runtime.run(5)
+    with pytest.raises(RuntimeError, match="has committed 2 steps and cannot settle on 4"):
+        runtime.settle(4)
 
 
 class ScriptedHook:
