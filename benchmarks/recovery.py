@@ -28,10 +28,11 @@ once both standby workers are up (imports done, waiting to be chosen).
    job of scenario 1 finished (and its cluster is stopped), the same job starts fresh as four
    standalone processes loading the run's final state (``--load``; ``--steps`` one more than the
    saved step, so exactly one step runs); per process, Popen -> its state saved after that step
-   (the file's mtime), split with four fresh interpreters' start and imports measured alone
-   (``import torch`` and the example's module; then ``torch._dynamo``, which the job's first
-   optimizer imports lazily while it builds), and the step's own time from the process's saved
-   timings. Ratio: cold / warm.
+   (the file's mtime), split into its imports (``python -X importtime``, in the same process:
+   the interpreter's, torch, the example's, and ``torch._dynamo``, which the job's first
+   optimizer imports lazily while it builds), the step itself (the process's saved timings),
+   and the rest (interpreter start, the groups' rendezvous, the build, loading the state).
+   Ratio: cold / warm.
 
 Prints a summary and writes JSON with the machine, the command, the configuration and every
 sample. Every process it starts is stopped on exit, Ctrl-C and SIGTERM included.
@@ -99,11 +100,11 @@ TOOK_OVER = re.compile(r"Took over rank (?P<rank>\d+): receive (?P<bytes>\d+) B 
                        r"(?P<ms>[\d.]+) ms")
 ABORTED = re.compile(r"Step (?P<step>\d+) aborted:")
 KILLED = re.compile(r"Worker (?P<child>\S+) \(pid (?P<pid>\d+)\) was killed by SIGKILL")
-#: What a fresh interpreter imports before the example's main() runs (the cold start's imports),
-#: then what the job's first optimizer imports lazily (torch._dynamo: part of the build).
-IMPORT_PROBE = ("import time; t0 = time.time(); import json, sys; sys.path.insert(0, sys.argv[1]); "
-                "import torch, torch.distributed; import train; t1 = time.time(); "
-                "import torch._dynamo; print(json.dumps([t0, t1, time.time()]))")
+#: A line of ``python -X importtime``: microseconds, two spaces of indent per nesting level.
+IMPORT_TIME = re.compile(r"^import time:\s+(?P<self>\d+) \|\s+(?P<cumulative>\d+) \| "
+                         r"(?P<indent> *)(?P<module>\S+)\s*$")
+#: Imported lazily by the job's first optimizer, while it builds.
+LAZY = "torch._dynamo"
 
 
 class BenchmarkError(UnderstudyError):
@@ -405,7 +406,7 @@ def worker_crash(cfg: BenchConfig, base: Path) -> dict[str, Any]:
                       seen["logs"])
     return {"wall_s": time.monotonic() - t0, "controller": controller, "killed_pid": pid,
             "exit_record": {k: exit_rec[k] for k in ("returncode", "failed", "description")},
-            # The daemon's log line for the exit, a few hundred microseconds before the record.
+            # The daemon's log line for the exit (logged just before it writes the record).
             "kill_to_exit_log_line_s": None if killed_line is None else killed_line - kill_at,
             "recovery": recovery, **figures,
             "loadavg_1m_before_after": [load_before, os.getloadavg()[0]],
@@ -487,6 +488,17 @@ def spawn_all(argvs: list[list[str]], base: Path, name: str) -> list[dict[str, A
             for i, (t, p) in enumerate(procs)]
 
 
+def import_times(stderr: str) -> dict[str, float]:
+    """Seconds per top-level import, its nested imports included, from the lines of
+    ``-X importtime`` (the interpreter's own imports at start-up are among them)."""
+    out: dict[str, float] = {}
+    for line in stderr.splitlines():
+        m = IMPORT_TIME.match(line)
+        if m and not m["indent"]:
+            out[m["module"]] = int(m["cumulative"]) / 1e6
+    return out
+
+
 def cold_start(saved: Path, cfg: BenchConfig, base: Path) -> dict[str, Any]:
     """The job started fresh as four standalone processes from the run's final state (one step).
 
@@ -501,30 +513,17 @@ def cold_start(saved: Path, cfg: BenchConfig, base: Path) -> dict[str, Any]:
     if len(steps) != 1:
         raise BenchmarkError(f"the ranks saved different steps: {sorted(steps)}")
     step = steps.pop()
-    # Interpreter start and the imports alone (torch, the example's module), four at once as
-    # the ranks below.
-    probes = []
-    for p in spawn_all([[sys.executable, "-c", IMPORT_PROBE, str(TRAIN.parent)]] * WORLD, base,
-                       "probe"):
-        try:
-            started, imported, dynamo = json.loads(p["stdout"].strip().splitlines()[-1])
-        except (ValueError, IndexError) as exc:
-            raise BenchmarkError(f"the import probe failed (exit {p['returncode']}): "
-                                 f"{p['stderr_tail']}") from exc
-        probes.append({"spawn_s": started - p["popen_at"], "imports_s": imported - started,
-                       "dynamo_import_s": dynamo - imported})
-    spawn_imports = statistics.median(p["spawn_s"] + p["imports_s"] for p in probes)
-
     out = base / "out"
-    argvs = [[sys.executable, str(TRAIN), "--rank", str(r), "--world-size", str(WORLD),
-              "--tp", str(TP), "--store", str(base / "store"), "--steps", str(step + 1),
-              "--step-sleep", str(cfg.step_sleep), "--load", str(saved), "--save", str(out)]
-             for r in range(WORLD)]
+    argvs = [[sys.executable, "-X", "importtime", str(TRAIN), "--rank", str(r),
+              "--world-size", str(WORLD), "--tp", str(TP), "--store", str(base / "store"),
+              "--steps", str(step + 1), "--step-sleep", str(cfg.step_sleep),
+              "--load", str(saved), "--save", str(out)] for r in range(WORLD)]
     ranks: dict[str, Any] = {}
     for r, p in enumerate(spawn_all(argvs, base, "rank")):
+        stderr = (base / f"rank{r}.err").read_text(errors="replace")
         if p["returncode"] != 0:
-            raise BenchmarkError(f"cold rank {r} exited with {p['returncode']}: "
-                                 f"{p['stderr_tail']}")
+            told = "\n".join(x for x in stderr.splitlines() if not x.startswith("import time:"))
+            raise BenchmarkError(f"cold rank {r} exited with {p['returncode']}: {told[-2000:]}")
         try:
             summary = json.loads((out / f"rank{r}.json").read_text())
             saved_at = (out / f"rank{r}.pt").stat().st_mtime
@@ -534,13 +533,20 @@ def cold_start(saved: Path, cfg: BenchConfig, base: Path) -> dict[str, Any]:
         if summary["step"] != step + 1 or [t["step"] for t in timings] != [step]:
             raise BenchmarkError(f"cold rank {r} ran steps {[t['step'] for t in timings]}, "
                                  f"not just step {step}")
+        imports = import_times(stderr)
+        if not imports:
+            raise BenchmarkError(f"cold rank {r} wrote no -X importtime lines")
         first = timings[0]
         first_s = first["boundary"] + first["compute"] + first["vote"] + first["apply"]
         # The state is saved right after the step (a few kB): its mtime stands for the commit.
         to_first = saved_at - p["popen_at"]
+        imports_s = sum(imports.values())
         ranks[str(r)] = {
             "spawn_to_first_step_s": to_first,
-            "groups_build_load_s": to_first - spawn_imports - first_s,
+            "imports_s": imports_s,
+            "lazy_dynamo_import_s": imports.get(LAZY, 0.0),
+            "slowest_imports": dict(sorted(imports.items(), key=lambda kv: -kv[1])[:5]),
+            "start_groups_build_load_s": to_first - imports_s - first_s,
             "first_step_s": first_s, "first_step_compute_s": first["compute"],
             "spawn_to_exit_s": p["exit_at"] - p["popen_at"],
         }
@@ -550,14 +556,11 @@ def cold_start(saved: Path, cfg: BenchConfig, base: Path) -> dict[str, Any]:
 
     return {
         "saved_step": step,
-        "import_probes": probes,
-        "spawn_s": statistics.median(p["spawn_s"] for p in probes),
-        "imports_s": statistics.median(p["imports_s"] for p in probes),
-        # Within groups+build+load: the first optimizer's lazy import, measured in the probes.
-        "dynamo_import_s": statistics.median(p["dynamo_import_s"] for p in probes),
         "spawn_to_first_step_s": med("spawn_to_first_step_s"),
         "slowest_spawn_to_first_step_s": max(x["spawn_to_first_step_s"] for x in ranks.values()),
-        "groups_build_load_s": med("groups_build_load_s"),
+        "imports_s": med("imports_s"),
+        "lazy_dynamo_import_s": med("lazy_dynamo_import_s"),
+        "start_groups_build_load_s": med("start_groups_build_load_s"),
         "first_step_s": med("first_step_s"),
         "spawn_to_exit_s": med("spawn_to_exit_s"),
         "ranks": ranks,
@@ -633,10 +636,10 @@ def collect(repeats: list[dict[str, Any]], cfg: BenchConfig) -> dict[str, Any]:
                 w["warm_chosen_to_preparing_s"] for w in warm
                 if w["warm_chosen_to_preparing_s"] is not None]),
             "cold_spawn_to_first_step_s": summarize([c["spawn_to_first_step_s"] for c in cold]),
-            "cold_spawn_s": summarize([c["spawn_s"] for c in cold]),
             "cold_imports_s": summarize([c["imports_s"] for c in cold]),
-            "cold_groups_build_load_s": summarize([c["groups_build_load_s"] for c in cold]),
-            "cold_dynamo_import_s": summarize([c["dynamo_import_s"] for c in cold]),
+            "cold_lazy_dynamo_import_s": summarize([c["lazy_dynamo_import_s"] for c in cold]),
+            "cold_start_groups_build_load_s": summarize([c["start_groups_build_load_s"]
+                                                         for c in cold]),
             "cold_first_step_s": summarize([c["first_step_s"] for c in cold]),
             "cold_spawn_to_exit_s": summarize([c["spawn_to_exit_s"] for c in cold]),
             "cold_over_warm": summarize([w["cold_over_warm"] for w in warm]),
@@ -650,6 +653,8 @@ def print_summary(result: dict[str, Any]) -> None:
     print(f"\nrecovery: TP2 x DP2 + 2 standbys, {cfg['repeats']} repeats of each scenario, "
           f"{cfg['steps']} steps, failure after {cfg['crash_at']}, lease TTL {cfg['ttl']} s; "
           f"on {m['cpus_usable']} CPUs, Python {m['python']}, etcd {m['etcd_version']}")
+    print(f"worker crash: kill -9 of rank {VICTIM}'s worker; node loss: kill -9 of {LOST_NODE}'s "
+          f"daemon and workers at once; each to the last rank's first step after recovery")
 
     def row(label: str, v: dict[str, float] | None, unit: str, scale: float = 1.0) -> None:
         if v is None:
@@ -660,9 +665,9 @@ def print_summary(result: dict[str, Any]) -> None:
               + (f" (n={v['n']})" if v["n"] != cfg["repeats"] else ""))
 
     print(f"\n  {'':<44}{'median':>10}{'min':>10}{'max':>10}{'spread':>10}")
-    for key, title, detect in (("worker_crash", f"worker crash (kill -9 rank {VICTIM})",
+    for key, title, detect in (("worker_crash", f"worker crash (rank {VICTIM})",
                                 "detection (-> exit record)"),
-                               ("node_loss", f"node loss ({LOST_NODE}: daemon + workers)",
+                               ("node_loss", f"node loss ({LOST_NODE})",
                                 "detection (-> node-failed, lease)")):
         x = s[key]
         row(f"{title}: end to end", x["end_to_end_s"], "s")
@@ -681,10 +686,9 @@ def print_summary(result: dict[str, Any]) -> None:
     row("  joiner chosen -> bound (job built)", w["warm_chosen_to_preparing_s"], "s")
     row("  joiner chosen -> took over rank", w["warm_chosen_to_took_over_s"], "s")
     row("cold: Popen -> first step committed", w["cold_spawn_to_first_step_s"], "s")
-    row("  interpreter start", w["cold_spawn_s"], "s")
-    row("  imports (torch, the example)", w["cold_imports_s"], "s")
-    row("  groups + build + load", w["cold_groups_build_load_s"], "s")
-    row("    of which import torch._dynamo (alone)", w["cold_dynamo_import_s"], "s")
+    row("  imports (all, -X importtime)", w["cold_imports_s"], "s")
+    row("    of which torch._dynamo (lazy, in build)", w["cold_lazy_dynamo_import_s"], "s")
+    row("  start + groups + build + load (the rest)", w["cold_start_groups_build_load_s"], "s")
     row("  first step", w["cold_first_step_s"], "s")
     row("  Popen -> exit (save, teardown included)", w["cold_spawn_to_exit_s"], "s")
     row("cold / warm (chosen -> first step)", w["cold_over_warm"], "x")

@@ -41,7 +41,13 @@ import torch
 from understudy.sandbox.errors import RecordingError, RecordingMismatch, ReplayDiverged
 from understudy.sandbox.manifest import CodeVersion, Expectation, Layout, RoleType
 from understudy.sandbox.replay import Recording, ReplayGroups
-from understudy.worker.api import Communicator, GroupsProvider, JobContext, TrainingJob
+from understudy.worker.api import (
+    Communicator,
+    GroupsProvider,
+    JobContext,
+    TrainingJob,
+    reseeds,
+)
 from understudy.worker.runtime import Runtime
 
 
@@ -202,6 +208,10 @@ class _Shadow(TrainingJob):
             raise
         self.losses.append(loss)
         return loss
+
+    def reseed(self, step: int) -> None:
+        if reseeds(self.job):
+            self.job.reseed(step)
 
     def apply(self, step: int) -> None:
         if self.error is None:

@@ -20,14 +20,25 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from understudy.daemon import env, failpoints
 from understudy.daemon import logs as daemon_logs
 from understudy.groups.groupset import GroupSet
-from understudy.worker.api import CollectiveAborted, JobContext, TrainingJob, group_ranks
+from understudy.sandbox.manifest import CodeVersion, Layout
+from understudy.sandbox.recording import Recorder, should_record
+from understudy.sandbox.standby import RECORDED_ITERATIONS, RECORDINGS, sandboxed, warm_standby
+from understudy.worker.api import (
+    CollectiveAborted,
+    GroupsProvider,
+    JobContext,
+    TrainingJob,
+    group_ranks,
+)
 from understudy.worker.daemon_client import DaemonClient
 from understudy.worker.errors import install_excepthook
 from understudy.worker.migration import (
@@ -76,15 +87,27 @@ def main(make_job: Callable[[], TrainingJob], steps: int, *, seed: int = 0,
     log = daemon_logs.get(job=job, node=node)
     # A collective waiting on a lost peer is released as soon as the job is recovering.
     hooks: list[MigrationHook] = []
+    recorder: Recorder | None = None
 
     def should_abort() -> bool:
         return bool(hooks) and (hooks[0].recovery() is not None or hooks[0].paused)
 
+    # Recording for the standbys' sandbox: only where a directory is given and the job can be
+    # built on replay groups.
+    recordings = os.environ.get(RECORDINGS)
+    script = Path(sys.argv[0]).resolve()
+    can_sandbox = recordings is not None and sandboxed(make_job())
+
     if _env(env.WORKER_ROLE) == "standby":
         log.info("Standby worker is up and waiting to be chosen as a joiner.")
-        # What is warm so far: the interpreter and every import of the script; the model is
-        # built once a role is chosen (warming it in a sandbox beforehand is not wired yet).
         control.warmth("imports", [], "imports done; the model is built once chosen")
+        warmed = None
+        if can_sandbox:
+            assert recordings is not None
+            warmed, _ = warm_standby(make_job, control, node=node, stop=stop, job=job,
+                                     world=world, tp=tp, seed=seed,
+                                     recordings=Path(recordings), script=script,
+                                     timeout=collective_timeout, should_abort=should_abort)
         found = wait_for_plan(control, node, stop)
         if found is None:
             return 0
@@ -97,9 +120,16 @@ def main(make_job: Callable[[], TrainingJob], steps: int, *, seed: int = 0,
         for logical, name in group_names(rank, world, tp).items():
             ranks = group_ranks(logical, rank, world, tp)
             groups.reserve(name, ranks.index(rank), len(ranks))
-        runtime = _runtime(make_job, job, rank, world, tp, seed, groups, collective_timeout,
-                           should_abort)
-        runtime.build()
+        if warmed is not None and warmed.report.rank == rank:
+            runtime = warmed.promote(JobGroups(groups, rank, world, tp))
+            log.info(f"Promoting the standby warmed as rank {rank}: its model is built.")
+        else:
+            if warmed is not None:
+                log.info(f"Warmed as rank {warmed.report.rank}, chosen for rank {rank}: "
+                         "building that rank's job (imports are warm).")
+            runtime = _runtime(make_job, job, rank, world, tp, seed, groups,
+                               collective_timeout, should_abort)
+            runtime.build()
         joiner = Joiner(control, groups, plan, job=job, rank=rank, node=node, tp=tp,
                         nodes=nodes, timeout=collective_timeout)
         joiner.bound()
@@ -125,17 +155,24 @@ def main(make_job: Callable[[], TrainingJob], steps: int, *, seed: int = 0,
         for name in ("world", f"tp-{rank // tp}", f"dp-{rank % tp}"):
             groups.prepare(name, epoch, group_members(name, nodes, tp))
         groups.switch(groups.pending())
+        layout = Layout(world, tp)
+        if can_sandbox and epoch == 1 and should_record(rank, layout):
+            assert recordings is not None
+            recorder = Recorder(recordings, job=job, layout=layout, rank=rank,
+                                iterations=RECORDED_ITERATIONS, code=CodeVersion.of(script))
         runtime = _runtime(make_job, job, rank, world, tp, seed, groups, collective_timeout,
-                           should_abort)
+                           should_abort, recorder)
         runtime.build()
         finished = ()
 
     hook = MigrationHook(control, groups, job=job, rank=rank, node=node, world_size=world,
                          tp=tp, nodes=nodes, transfer_timeout=collective_timeout,
                          finished=finished, stop=stop)
-    runtime.hook = hook
+    runtime.hook = hook if recorder is None else recorder.hook(hook)
     hooks.append(hook)
     outcome = _train(runtime, hook, steps, stop, collective_timeout, log)
+    if recorder is not None:
+        recorder.close(timeout=30)
     log.info(f"Rank {rank} finished: {outcome.value} at step {runtime.step}.", rank=rank)
     if outcome is Outcome.HANDED_OFF:
         # The joiner holds the state now; tearing down communicators whose peers moved on can
@@ -172,9 +209,11 @@ def _train(runtime: Runtime, hook: MigrationHook, steps: int, stop: threading.Ev
 
 
 def _runtime(make_job: Callable[[], TrainingJob], job: str, rank: int, world: int, tp: int,
-             seed: int, groups: GroupSet, timeout: float,
-             should_abort: Callable[[], bool]) -> Runtime:
-    ctx = JobContext(job=job, rank=rank, world_size=world, tp=tp,
-                     groups=JobGroups(groups, rank, world, tp), seed=seed,
+             seed: int, groups: GroupSet, timeout: float, should_abort: Callable[[], bool],
+             recorder: Recorder | None = None) -> Runtime:
+    provider: GroupsProvider = JobGroups(groups, rank, world, tp)
+    if recorder is not None:
+        provider = recorder.provider(provider)
+    ctx = JobContext(job=job, rank=rank, world_size=world, tp=tp, groups=provider, seed=seed,
                      collective_timeout=timeout, should_abort=should_abort)
     return Runtime(make_job(), ctx)

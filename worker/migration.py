@@ -380,11 +380,19 @@ def wait_for_plan(control: DaemonClient, node: str, stop: threading.Event,
             plan = Plan.from_info(control.job())
         except DaemonError:
             plan = None
-        if plan is not None and plan.phase in ("planned", "preparing"):
-            for rank, (_, joiner) in plan.moves.items():
-                if joiner == node:
-                    return plan, rank
+        rank = chosen_rank(plan, node)
+        if plan is not None and rank is not None:
+            return plan, rank
         stop.wait(poll)
+    return None
+
+
+def chosen_rank(plan: Plan | None, node: str) -> int | None:
+    """The rank ``plan`` gives the standby on ``node``, while the plan can still take it."""
+    if plan is not None and plan.phase in ("planned", "preparing"):
+        for rank, (_, joiner) in plan.moves.items():
+            if joiner == node:
+                return rank
     return None
 
 

@@ -175,7 +175,6 @@ class Runtime:
         self._clock = clock
         self._built = False
         self._last_error: str | None = None  # this rank's compute error in the last attempt
-        self._reseeds = reseeds(job)
         #: said in the log with the next committed step (the end of a recovery's downtime)
         self.announce: str | None = None
         #: a step computed here whose vote aborted: (step, RNG before compute, RNG after)
@@ -276,7 +275,7 @@ class Runtime:
         """Run ``step`` once; True if it was committed."""
         if self.pending is not None:
             raise RuntimeError(f"step {self.pending[0]} is pending: call settle() first")
-        if self._reseeds:
+        if reseeds(self.job):  # looked up each time: a promoted standby's job is swapped in
             self.job.reseed(step)
         before = rng.capture()
         t1 = self._clock()

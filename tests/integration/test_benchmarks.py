@@ -142,7 +142,7 @@ def test_recovery_smoke(tmp_path: Path) -> None:
     out_file = tmp_path / "recovery.json"
     res = run_benchmark("recovery.py", "--smoke", "--out", str(out_file), timeout=540)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "worker crash (kill -9 rank 1): end to end" in res.stdout
+    assert "worker crash (rank 1): end to end" in res.stdout
     assert "cold / warm" in res.stdout
 
     data = json.loads(out_file.read_text())
@@ -181,7 +181,9 @@ def test_recovery_smoke(tmp_path: Path) -> None:
         assert cold["saved_step"] == cfg["steps"] and set(cold["ranks"]) == {"0", "1", "2", "3"}
         for r in cold["ranks"].values():
             assert 0 < r["first_step_s"] < r["spawn_to_first_step_s"] <= r["spawn_to_exit_s"]
-        assert cold["spawn_s"] > 0 and cold["imports_s"] > 0
+            # The parts fit in the whole: imports, the step, and the rest (start, build, load).
+            assert 0 <= r["lazy_dynamo_import_s"] < r["imports_s"]
+            assert r["start_groups_build_load_s"] > 0
         assert rep["warm_vs_cold"]["cold_over_warm"] > 0
 
     s = data["summary"]

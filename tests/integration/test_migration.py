@@ -60,8 +60,9 @@ def cluster(etcd: EmbeddedEtcd, tmp_path: Path) -> Iterator[LocalCluster]:
         c.stop_all(timeout=5)
 
 
-def _run_job(c: LocalCluster, out: Path, step_sleep: float = 0.04, standby: int = 2) -> None:
-    env = [f"--env={k}={v}" for k, v in ONE_THREAD.items()]
+def _run_job(c: LocalCluster, out: Path, step_sleep: float = 0.04, standby: int = 2,
+             env: dict[str, str] | None = None) -> None:
+    env = [f"--env={k}={v}" for k, v in {**ONE_THREAD, **(env or {})}.items()]
     run = c.cli("run", "--job", "mig", "--tp", "2", "--dp", "2", "--standby", str(standby),
                 *env,
                 "--", sys.executable, *_job_args(out, step_sleep))

@@ -176,3 +176,31 @@ def test_a_rank_crashing_during_a_drain_aborts_it_recovers_then_the_drain_comple
         assert_bitwise_equal(reference, out, world=4)
     finally:
         c.stop_all(timeout=5)
+
+
+def test_a_sandbox_warmed_standby_is_promoted_with_its_model_built(
+        etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:  # noqa: F811
+    # With a recording directory, ranks 0 and 1 (one per role type) record their first two
+    # iterations; each standby builds the job as one role type's rank on replay groups and
+    # runs shadow iterations before anything fails. node-s1 warms as rank 0.
+    c = start(etcd, tmp_path / "cluster", {"node-a": 2, "node-b": 2}, ("node-s1", "node-s2"))
+    try:
+        out = tmp_path / "out"
+        _run_job(c, out, env={"UNDERSTUDY_RECORDINGS": str(tmp_path / "recordings")})
+        s1 = c.daemons["node-s1"]
+        wait_log(s1, "Standby is warm (replay) as rank 0", timeout=120)
+        wait_log(c.daemons["node-s2"], "Standby is warm (replay) as rank 1", timeout=120)
+        status = c.cli("status").stdout
+        assert "warm: mig: replay" in status, status
+        warmth = json.loads(c.cli("status", "--json").stdout)["nodes"]
+        s1_warmth = next(n for n in warmth if n["name"] == "node-s1")["warmth"]["mig"]
+        assert s1_warmth["mode"] == "replay" and s1_warmth["roles"] == ["stage-only.tp-0-of-2"]
+        _wait_steps(c.daemons["node-a"], 0, 50)
+        os.kill(worker_pid(c.daemons["node-a"], "mig.r0"), signal.SIGKILL)
+        _recovery_done(c)
+        assert "Promoting the standby warmed as rank 0: its model is built." in s1.log_text()
+        job = _finish(c)
+        assert job.assignment.ranks == ("node-s1", "node-a", "node-b", "node-b")
+        assert_bitwise_equal(reference, out, world=4)
+    finally:
+        c.stop_all(timeout=5)

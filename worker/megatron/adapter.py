@@ -240,6 +240,10 @@ class MegatronJob(TrainingJob):
     build its model while warm.
     """
 
+    #: Megatron's ``parallel_state`` takes the job's own group objects, which a standby's
+    #: replay groups are not yet: its standbys warm their imports only.
+    sandboxed = False
+
     def __init__(self, shape: GPTShape | None = None) -> None:
         self.shape = shape or GPTShape()
         self.model: GPTModel | None = None

@@ -1,0 +1,87 @@
+"""The standby worker's warmup, as the launcher runs it (``worker/launch.py``).
+
+With a recording directory (``UNDERSTUDY_RECORDINGS`` in the job's environment: a shared
+filesystem in production), the job's designated ranks record their first iterations (see
+:mod:`understudy.sandbox.recording`) and each standby worker:
+
+1. reports ``imports`` warmth, then waits for the recording of the role type it warms as (the
+   i-th standby node of the job takes the i-th role type, round robin, so a pool of as many
+   standbys as role types covers them all), answering a plan that chooses it meanwhile;
+2. builds the job as that role type's recording rank on replay groups and runs the shadow
+   iterations (:func:`~understudy.sandbox.warmup.warm_up`), then reports ``replay`` warmth
+   (``plain`` if the recording was refused or the replay diverged: the model is built anyway);
+3. parks until chosen. Chosen for the rank it warmed as, it is promoted: the built job is
+   pointed at the real groups and given the real state. Chosen for another rank, it builds that
+   rank's job afresh, with its imports warm.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import structlog
+
+from understudy.sandbox.manifest import MANIFEST, Layout, RoleType, recording_ranks, role_directory
+from understudy.sandbox.warmup import SandboxTarget, Warmed, WarmupOutcome, warm_up
+from understudy.worker.api import TrainingJob
+from understudy.worker.daemon_client import DaemonClient, DaemonError
+from understudy.worker.migration import Plan, chosen_rank
+
+#: The job's environment variable naming the recording directory (shared by every node).
+RECORDINGS = "UNDERSTUDY_RECORDINGS"
+#: Iterations a designated rank records.
+RECORDED_ITERATIONS = 2
+#: How long a standby waits for the recording before it settles for ``imports`` warmth.
+RECORDING_WAIT_S = 600.0
+POLL_S = 0.1
+
+
+def sandboxed(job: TrainingJob) -> bool:
+    """Whether ``job`` can be built on recording and replay groups (a job that needs the
+    job's own group objects, as Megatron's ``parallel_state`` does, cannot yet)."""
+    return bool(getattr(job, "sandboxed", True))
+
+
+def warm_role(node: str, standbys: list[str], layout: Layout) -> tuple[str, int]:
+    """The role type key this standby warms as, and the rank that records it."""
+    roles = sorted(recording_ranks(layout).items(), key=lambda kv: kv[1])
+    index = standbys.index(node) if node in standbys else 0
+    return roles[index % len(roles)]
+
+
+def warm_standby(make_job: Callable[[], TrainingJob], control: DaemonClient, *, node: str,
+                 stop: threading.Event, job: str, world: int, tp: int, seed: int,
+                 recordings: Path, script: Path, timeout: float,
+                 should_abort: Callable[[], bool]) -> tuple[Warmed | None, bool]:
+    """Steps 1-2 of the module docstring. Returns the warmed job (None if none was built) and
+    whether a plan chose this standby before the warmup could start (then it goes at once)."""
+    log = structlog.get_logger("understudy.sandbox").bind(job=job, node=node)
+    info = control.job() or {}
+    standbys = list((info.get("assignment") or {}).get("standbys") or [])
+    layout = Layout(world, tp)
+    key, rank = warm_role(node, standbys, layout)
+    manifest = role_directory(recordings, RoleType.of(rank, layout)) / MANIFEST
+    deadline = time.monotonic() + RECORDING_WAIT_S
+    while not manifest.exists():
+        if stop.is_set() or time.monotonic() > deadline:
+            return None, False
+        try:
+            if chosen_rank(Plan.from_info(control.job()), node) is not None:
+                return None, True
+        except DaemonError:
+            pass
+        time.sleep(POLL_S)
+    target = SandboxTarget(job=job, world_size=world, tp=tp, rank=rank, script=script,
+                           seed=seed, collective_timeout=timeout, should_abort=should_abort)
+    warmed = warm_up(make_job, target, recordings)
+    report = warmed.report
+    mode = "replay" if report.outcome is WarmupOutcome.SHADOWED else "plain"
+    detail = (f"built as rank {rank}; {report.iterations} shadow iterations replayed in "
+              f"{report.total_s:.2f} s" if mode == "replay" else
+              f"built as rank {rank}; no replay: {report.fallback_reason}")
+    control.warmth(mode, [key], detail[:400])
+    log.info(f"Standby is warm ({mode}) as rank {rank}: {report.summary()}")
+    return warmed, False
