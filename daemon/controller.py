@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -380,10 +381,15 @@ class _JobTables:
         #: job -> migration id -> progress keys ("prepared/3", ...)
         self.progress: dict[str, dict[str, set[str]]] = {}
         self.abort_reasons: dict[tuple[str, str], str] = {}
+        #: job -> rank -> steps of its complete snapshots
+        self.snapshots: dict[str, dict[int, tuple[int, ...]]] = {}
 
     def ingest_progress(self, path: str, value: bytes, deleted: bool) -> None:
         """``path`` is ``<job>/migration/<id>/<report>`` under the workers' KV root."""
         parts = path.split("/", 3)
+        if len(parts) == 3 and parts[1] == "snapshots":
+            self._ingest_snapshots(parts[0], parts[2], value, deleted)
+            return
         if len(parts) != 4 or parts[1] != "migration":
             return
         job, _, mig_id, report = parts
@@ -396,6 +402,23 @@ class _JobTables:
                 reports.add("aborted")
                 self.abort_reasons.setdefault((job, mig_id),
                                               value[:300].decode(errors="replace"))
+
+    def _ingest_snapshots(self, job: str, rank: str, value: bytes, deleted: bool) -> None:
+        """``<job>/snapshots/<rank>``: a JSON list of the steps that rank's snapshots hold.
+        Anything else is ignored (workers write here, so the value is untrusted)."""
+        table = self.snapshots.setdefault(job, {})
+        if not rank.isdigit():
+            return
+        try:
+            steps = None if deleted else json.loads(value)
+        except ValueError:
+            steps = None
+        if not isinstance(steps, list) or not all(
+                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in steps):
+            table.pop(int(rank), None)
+            return
+        r = int(rank)
+        table[r] = tuple(steps[-64:])
 
     def migration_rev(self, job: str) -> int:
         return self.migrations[job][1] if job in self.migrations else 0
@@ -468,5 +491,5 @@ class _JobTables:
                                 assignment=a[0] if a else None, exits=exits,
                                 migration=m[0] if m else None, progress=progress,
                                 abort_reason=self.abort_reasons.get((name, m[0].id), "")
-                                if m else "")
+                                if m else "", snapshots=dict(self.snapshots.get(name, {})))
         return out

@@ -105,6 +105,8 @@ class JobView:
     progress: frozenset[str] = frozenset()
     #: why the migration was called off, when a report says so
     abort_reason: str = ""
+    #: rank -> the steps of its complete snapshots (the workers' ``<job>/snapshots/<rank>``)
+    snapshots: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -257,15 +259,22 @@ def _plan_recovery(job: JobView, a: Assignment, gone: dict[int, str], view: Clus
     """Replace ranks whose process or node is gone by standbys, each taking the state of the
     last committed step from a live data-parallel replica (same TP index)."""
     name, tp = a.job, job.spec.tp
-    donors = []
+    donors: list[int] = []
+    snapshot_step = -1
     for r in gone:
         replicas = [d for d in range(r % tp, job.spec.world_size, tp)
                     if d not in gone and a.ranks[d] in view.live]
-        if not replicas:
+        if replicas:
+            donors.append(replicas[0])
+            continue
+        held = [set(job.snapshots.get(rank, ())) for rank in range(job.spec.world_size)]
+        common = set.intersection(*held)
+        if not common:
             return [SetJobState(name, JobState.FAILED,
-                                f"{gone[r]}, and no live data-parallel replica holds its state "
-                                "(rolling back to a snapshot is not implemented yet)")]
-        donors.append(replicas[0])
+                                f"{gone[r]}, no live data-parallel replica holds its state, "
+                                "and no snapshot is held by every rank")]
+        snapshot_step, donors = max(common), []
+        break
     free = _free_standbys(job, a, view)
     what = "; ".join(gone.values())
     if job.spec.standby == 0:
@@ -286,7 +295,13 @@ def _plan_recovery(job: JobView, a: Assignment, gone: dict[int, str], view: Clus
         to_epoch=a.epoch + 1, ranks=ranks, leavers=tuple(a.ranks[r] for r in ranks),
         joiners=tuple(free[:len(ranks)]), phase=MigrationPhase.PLANNED, reason=what,
         created_at=now, deadline=now + view.migration_timeout, updated_at=now,
-        timings={"planned": now}, kind="recovery", donors=tuple(donors))
+        timings={"planned": now}, kind="recovery" if snapshot_step < 0 else "rollback",
+        donors=tuple(donors), snapshot_step=snapshot_step)
+    if snapshot_step >= 0:
+        moves = ", ".join(f"rank {r} -> {j}" for r, j in
+                          zip(migration.ranks, migration.joiners, strict=True))
+        return [StartMigration(migration, f"rollback of every rank to the snapshot of step "
+                                          f"{snapshot_step}: {moves}")]
     moves = ", ".join(f"rank {r} -> {j} (state from rank {d})" for r, j, d in
                       zip(migration.ranks, migration.joiners, donors, strict=True))
     return [StartMigration(migration, f"recovery: {moves}")]

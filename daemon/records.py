@@ -297,16 +297,18 @@ class MigrationPhase(enum.StrEnum):
     ABORTED = "aborted"
 
 
-MIGRATION_KINDS = ("planned", "recovery")
+MIGRATION_KINDS = ("planned", "recovery", "rollback")
 
 
 @dataclass(frozen=True)
 class Migration(Record):
     """Moves ``ranks[i]`` from node ``leavers[i]`` to the standby on node ``joiners[i]``.
 
-    ``kind`` is ``planned`` (drain, notice: the leaver is alive and hands its state off) or
+    ``kind`` is ``planned`` (drain, notice: the leaver is alive and hands its state off),
     ``recovery`` (the leaver is gone: rank ``donors[i]``, a data-parallel replica of
-    ``ranks[i]``, gives the joiner the state of the last committed step).
+    ``ranks[i]``, gives the joiner the state of the last committed step) or ``rollback`` (the
+    leaver is gone and no replica holds its state: every rank, joiners included, loads its
+    snapshot of ``snapshot_step``).
     """
 
     KIND: ClassVar[str] = "migration"
@@ -326,6 +328,8 @@ class Migration(Record):
     timings: dict[str, Any] = field(default_factory=dict)
     kind: str = "planned"
     donors: tuple[int, ...] = ()
+    #: rollback: the step of the snapshot every rank goes back to
+    snapshot_step: int = -1
 
     def __post_init__(self) -> None:
         if not len(self.ranks) == len(self.leavers) == len(self.joiners) > 0:
@@ -337,14 +341,17 @@ class Migration(Record):
             raise ValueError(f"kind {self.kind!r} is not one of {', '.join(MIGRATION_KINDS)}")
         if self.kind == "recovery" and len(self.donors) != len(self.ranks):
             raise ValueError("a recovery names one donor rank for each rank it replaces")
-        if self.kind == "planned" and self.donors:
-            raise ValueError("a planned migration takes the state from its leavers, not donors")
+        if self.kind != "recovery" and self.donors:
+            raise ValueError(f"a {self.kind} migration names no donors")
+        if (self.kind == "rollback") != (self.snapshot_step >= 0):
+            raise ValueError("a rollback, and only a rollback, names the snapshot step")
         if set(self.donors) & set(self.ranks):
             raise ValueError("a rank being replaced cannot be a donor")
 
     @property
     def recovery(self) -> bool:
-        return self.kind == "recovery"
+        """The leavers are gone (a recovery from a replica, or a rollback to a snapshot)."""
+        return self.kind in ("recovery", "rollback")
 
     @property
     def active(self) -> bool:

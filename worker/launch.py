@@ -18,6 +18,7 @@ step the leaver stopped at. ``on_finish(runtime)`` is called once the last step 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -39,7 +40,7 @@ from understudy.worker.api import (
     TrainingJob,
     group_ranks,
 )
-from understudy.worker.daemon_client import DaemonClient
+from understudy.worker.daemon_client import DaemonClient, DaemonError
 from understudy.worker.errors import install_excepthook
 from understudy.worker.migration import (
     JobGroups,
@@ -52,6 +53,7 @@ from understudy.worker.migration import (
 )
 from understudy.worker.recovery import recover, wait_for_recovery
 from understudy.worker.runtime import Outcome, Runtime
+from understudy.worker.snapshots import DEFAULT_EVERY, SNAPSHOT_EVERY, SNAPSHOTS, Snapshotter
 from understudy.worker.transfer import TransferError
 
 
@@ -95,6 +97,7 @@ def main(make_job: Callable[[], TrainingJob], steps: int, *, seed: int = 0,
     # Recording for the standbys' sandbox: only where a directory is given and the job can be
     # built on replay groups.
     recordings = os.environ.get(RECORDINGS)
+    snapshots = Path(os.environ[SNAPSHOTS]) if os.environ.get(SNAPSHOTS) else None
     script = Path(sys.argv[0]).resolve()
     can_sandbox = recordings is not None and sandboxed(make_job())
 
@@ -135,7 +138,13 @@ def main(make_job: Callable[[], TrainingJob], steps: int, *, seed: int = 0,
         joiner.bound()
         try:
             names = joiner.prepare()
-            runtime.load_state(joiner.receive(names))
+            if plan.rollback:
+                if snapshots is None:
+                    raise TransferError(f"a rollback, but {SNAPSHOTS} is not set here")
+                joiner.restore(runtime, snapshots)
+                joiner.switch(names)
+            else:
+                runtime.load_state(joiner.receive(names))
         except TransferError as exc:
             # The migration was called off, or its state never arrived: the leaver keeps the
             # rank. This standby is spent (half-built groups, a partly written model); leave
@@ -170,7 +179,17 @@ def main(make_job: Callable[[], TrainingJob], steps: int, *, seed: int = 0,
                          finished=finished, stop=stop)
     runtime.hook = hook if recorder is None else recorder.hook(hook)
     hooks.append(hook)
-    outcome = _train(runtime, hook, steps, stop, collective_timeout, log)
+    snapshotter = None
+    if snapshots is not None:
+        every = int(os.environ.get(SNAPSHOT_EVERY) or DEFAULT_EVERY)
+        snapshotter = Snapshotter(snapshots, rank=rank, every=every,
+                                  report=_snapshot_reporter(job, rank, lambda: groups.epoch))
+        runtime.after_commit.append(snapshotter.after_commit)
+        if runtime.step == 0:
+            snapshotter.after_commit(runtime)  # the start is a snapshot too: step 0
+    outcome = _train(runtime, hook, steps, stop, collective_timeout, log, snapshots)
+    if snapshotter is not None:
+        snapshotter.close()
     if recorder is not None:
         recorder.close(timeout=30)
     log.info(f"Rank {rank} finished: {outcome.value} at step {runtime.step}.", rank=rank)
@@ -186,8 +205,26 @@ def main(make_job: Callable[[], TrainingJob], steps: int, *, seed: int = 0,
     return 0
 
 
+def _snapshot_reporter(job: str, rank: int,
+                       epoch: Callable[[], int]) -> Callable[[list[int]], None]:
+    """Tells the controller (through the daemon) which snapshots this rank holds; runs on the
+    snapshot writer's thread, on a connection of its own."""
+    client: list[DaemonClient] = []
+
+    def report(steps: list[int]) -> None:
+        try:
+            if not client:
+                client.append(DaemonClient(f"{job}/snapshots", epoch=epoch(), timeout=10))
+            client[0].set(str(rank), json.dumps(steps).encode())
+        except DaemonError:
+            if client:
+                client.pop().close()
+
+    return report
+
+
 def _train(runtime: Runtime, hook: MigrationHook, steps: int, stop: threading.Event,
-           timeout: float, log: Any) -> Outcome:
+           timeout: float, log: Any, snapshots: Path | None = None) -> Outcome:
     """Run the loop; after a step aborted by a lost peer, take part in the job's recovery and
     run on. A step aborted with no recovery coming (and the job not paused waiting for a
     standby) fails this worker after ``timeout`` seconds: never a silent hang."""
@@ -203,7 +240,7 @@ def _train(runtime: Runtime, hook: MigrationHook, steps: int, stop: threading.Ev
                     if stop.is_set():
                         return Outcome.STOPPED
                     raise
-                if recover(runtime, hook, plan, timeout=timeout):
+                if recover(runtime, hook, plan, timeout=timeout, snapshots=snapshots):
                     runtime.announce = f"First step after recovery {plan.id}"
                     break
 

@@ -28,6 +28,7 @@ import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from understudy.daemon import failpoints, logs
@@ -36,7 +37,8 @@ from understudy.groups.errors import GroupError
 from understudy.groups.groupset import GroupSet
 from understudy.worker.api import CollectiveAborted
 from understudy.worker.daemon_client import DaemonClient, DaemonError
-from understudy.worker.runtime import Action
+from understudy.worker.runtime import Action, Runtime
+from understudy.worker.snapshots import load_snapshot
 from understudy.worker.transfer import PairGroupTransport, TransferError, receive_state, send_state
 
 READY_PHASES = ("ready", "switching")
@@ -99,6 +101,8 @@ class Plan:
     kind: str = "planned"
     #: recovery: rank -> the data-parallel replica that gives its joiner the state
     donors: dict[int, int] = field(default_factory=dict)
+    #: rollback: the step of the snapshot every rank loads
+    snapshot_step: int = -1
 
     @classmethod
     def from_info(cls, info: dict[str, Any] | None) -> Plan | None:
@@ -111,11 +115,17 @@ class Plan:
                           zip(m["ranks"], m["leavers"], m["joiners"], strict=True)},
                    deadline=m["deadline"], version=int(m["created_at"] * 1000),
                    kind=m.get("kind", "planned"),
-                   donors=dict(zip(m["ranks"], m.get("donors") or (), strict=False)))
+                   donors=dict(zip(m["ranks"], m.get("donors") or (), strict=False)),
+                   snapshot_step=int(m.get("snapshot_step", -1)))
 
     @property
     def recovery(self) -> bool:
-        return self.kind == "recovery"
+        """The leavers are gone: a recovery from replicas or a rollback to snapshots."""
+        return self.kind in ("recovery", "rollback")
+
+    @property
+    def rollback(self) -> bool:
+        return self.kind == "rollback"
 
     @property
     def active(self) -> bool:
@@ -124,7 +134,7 @@ class Plan:
     def source(self, rank: int, nodes: tuple[str, ...]) -> str:
         """The member that sends ``rank``'s state to its joiner: the leaver, or in a recovery
         the donor replica (``nodes``: each rank's node before the move)."""
-        if self.recovery:
+        if self.kind == "recovery":
             donor = self.donors[rank]
             return member(donor, nodes[donor])
         return member(rank, self.moves[rank][0])
@@ -431,11 +441,14 @@ class Joiner:
         for name in names:
             self.groups.prepare(name, self.plan.version,
                                 group_members(name, self.nodes, self.tp))
-        pair = pair_name(self.rank, self.plan.version)
-        self.groups.prepare(pair, self.plan.version,
-                            (self.plan.source(self.rank, self.nodes_before),
-                             member(self.rank, self.node)))
-        while not self.groups.ready([*names, pair]):
+        waiting = list(names)
+        if not self.plan.rollback:  # a rollback's joiner loads its rank's snapshot instead
+            pair = pair_name(self.rank, self.plan.version)
+            self.groups.prepare(pair, self.plan.version,
+                                (self.plan.source(self.rank, self.nodes_before),
+                                 member(self.rank, self.node)))
+            waiting.append(pair)
+        while not self.groups.ready(waiting):
             if time.monotonic() > deadline:
                 raise TransferError("the new groups did not come up in time")
             time.sleep(0.02)
@@ -468,10 +481,25 @@ class Joiner:
             watcher_stop.set()
             watcher.join(2)
             transport.close()
-        self.groups.switch(names)
-        self.groups.epoch = self.plan.to_epoch
+        self.switch(names)
         self.log.info(f"Took over rank {self.rank}: {stats}.", epoch=self.plan.to_epoch)
         return state
+
+    def restore(self, runtime: Runtime, directory: Path) -> None:
+        """A rollback's joiner: load this rank's snapshot of the plan's step and say so (the
+        survivors wait for it). Raises TransferError."""
+        try:
+            load_snapshot(directory, self.plan.snapshot_step, runtime)
+        except (OSError, ValueError, RuntimeError) as exc:
+            self.reports.set(f"transferred/{self.rank}", f"failed: {exc}".encode())
+            raise TransferError(f"could not load the snapshot: {exc}") from exc
+        self.reports.set(f"transferred/{self.rank}", b"ok")
+        self.log.info(f"Took over rank {self.rank} from its snapshot of step "
+                      f"{self.plan.snapshot_step}.", epoch=self.plan.to_epoch)
+
+    def switch(self, names: list[str]) -> None:
+        self.groups.switch(names)
+        self.groups.epoch = self.plan.to_epoch
 
     def switched(self) -> None:
         self.reports.set(f"switched/{self.rank}", b"1")

@@ -35,6 +35,7 @@ import json
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from understudy.daemon import logs
@@ -51,6 +52,7 @@ from understudy.worker.migration import (
     pair_name,
 )
 from understudy.worker.runtime import Runtime
+from understudy.worker.snapshots import load_snapshot
 from understudy.worker.transfer import PairGroupTransport, TransferError, send_state
 
 #: how often a survivor re-reads the plan while it waits for peers' reports
@@ -79,17 +81,20 @@ def wait_for_recovery(hook: MigrationHook, stop: threading.Event,
     return None
 
 
-def recover(runtime: Runtime, hook: MigrationHook, plan: Plan, *, timeout: float) -> bool:
+def recover(runtime: Runtime, hook: MigrationHook, plan: Plan, *, timeout: float,
+            snapshots: Path | None = None) -> bool:
     """This survivor's part of ``plan`` (see the module docstring). True: the joiners hold
     their ranks and training resumes on the new groups. False: the plan was called off; the
-    caller waits for the next one."""
-    return _Survivor(runtime, hook, plan, timeout).run()
+    caller waits for the next one. ``snapshots``: where this job's snapshots are, for a
+    rollback."""
+    return _Survivor(runtime, hook, plan, timeout, snapshots).run()
 
 
 class _Survivor:
     def __init__(self, runtime: Runtime, hook: MigrationHook, plan: Plan,
-                 timeout: float) -> None:
+                 timeout: float, snapshots: Path | None) -> None:
         self.runtime, self.hook, self.plan, self.timeout = runtime, hook, plan, timeout
+        self.snapshots = snapshots
         self.groups: GroupSet = hook.groups
         self.rank, self.world, self.tp = hook.rank, hook.world_size, hook.tp
         self.nodes = hook.nodes
@@ -104,6 +109,8 @@ class _Survivor:
         try:
             self.hook._forget_planned()
             committed = self._settle()
+            if self.plan.rollback:
+                committed = self._roll_back()
             rebuild = self._prepare(committed)
             self._transfer(committed)
             self._wait_transferred()
@@ -145,6 +152,21 @@ class _Survivor:
             # Cannot happen while the step protocol holds; refusing is all that is left.
             raise CalledOff(f"this rank cannot settle: {exc}") from exc
         return committed
+
+    def _roll_back(self) -> int:
+        step = self.plan.snapshot_step
+        if self.snapshots is None:
+            self._set("aborted", f"rank {self.rank} has no snapshot directory "
+                                 "(UNDERSTUDY_SNAPSHOTS)".encode())
+            raise CalledOff("a rollback without a snapshot directory")
+        try:
+            load_snapshot(self.snapshots, step, self.runtime)
+        except (OSError, ValueError, RuntimeError) as exc:
+            self._set("aborted", f"rank {self.rank} could not load the snapshot of step "
+                                 f"{step}: {exc}".encode())
+            raise CalledOff(f"the snapshot of step {step} did not load: {exc}") from exc
+        self.log.info(f"Rolled back to the snapshot of step {step}.")
+        return step
 
     def _read_report(self, rank: int) -> dict[str, Any]:
         value = self._wait_for(f"stopped/{rank}", f"rank {rank}'s report")

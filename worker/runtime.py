@@ -177,6 +177,8 @@ class Runtime:
         self._last_error: str | None = None  # this rank's compute error in the last attempt
         #: said in the log with the next committed step (the end of a recovery's downtime)
         self.announce: str | None = None
+        #: called with the runtime after every committed step (snapshots)
+        self.after_commit: list[Callable[[Runtime], None]] = []
         #: a step computed here whose vote aborted: (step, RNG before compute, RNG after)
         self.pending: tuple[int, dict[str, Any], dict[str, Any]] | None = None
         self._log = structlog.get_logger("understudy.worker").bind(job=ctx.job, rank=ctx.rank)
@@ -308,6 +310,8 @@ class Runtime:
                 self._log.info(f"{self.announce}: step {step} committed on rank "
                                f"{self.ctx.rank}.", step=step)
                 self.announce = None
+            for callback in self.after_commit:
+                callback(self)
         else:
             self._roll_back(step, before)
             self.redone += 1

@@ -35,20 +35,24 @@ def _job_args(out: Path, step_sleep: float = 0.04) -> list[str]:
     return [TRAIN, "--steps", str(STEPS), "--step-sleep", str(step_sleep), "--save", str(out)]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The uninterrupted run: the same job on four plain processes, no daemons."""
-    base = tmp_path_factory.mktemp("reference")
+def standalone_run(base: Path, world: int = 4, tp: int = 2) -> Path:
+    """The uninterrupted run: the same job on plain processes, no daemons."""
+    base.mkdir(parents=True, exist_ok=True)
     procs = []
-    for r in range(4):
+    for r in range(world):
         with open(base / f"r{r}.log", "wb") as log:
             procs.append(subprocess.Popen(
                 [sys.executable, *_job_args(base / "out"), "--rank", str(r), "--world-size",
-                 "4", "--tp", "2", "--store", str(base / "store")],
+                 str(world), "--tp", str(tp), "--store", str(base / "store")],
                 env={**os.environ, **ONE_THREAD}, stdout=subprocess.DEVNULL, stderr=log))
     for p in procs:
         assert p.wait(timeout=300) == 0, (base / "r0.log").read_text()[-2000:]
     return base / "out"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return standalone_run(tmp_path_factory.mktemp("reference"))
 
 
 @pytest.fixture
@@ -61,9 +65,9 @@ def cluster(etcd: EmbeddedEtcd, tmp_path: Path) -> Iterator[LocalCluster]:
 
 
 def _run_job(c: LocalCluster, out: Path, step_sleep: float = 0.04, standby: int = 2,
-             env: dict[str, str] | None = None) -> None:
+             env: dict[str, str] | None = None, dp: int = 2) -> None:
     env = [f"--env={k}={v}" for k, v in {**ONE_THREAD, **(env or {})}.items()]
-    run = c.cli("run", "--job", "mig", "--tp", "2", "--dp", "2", "--standby", str(standby),
+    run = c.cli("run", "--job", "mig", "--tp", "2", "--dp", str(dp), "--standby", str(standby),
                 *env,
                 "--", sys.executable, *_job_args(out, step_sleep))
     assert run.returncode == 0, run.stderr

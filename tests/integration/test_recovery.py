@@ -16,7 +16,13 @@ import pytest
 
 from tests.integration.bitwise import assert_bitwise_equal
 from tests.integration.scenarios import events, start, wait_log, wait_standbys, worker_pid
-from tests.integration.test_migration import STEPS, _finish, _run_job, reference  # noqa: F401
+from tests.integration.test_migration import (  # noqa: F401
+    STEPS,
+    _finish,
+    _run_job,
+    reference,
+    standalone_run,
+)
 from understudy.daemon.embedded_etcd import EmbeddedEtcd
 from understudy.daemon.localcluster import DaemonProcess, LocalCluster
 
@@ -202,5 +208,35 @@ def test_a_sandbox_warmed_standby_is_promoted_with_its_model_built(
         job = _finish(c)
         assert job.assignment.ranks == ("node-s1", "node-a", "node-b", "node-b")
         assert_bitwise_equal(reference, out, world=4)
+    finally:
+        c.stop_all(timeout=5)
+
+
+def test_without_a_replica_every_rank_rolls_back_to_the_newest_snapshot(
+        etcd: EmbeddedEtcd, tmp_path: Path) -> None:
+    # TP=2 x DP=1: nobody else holds rank 1's shards. Every rank snapshots its state every 20
+    # steps (torch.distributed.checkpoint, written in the background); when rank 1 dies every
+    # rank goes back to the newest snapshot all of them hold, a standby loads rank 1's, and the
+    # job redoes the steps since. Data and dropout follow the step, so the run ends bit for bit
+    # where an uninterrupted one does.
+    expected = standalone_run(tmp_path / "reference", world=2, tp=2)
+    c = start(etcd, tmp_path / "cluster", {"node-a": 1, "node-b": 1}, ("node-s1",))
+    try:
+        out = tmp_path / "out"
+        _run_job(c, out, dp=1, standby=1, env={"UNDERSTUDY_SNAPSHOTS": str(tmp_path / "snap"),
+                                               "UNDERSTUDY_SNAPSHOT_EVERY": "20"})
+        wait_standbys(c, ("node-s1",))
+        b = c.daemons["node-b"]
+        _wait_steps(b, 1, 50)
+        os.kill(worker_pid(b, "mig.r1"), signal.SIGKILL)
+        _recovery_done(c)
+        planned = next(e for e in events(c) if e["kind"] == "migration-planned")
+        step = int(planned["message"].split("snapshot of step ")[1].split(":")[0])
+        assert step >= 40 and step % 20 == 0, planned["message"]
+        assert "rank 1 -> node-s1" in planned["message"]
+        assert f"Rolled back to the snapshot of step {step}." in c.daemons["node-a"].log_text()
+        job = _finish(c)
+        assert job.assignment.ranks == ("node-a", "node-s1")
+        assert_bitwise_equal(expected, out, world=2)
     finally:
         c.stop_all(timeout=5)

@@ -369,3 +369,33 @@ def test_a_promoted_joiner_still_reading_standby_is_not_put_back_in_the_pool() -
     view = dataclasses.replace(view, jobs={"j": dataclasses.replace(job, assignment=moved)})
     (refill,) = [x for x in plan(view, 5.0) if isinstance(x, AddStandbys)]
     assert refill.assignment.standbys == ("s2",)
+
+
+def test_a_rank_without_a_replica_rolls_every_rank_back_to_the_newest_common_snapshot() -> None:
+    view = _recovery_view({1: _crash(1)}, tp=4)
+    job = dataclasses.replace(view.jobs["j"], snapshots={0: (40, 60), 1: (40,), 2: (40, 60),
+                                                         3: (40, 60)})
+    (start,) = plan(dataclasses.replace(view, jobs={"j": job}), 5.0)
+    assert isinstance(start, StartMigration)
+    m = start.migration
+    assert m.kind == "rollback" and m.snapshot_step == 40 and m.donors == ()
+    assert m.ranks == (1,) and m.joiners == ("s1",)
+    assert "rollback of every rank to the snapshot of step 40" in start.reason
+    # A rank that holds no snapshot at all: nothing to roll back to.
+    bare = dataclasses.replace(job, snapshots={0: (40,), 2: (40,), 3: (40,)})
+    (failed,) = plan(dataclasses.replace(view, jobs={"j": bare}), 5.0)
+    assert isinstance(failed, SetJobState) and failed.state == JobState.FAILED
+    assert "no snapshot is held by every rank" in failed.reason
+
+
+def test_snapshot_reports_from_workers_are_validated() -> None:
+    from understudy.daemon.controller import _JobTables
+
+    t = _JobTables()
+    t.ingest_progress("j/snapshots/1", b"[20, 40]", False)
+    t.ingest_progress("j/snapshots/2", b"not json", False)
+    t.ingest_progress("j/snapshots/3", b'[20, "x"]', False)
+    t.ingest_progress("j/snapshots/x", b"[20]", False)
+    assert t.snapshots == {"j": {1: (20, 40)}}
+    t.ingest_progress("j/snapshots/1", b"", True)
+    assert t.snapshots == {"j": {}}
