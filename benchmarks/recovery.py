@@ -4,7 +4,10 @@ One command, real processes. N times, each scenario on a fresh local cluster (an
 ``node-a`` and ``node-b`` with two slots each, standby nodes ``node-s1`` and ``node-s2``; node-a
 is started first so that it holds the controller): the plain-PyTorch example
 (``examples/plain_torch/train.py``) runs TP=2 x DP=2 with two standbys under ``understudy run``,
-once both standby workers are up (imports done, waiting to be chosen).
+once both standby workers are up (imports done, waiting to be chosen) and, unless
+``--no-sandbox``, warm: the job is given a recording directory, ranks 0 and 1 record their first
+iterations, and each standby builds the job for one rank on replay groups and runs shadow
+iterations (node-s2 warms as rank 1, which the controller then gives it).
 
 1. **Worker crash.** Once rank 1 has committed ``--crash-at`` steps (its runtime says so in the
    log every 50), its worker is killed with SIGKILL. End to end: the kill -> the last
@@ -119,6 +122,8 @@ class BenchConfig:
     crash_at: int
     ttl: int
     smoke: bool
+    #: standbys warm up in the sandbox (the job gets a recording directory)
+    sandbox: bool = True
 
 
 # -- the cluster -------------------------------------------------------------------------------
@@ -149,7 +154,10 @@ def bring_up(etcd: EmbeddedEtcd, cluster: LocalCluster) -> None:
 
 
 def submit(cluster: LocalCluster, cfg: BenchConfig, out: Path) -> None:
-    env = [f"--env={k}={v}" for k, v in ONE_THREAD.items()]
+    extra = dict(ONE_THREAD)
+    if cfg.sandbox:
+        extra["UNDERSTUDY_RECORDINGS"] = str(out.parent / "recordings")
+    env = [f"--env={k}={v}" for k, v in extra.items()]
     run = cluster.cli("run", "--job", JOB, "--tp", str(TP), "--dp", str(WORLD // TP),
                       "--standby", "2", *env, "--", sys.executable, str(TRAIN),
                       "--steps", str(cfg.steps), "--step-sleep", str(cfg.step_sleep),
@@ -160,6 +168,10 @@ def submit(cluster: LocalCluster, cfg: BenchConfig, out: Path) -> None:
     wait("both standby workers to come up", lambda: all(
         "waiting to be chosen" in cluster.daemons[n].log_text() for n in STANDBYS), timeout=240,
         interval=0.2)
+    if cfg.sandbox:  # ... and built the job on the recording, shadow iterations run
+        wait("both standby workers to warm up in their sandbox", lambda: all(
+            "Standby is warm (" in cluster.daemons[n].log_text() for n in STANDBYS),
+            timeout=240, interval=0.2)
 
 
 def wait_log(d: DaemonProcess, text: str, timeout: float) -> float:
@@ -712,6 +724,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"the daemons' lease TTL in seconds (default "
                         f"{config_mod.LeaseConfig().ttl}, the daemon's default)")
     p.add_argument("--smoke", action="store_true", help="a few minutes: for the tests")
+    p.add_argument("--no-sandbox", action="store_true",
+                   help="standbys only import the job (no recording directory): the model is "
+                        "built once chosen")
     p.add_argument("--out", type=Path, help=f"JSON results (default {DEFAULT_OUT.relative_to(REPO)}"
                    f"; smoke {SMOKE_OUT.relative_to(REPO)})")
     p.add_argument("--keep-dir", type=Path, help="keep daemon logs, etcd data and states here")
@@ -742,7 +757,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = BenchConfig(repeats=args.repeats, steps=args.steps, step_sleep=args.step_sleep,
-                      crash_at=args.crash_at, ttl=args.ttl, smoke=args.smoke)
+                      crash_at=args.crash_at, ttl=args.ttl, smoke=args.smoke,
+                      sandbox=not args.no_sandbox)
     os.environ.update(ONE_THREAD)  # the daemons, their workers and the cold ranks inherit it
     # SIGTERM takes the Ctrl-C path, so the finally blocks below stop every process.
     signal.signal(signal.SIGTERM, signal.default_int_handler)

@@ -312,6 +312,8 @@ class Controller:
                 await self.events.emit("migration-planned",
                                        f"Job {m.job}: migration {m.id} planned "
                                        f"({m.reason}): {action.reason}.", job=m.job, id=m.id)
+                # the plan is in etcd, nothing else has happened: the next controller's to run
+                failpoints.hit("controller.migration.planned")
             self._changed.set()
             return
         current = self._jobs.migrations.get(action.job)

@@ -179,6 +179,13 @@ class JobRunner:
                     (job.spec.name, rank, job.assignment.epoch) in self._ended or \
                     await self._exited(job.spec.name, job.assignment.epoch, rank):
                 continue
+            elif job.assignment.epoch > 1:
+                # Only a job's first epoch starts ranks from nothing; later, a rank's process
+                # is the one that held it (or the joiner that took it). If none is here, it
+                # died (during a migration's switch, or with a restarted daemon): a fresh one
+                # would start at step 0 among ranks far ahead. Say it failed; the job recovers.
+                await self._rank_missing(job.spec.name, rank, job.assignment.epoch)
+                continue
             await self._spawn(job.spec, job.assignment, rank)
         for name in running:
             if _CHILD_RE.match(name) and name not in wanted:
@@ -423,6 +430,15 @@ class JobRunner:
                 await self.agent.set_state(NodeState.STANDBY,
                                            "its joiner died before the switch completed")
         return True
+
+    async def _rank_missing(self, job: str, rank: int, epoch: int) -> None:
+        self._ended.add((job, rank, epoch))
+        self.log.error(f"Rank {rank} of job {job} is assigned here at epoch {epoch} but no "
+                       "process of this node holds it; recording it as failed.", job=job,
+                       rank=rank, epoch=epoch)
+        await self._write_exit(job, rank, epoch, -1, True,
+                               f"no process holds rank {rank} on {self.node} at epoch {epoch} "
+                               "(it ended during a migration, or the daemon restarted)")
 
     async def _write_exit(self, job: str, rank: int, epoch: int, code: int, failed: bool,
                           description: str) -> None:

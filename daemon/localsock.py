@@ -81,7 +81,13 @@ def _warmth(req: dict[str, Any]) -> dict[str, Any]:
         raise RequestError("warmth roles must be a list of at most 64 short strings")
     if not isinstance(detail, str) or len(detail) > 400:
         raise RequestError("warmth detail must be a string of at most 400 characters")
-    return {"mode": mode, "roles": list(roles), "detail": detail}
+    out: dict[str, Any] = {"mode": mode, "roles": list(roles), "detail": detail}
+    rank = req.get("rank")
+    if rank is not None:
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < 1 << 20:
+            raise RequestError("warmth rank must be a non-negative integer")
+        out["rank"] = rank
+    return out
 
 
 class LocalServer:

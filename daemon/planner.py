@@ -254,6 +254,28 @@ def _free_standbys(job: JobView, a: Assignment, view: ClusterView) -> list[str]:
     return free
 
 
+def _pick_joiners(job: str, ranks: list[int], free: list[str],
+                  view: ClusterView) -> tuple[str, ...]:
+    """One free standby per rank, in order; a standby whose worker has built the job for that
+    very rank (its warmth says so) takes it first."""
+    def warmed_rank(node: str) -> int | None:
+        w = view.live[node].warmth.get(job) if node in view.live else None
+        r = w.get("rank") if isinstance(w, dict) else None
+        return r if isinstance(r, int) else None
+
+    left = list(free)
+    picks: dict[int, str] = {}
+    for r in ranks:
+        match = next((n for n in left if warmed_rank(n) == r), None)
+        if match is not None:
+            picks[r] = match
+            left.remove(match)
+    for r in ranks:
+        if r not in picks:
+            picks[r] = left.pop(0)
+    return tuple(picks[r] for r in ranks)
+
+
 def _plan_recovery(job: JobView, a: Assignment, gone: dict[int, str], view: ClusterView,
                    now: float) -> list[Action]:
     """Replace ranks whose process or node is gone by standbys, each taking the state of the
@@ -293,7 +315,8 @@ def _plan_recovery(job: JobView, a: Assignment, gone: dict[int, str], view: Clus
     migration = Migration(
         job=name, id=f"e{a.epoch + 1}-{int(now * 1000)}", from_epoch=a.epoch,
         to_epoch=a.epoch + 1, ranks=ranks, leavers=tuple(a.ranks[r] for r in ranks),
-        joiners=tuple(free[:len(ranks)]), phase=MigrationPhase.PLANNED, reason=what,
+        joiners=_pick_joiners(name, list(ranks), free, view), phase=MigrationPhase.PLANNED,
+        reason=what,
         created_at=now, deadline=now + view.migration_timeout, updated_at=now,
         timings={"planned": now}, kind="recovery" if snapshot_step < 0 else "rollback",
         donors=tuple(donors), snapshot_step=snapshot_step)
@@ -345,7 +368,8 @@ def _plan_migration(job: JobView, a: Assignment, view: ClusterView,
     migration = Migration(
         job=a.job, id=mig_id, from_epoch=a.epoch, to_epoch=a.epoch + 1,
         ranks=tuple(r for r, _ in leaving), leavers=tuple(n for _, n in leaving),
-        joiners=tuple(free[:len(leaving)]), phase=MigrationPhase.PLANNED,
+        joiners=_pick_joiners(a.job, [r for r, _ in leaving], free, view),
+        phase=MigrationPhase.PLANNED,
         reason=f"drain of {', '.join(sorted({n for _, n in leaving}))}", created_at=now,
         deadline=deadline, updated_at=now, timings={"planned": now})
     moves = ", ".join(f"rank {r} {n} -> {j}" for r, n, j in
@@ -373,6 +397,13 @@ def _advance_migration(job: JobView, m: Migration, view: ClusterView,
     if failed and m.phase != MigrationPhase.SWITCHING:
         return [AdvanceMigration(m.job, m.id, MigrationPhase.ABORTED,
                                  f"{next(iter(failed.values()))} during the migration")]
+    # In phase 2 only a leaver that died before its state reached the joiner stops it; the
+    # others' losses are recovered once the joiners hold their ranks.
+    dead_leavers = [r for r in failed if r in m.ranks and f"transferred/{r}" not in job.progress]
+    if dead_leavers and not m.recovery:
+        return [AdvanceMigration(m.job, m.id, MigrationPhase.ABORTED,
+                                 f"{failed[dead_leavers[0]]} in phase 2, before its state "
+                                 "reached the joiner")]
     if now > m.deadline and m.phase != MigrationPhase.SWITCHING:
         return [AdvanceMigration(
             m.job, m.id, MigrationPhase.ABORTED,

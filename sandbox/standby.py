@@ -82,6 +82,6 @@ def warm_standby(make_job: Callable[[], TrainingJob], control: DaemonClient, *, 
     detail = (f"built as rank {rank}; {report.iterations} shadow iterations replayed in "
               f"{report.total_s:.2f} s" if mode == "replay" else
               f"built as rank {rank}; no replay: {report.fallback_reason}")
-    control.warmth(mode, [key], detail[:400])
+    control.warmth(mode, [key], detail[:400], rank=rank)
     log.info(f"Standby is warm ({mode}) as rank {rank}: {report.summary()}")
     return warmed, False

@@ -95,10 +95,13 @@ class DaemonClient:
     def delete(self, key: str) -> bool:
         return bool(self._call("delete", key=key)["deleted"])
 
-    def warmth(self, mode: str, roles: list[str], detail: str = "") -> None:
-        """As a standby worker: say what is warm. Every later request on this connection
+    def warmth(self, mode: str, roles: list[str], detail: str = "",
+               rank: int | None = None) -> None:
+        """As a standby worker: say what is warm (``rank``: the rank whose job it has built,
+        which the controller prefers to give it). Every later request on this connection
         tells the daemon the worker is alive; one silent for long is replaced."""
-        self._call("warmth", mode=mode, roles=roles, detail=detail)
+        extra = {} if rank is None else {"rank": rank}
+        self._call("warmth", mode=mode, roles=roles, detail=detail, **extra)
 
     def job(self) -> dict[str, Any] | None:
         """The job's assignment, status and migration records (JSON objects) as the daemon

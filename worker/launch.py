@@ -41,7 +41,7 @@ from understudy.worker.api import (
     group_ranks,
 )
 from understudy.worker.daemon_client import DaemonClient, DaemonError
-from understudy.worker.errors import install_excepthook
+from understudy.worker.errors import install_excepthook, record_error
 from understudy.worker.migration import (
     JobGroups,
     Joiner,
@@ -237,9 +237,17 @@ def _train(runtime: Runtime, hook: MigrationHook, steps: int, stop: threading.Ev
             while True:
                 plan = wait_for_recovery(hook, stop, timeout)
                 if plan is None:
+                    # Groups with a collective stuck on a lost peer would block the
+                    # interpreter's teardown until the backend gives up: leave at once.
                     if stop.is_set():
-                        return Outcome.STOPPED
-                    raise
+                        log.info("Stopped while waiting for a recovery.", rank=hook.rank)
+                        hook.control.close()
+                        os._exit(0)
+                    log.error(f"No recovery came within {timeout:g} s of the abort; this "
+                              "worker fails.", rank=hook.rank)
+                    record_error(exc)
+                    hook.control.close()
+                    os._exit(1)
                 if recover(runtime, hook, plan, timeout=timeout, snapshots=snapshots):
                     runtime.announce = f"First step after recovery {plan.id}"
                     break

@@ -332,14 +332,8 @@ class MigrationHook:
         if self.rank in self._plan.moves:
             return Action.HAND_OFF
         t0 = time.monotonic()
-        outcomes = {}
-        for r in self._plan.moves:
-            assert self._reports is not None
-            try:
-                outcomes[r] = self._reports.get(f"transferred/{r}",
-                                                timeout=self.transfer_timeout).decode()
-            except DaemonError as exc:
-                outcomes[r] = f"no word from the leaver: {exc}"
+        outcomes = {r: self._transfer_outcome(r, t0 + self.transfer_timeout)
+                    for r in self._plan.moves}
         if all(v == "ok" for v in outcomes.values()):
             return Action.SWITCH_GROUPS
         self.log.warning("The state transfer failed; the migration is aborted.",
@@ -348,6 +342,21 @@ class MigrationHook:
             self._report("aborted")
         self._forget("aborted")
         return Action.CONTINUE
+
+    def _transfer_outcome(self, rank: int, deadline: float) -> str:
+        """The leaver's word on ``rank``'s transfer; a called-off migration (the leaver died)
+        ends the wait at once."""
+        assert self._reports is not None and self._plan is not None
+        while True:
+            try:
+                return self._reports.get(f"transferred/{rank}", timeout=0.2).decode()
+            except DaemonError as exc:
+                if time.monotonic() > deadline:
+                    return f"no word from the leaver: {exc}"
+            with contextlib.suppress(DaemonError):
+                plan = Plan.from_info(self.control.job())
+                if plan is None or plan.id != self._plan.id or plan.phase == "aborted":
+                    return "the migration was called off"
 
     def switch_groups(self, step: int) -> None:
         assert self._plan is not None
@@ -370,7 +379,8 @@ class MigrationHook:
             self.groups.switch([pair])
             with PairGroupTransport(self.groups.current(pair),
                                     timeout_s=self.transfer_timeout) as transport:
-                stats = send_state(transport, state)
+                stats = send_state(transport, state,
+                                   should_abort=lambda: bool(failpoints.hit("leaver.send")))
         except TransferError as exc:
             self.log.warning(f"Handing the state off failed: {exc}.")
             self._report(f"transferred/{self.rank}", f"failed: {exc}".encode())

@@ -71,8 +71,15 @@ def _run_job(c: LocalCluster, out: Path, step_sleep: float = 0.04, standby: int 
                 *env,
                 "--", sys.executable, *_job_args(out, step_sleep))
     assert run.returncode == 0, run.stderr
-    c.wait_for("ranks running", lambda s: s.job("mig") is not None and all(
-        n.workers >= 1 for n in s.nodes if n.online), timeout=60)
+
+    def running(s: Any) -> bool:  # every node the job uses runs its worker
+        job = s.job("mig")
+        if job is None or job.assignment is None:
+            return False
+        used = {*job.assignment.ranks, *job.assignment.standbys}
+        return all(n.workers >= 1 for n in s.nodes if n.online and n.name in used)
+
+    c.wait_for("ranks running", running, timeout=60)
 
 
 def _finish(c: LocalCluster) -> Any:

@@ -240,3 +240,71 @@ def test_without_a_replica_every_rank_rolls_back_to_the_newest_snapshot(
         assert_bitwise_equal(expected, out, world=2)
     finally:
         c.stop_all(timeout=5)
+
+
+def test_the_controller_dying_right_after_planning_a_recovery_leaves_it_to_the_next(
+        etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:  # noqa: F811
+    # node-x (a spare standby, outside the job's pool) is the controller, armed to crash the
+    # moment a plan is in etcd. The next controller, elected when its lease expires, carries
+    # the recovery through from etcd.
+    armed = {"node-x": {"UNDERSTUDY_FAILPOINTS": "controller.migration.planned=exit(3)"}}
+    c = LocalCluster(etcd_endpoint=etcd.endpoint, base_dir=tmp_path / "cluster")
+    try:
+        c.add("node-x", "standby", env=armed["node-x"])
+        c.wait_state("node-x", "standby")
+        c.wait_for("node-x to be the controller", lambda s: s.controller == "node-x")
+        for n in ("node-a", "node-b"):
+            c.add(n, "active", extra=["--slots", "2"])
+        for n in ("node-s1", "node-s2"):
+            c.add(n, "standby")
+        for n, st in (("node-a", "active"), ("node-b", "active"), ("node-s1", "standby"),
+                      ("node-s2", "standby")):
+            c.wait_state(n, st)
+        out = tmp_path / "out"
+        _run_job(c, out)
+        wait_standbys(c, ("node-s1", "node-s2"))
+        a = c.daemons["node-a"]
+        _wait_steps(a, 1, 50)
+        os.kill(worker_pid(a, "mig.r1"), signal.SIGKILL)
+        assert c.daemons["node-x"].wait(60) == 3  # it died right after writing the plan
+        assert "failpoint controller.migration.planned fired" in c.daemons["node-x"].log_text()
+        _recovery_done(c)
+        kinds = [e["kind"] for e in events(c)]
+        assert kinds.count("migration-planned") == 1, kinds  # the plan was carried, not redone
+        assert kinds.count("controller-elected") >= 2, kinds
+        job = _finish(c)
+        assert job.assignment.epoch == 2
+        assert_bitwise_equal(reference, out, world=4)
+    finally:
+        c.stop_all(timeout=5)
+
+
+def test_leavers_dying_in_phase_2_abort_the_drain_and_their_ranks_are_recovered(
+        etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:  # noqa: F811
+    # node-b's ranks crash the moment they start streaming their state to the joiners (a
+    # failpoint in the leaver's send): phase 2 of the drain is under way, the switch step is
+    # agreed, nothing has moved. The drain is called off and both ranks are recovered from
+    # their replicas on node-a.
+    armed = {"node-b": {"UNDERSTUDY_FAILPOINTS": "leaver.send=exit(9)"}}
+    c = start(etcd, tmp_path / "cluster", {"node-a": 2, "node-b": 2}, ("node-s1", "node-s2"),
+              env=armed)
+    try:
+        out = tmp_path / "out"
+        _run_job(c, out)
+        wait_standbys(c, ("node-s1", "node-s2"))
+        b = c.daemons["node-b"]
+        _wait_steps(b, 2, 50)
+        assert c.cli("drain", "node-b", "--deadline", "240").returncode == 0
+        wait_log(b, "failpoint leaver.send fired", timeout=120)
+        job = _finish(c)
+        evs = events(c)
+        aborted = next(e for e in evs if e["kind"] == "migration-aborted")
+        assert "in phase 2, before its state reached the joiner" in aborted["message"], aborted
+        planned = [e["message"] for e in evs if e["kind"] == "migration-planned"]
+        assert any("recovery: rank 2 -> " in m and "(state from rank 0)" in m for m in planned)
+        assert job.assignment.epoch == 2
+        assert job.assignment.ranks[:2] == ("node-a", "node-a")
+        assert "node-b" not in job.assignment.ranks
+        assert_bitwise_equal(reference, out, world=4)
+    finally:
+        c.stop_all(timeout=5)

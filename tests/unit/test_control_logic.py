@@ -399,3 +399,12 @@ def test_snapshot_reports_from_workers_are_validated() -> None:
     assert t.snapshots == {"j": {1: (20, 40)}}
     t.ingest_progress("j/snapshots/1", b"", True)
     assert t.snapshots == {"j": {}}
+
+
+def test_a_standby_warmed_for_the_lost_rank_takes_it() -> None:
+    view = _recovery_view({1: _crash(1)})
+    s2 = dataclasses.replace(view.live["s2"], warmth={"j": {"mode": "replay", "roles": [],
+                                                            "detail": "", "rank": 1}})
+    view = dataclasses.replace(view, live={**view.live, "s2": s2})
+    (start,) = plan(view, 5.0)
+    assert isinstance(start, StartMigration) and start.migration.joiners == ("s2",)
