@@ -30,7 +30,9 @@ def configure(level: str = "info", fmt: str = "auto", stream: Any = None) -> Non
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
-        logger_factory=structlog.PrintLoggerFactory(file=stream),
+        # One write per line (print writes the newline apart): a node's workers share the
+        # daemon's log, and two lines must never interleave.
+        logger_factory=structlog.WriteLoggerFactory(file=stream),
         cache_logger_on_first_use=False,
     )
 

@@ -331,6 +331,7 @@ class MigrationHook:
         assert self._plan is not None
         if self.rank in self._plan.moves:
             return Action.HAND_OFF
+        failpoints.hit("stayer.switch")  # phase 2, before the state has moved
         t0 = time.monotonic()
         outcomes = {r: self._transfer_outcome(r, t0 + self.transfer_timeout)
                     for r in self._plan.moves}

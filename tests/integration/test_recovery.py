@@ -308,3 +308,33 @@ def test_leavers_dying_in_phase_2_abort_the_drain_and_their_ranks_are_recovered(
         assert_bitwise_equal(reference, out, world=4)
     finally:
         c.stop_all(timeout=5)
+
+
+def test_a_stayer_dying_at_the_switch_is_recovered_after_the_drain_commits(
+        etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:  # noqa: F811
+    # One rank per node. node-b (rank 1) is drained; rank 2 on node-c crashes in phase 2, at
+    # the agreed switch step, while the leaver streams its state: the drain still commits (its
+    # joiner holds rank 1), and rank 2 is recovered from rank 0 under the new epoch.
+    armed = {"node-c": {"UNDERSTUDY_FAILPOINTS": "stayer.switch=exit(9)"}}
+    c = start(etcd, tmp_path / "cluster", {"node-a": 1, "node-b": 1, "node-c": 1, "node-d": 1},
+              ("node-s1", "node-s2"), env=armed)
+    try:
+        out = tmp_path / "out"
+        _run_job(c, out)
+        wait_standbys(c, ("node-s1", "node-s2"))
+        _wait_steps(c.daemons["node-c"], 2, 50)
+        assert c.cli("drain", "node-b", "--deadline", "240").returncode == 0
+        wait_log(c.daemons["node-c"], "failpoint stayer.switch fired", timeout=120)
+        job = _finish(c)
+        # Its exit lands under epoch 1 (then, once epoch 2 is committed, the daemon finds no
+        # process for rank 2 and says so) or, if the daemon saw epoch 2 first, under epoch 2;
+        # either way the failure is recovered at epoch 2 -> 3, never restarted from nothing.
+        assert c.daemons["node-c"].log_text().count("Started rank 2 of job mig") == 1
+        planned = [e["message"] for e in events(c) if e["kind"] == "migration-planned"]
+        assert any("recovery: rank 2 -> node-s2 (state from rank 0)" in m for m in planned), \
+            planned
+        assert job.assignment.epoch == 3
+        assert job.assignment.ranks == ("node-a", "node-s1", "node-s2", "node-d")
+        assert_bitwise_equal(reference, out, world=4)
+    finally:
+        c.stop_all(timeout=5)
