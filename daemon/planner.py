@@ -353,8 +353,8 @@ def _refill_standbys(job: JobView, a: Assignment, view: ClusterView,
 def _plan_migration(job: JobView, a: Assignment, view: ClusterView,
                     now: float) -> StartMigration | None:
     """Pair every rank on a draining node with one of the job's free standbys."""
-    leaving = [(r, n) for r, n in enumerate(a.ranks)
-               if n in view.live and view.live[n].state == NodeState.DRAINING]
+    leaving = [(r, n) for r, n in enumerate(a.ranks) if r not in job.exits  # finished: stays
+               and n in view.live and view.live[n].state == NodeState.DRAINING]
     if not leaving:
         return None
     free = _free_standbys(job, a, view)
@@ -382,6 +382,9 @@ def _advance_migration(job: JobView, m: Migration, view: ClusterView,
     def reported(kind: str, ranks: tuple[int, ...]) -> bool:
         return all(f"{kind}/{r}" in job.progress for r in ranks)
 
+    if len(job.exits) == job.spec.world_size and not any(e.failed for e in job.exits.values()):
+        return [AdvanceMigration(m.job, m.id, MigrationPhase.ABORTED,
+                                 "every rank finished the job first")]
     if "aborted" in job.progress:
         return [AdvanceMigration(m.job, m.id, MigrationPhase.ABORTED,
                                  job.abort_reason or "the ranks aborted the switch")]

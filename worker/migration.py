@@ -463,6 +463,7 @@ class Joiner:
             if time.monotonic() > deadline:
                 raise TransferError("the new groups did not come up in time")
             time.sleep(0.02)
+        failpoints.hit("joiner.prepared")  # phase 1 done here, not yet reported
         self.reports.set(f"joiner-prepared/{self.rank}", b"1")
         return names
 

@@ -190,20 +190,25 @@ def cluster(etcd: EmbeddedEtcd, tmp_path: Path) -> Iterator[LocalCluster]:
         c.stop_all(timeout=5)
 
 
-def test_drain_moves_megatron_ranks_live_and_the_result_is_bitwise_identical(
-        cluster: LocalCluster, reference: Path, tmp_path: Path) -> None:
-    out = tmp_path / "out"
+def _start_gpt(cluster: LocalCluster, out: Path) -> None:
+    """Run the job (TP=2 x DP=2, two standbys; ranks 0-1 on node-a, 2-3 on node-b) and wait
+    until all four ranks have built their models (imports take a while on a loaded machine)."""
     env = [f"--env={k}={v}" for k, v in ONE_THREAD.items()]
     run = cluster.cli("run", "--job", "gpt", "--tp", "2", "--dp", "2", "--standby", "2", *env,
                       "--", sys.executable, *_job_args(out))
     assert run.returncode == 0, run.stderr
     assert "rank 2 on node-b" in run.stdout and "rank 3 on node-b" in run.stdout
-    # Drain once all four ranks train (their imports take a while on a loaded machine).
     deadline = time.monotonic() + 240
     while sum(cluster.daemons[n].log_text().count("built the Megatron GPT model")
               for n in ("node-a", "node-b")) < 4:
         assert time.monotonic() < deadline, "the ranks did not build their models in time"
         time.sleep(0.5)
+
+
+def test_drain_moves_megatron_ranks_live_and_the_result_is_bitwise_identical(
+        cluster: LocalCluster, reference: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    _start_gpt(cluster, out)
     time.sleep(2)
     drain = cluster.cli("drain", "node-b", "--deadline", "240", "--wait", timeout=300)
     assert drain.returncode == 0, drain.stdout + drain.stderr
@@ -289,17 +294,9 @@ def test_a_killed_megatron_rank_is_rebuilt_from_its_replica_bitwise(
     # their step; a standby builds the model for rank 1 and takes rank 3's state (same TP
     # index: the same shards, Adam state and TP RNG tracker); the step is redone by everyone.
     out = tmp_path / "out"
-    env = [f"--env={k}={v}" for k, v in ONE_THREAD.items()]
-    run = cluster.cli("run", "--job", "gpt", "--tp", "2", "--dp", "2", "--standby", "2", *env,
-                      "--", sys.executable, *_job_args(out))
-    assert run.returncode == 0, run.stderr
+    _start_gpt(cluster, out)
     a = cluster.daemons["node-a"]
     wait_standbys(cluster, ("node-s1", "node-s2"), timeout=240)
-    deadline = time.monotonic() + 240
-    while sum(cluster.daemons[n].log_text().count("built the Megatron GPT model")
-              for n in ("node-a", "node-b")) < 4:
-        assert time.monotonic() < deadline, "the ranks did not build their models in time"
-        time.sleep(0.5)
     time.sleep(3)
     os.kill(worker_pid(a, "gpt.r1"), 9)
     cluster.wait_for("the job to finish", lambda s: s.job("gpt") is not None and

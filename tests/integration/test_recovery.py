@@ -10,7 +10,9 @@ import json
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,6 +31,25 @@ from understudy.daemon.localcluster import DaemonProcess, LocalCluster
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
+STANDBYS = ("node-s1", "node-s2")
+
+
+@contextlib.contextmanager
+def training(etcd: EmbeddedEtcd, tmp_path: Path, active: dict[str, int],
+             standbys: tuple[str, ...], armed: dict[str, dict[str, str]] | None = None,
+             **job: Any) -> Iterator[tuple[LocalCluster, Path]]:
+    """A cluster (``armed``: extra daemon environments) running the plain job (``job``: as
+    ``_run_job``) with every standby worker up; yields it and the job's output directory."""
+    c = start(etcd, tmp_path / "cluster", active, standbys, env=armed)
+    try:
+        out = tmp_path / "out"
+        _run_job(c, out, **job)
+        wait_standbys(c, standbys)
+        yield c, out
+    finally:
+        c.stop_all(timeout=5)
+
+
 def _wait_steps(d: DaemonProcess, rank: int, steps: int) -> None:
     """Until ``rank`` on ``d`` committed ``steps`` steps (the runtime says so every 50)."""
     wait_log(d, f"{steps} steps committed on rank {rank}", timeout=120)
@@ -42,11 +63,7 @@ def _recovery_done(c: LocalCluster) -> dict:
 
 def test_a_killed_rank_is_replaced_from_its_replica_and_the_result_is_bitwise_identical(
         etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:  # noqa: F811
-    c = start(etcd, tmp_path / "cluster", {"node-a": 2, "node-b": 2}, ("node-s1", "node-s2"))
-    try:
-        out = tmp_path / "out"
-        _run_job(c, out)
-        wait_standbys(c, ("node-s1", "node-s2"))
+    with training(etcd, tmp_path, {"node-a": 2, "node-b": 2}, STANDBYS) as (c, out):
         a = c.daemons["node-a"]
         _wait_steps(a, 1, 50)
         os.kill(worker_pid(a, "mig.r1"), signal.SIGKILL)
@@ -63,17 +80,11 @@ def test_a_killed_rank_is_replaced_from_its_replica_and_the_result_is_bitwise_id
         summary = json.loads((out / "rank1.json").read_text())
         assert summary["step"] == STEPS
         assert_bitwise_equal(reference, out, world=4)
-    finally:
-        c.stop_all(timeout=5)
 
 
 def test_a_crashed_node_is_replaced_after_its_lease_expires(
         etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:  # noqa: F811
-    c = start(etcd, tmp_path / "cluster", {"node-a": 2, "node-b": 2}, ("node-s1", "node-s2"))
-    try:
-        out = tmp_path / "out"
-        _run_job(c, out)
-        wait_standbys(c, ("node-s1", "node-s2"))
+    with training(etcd, tmp_path, {"node-a": 2, "node-b": 2}, STANDBYS) as (c, out):
         _wait_steps(c.daemons["node-b"], 2, 50)
         c.daemons["node-b"].kill9()  # the daemon and both its ranks, at once
         _recovery_done(c)
@@ -89,8 +100,6 @@ def test_a_crashed_node_is_replaced_after_its_lease_expires(
         assert job.assignment.ranks == ("node-a", "node-a", "node-s1", "node-s2")
         assert c.daemons["node-a"].log_text().count("Started rank 0 of job mig") == 1
         assert_bitwise_equal(reference, out, world=4)
-    finally:
-        c.stop_all(timeout=5)
 
 
 def test_a_frozen_node_is_replaced_fences_itself_on_waking_and_rejoins_clean(
@@ -125,11 +134,8 @@ def test_a_frozen_node_is_replaced_fences_itself_on_waking_and_rejoins_clean(
 
 def test_an_exhausted_pool_pauses_the_job_until_a_standby_joins(
         etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:  # noqa: F811
-    c = start(etcd, tmp_path / "cluster", {"node-a": 2, "node-b": 2}, ("node-s1",))
-    try:
-        out = tmp_path / "out"
-        _run_job(c, out, standby=1)
-        wait_standbys(c, ("node-s1",))
+    with training(etcd, tmp_path, {"node-a": 2, "node-b": 2}, ("node-s1",),
+                  standby=1) as (c, out):
         _wait_steps(c.daemons["node-a"], 1, 50)
         os.kill(worker_pid(c.daemons["node-a"], "mig.r1"), signal.SIGKILL)
         _recovery_done(c)
@@ -151,23 +157,22 @@ def test_an_exhausted_pool_pauses_the_job_until_a_standby_joins(
         assert job.assignment.epoch == 3
         assert job.assignment.ranks == ("node-a", "node-s1", "node-s3", "node-b")
         assert_bitwise_equal(reference, out, world=4)
-    finally:
-        c.stop_all(timeout=5)
 
 
 def test_a_rank_crashing_during_a_drain_aborts_it_recovers_then_the_drain_completes(
         etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:  # noqa: F811
-    c = start(etcd, tmp_path / "cluster", {"node-a": 2, "node-b": 2},
-              ("node-s1", "node-s2", "node-s3"))
-    a = c.daemons["node-a"]
-    try:
-        out = tmp_path / "out"
-        _run_job(c, out, standby=3, step_sleep=0.08)
-        wait_standbys(c, ("node-s1", "node-s2", "node-s3"))
+    # The drain's joiners (node-s1, node-s2) hold phase 1 open for 8 s once their groups are
+    # up (a failpoint; each fresh standby process again), so that rank 0, a stayer, dies with
+    # phase 1 under way. Slow steps leave the retried drain time to finish before the job.
+    hold = {"UNDERSTUDY_FAILPOINTS": "joiner.prepared=sleep(8)"}
+    with training(etcd, tmp_path, {"node-a": 2, "node-b": 2}, (*STANDBYS, "node-s3"),
+                  armed={"node-s1": hold, "node-s2": hold}, standby=3,
+                  step_sleep=0.2) as (c, out):
+        a = c.daemons["node-a"]
         _wait_steps(a, 0, 50)
         assert c.cli("drain", "node-b", "--deadline", "240").returncode == 0
-        c.wait_for("phase 1", lambda s: any(
-            e["kind"] == "migration-preparing" for e in events(c)), timeout=60)
+        wait_log(c.daemons["node-s1"], "failpoint joiner.prepared fired", timeout=60)
+        wait_log(a, "Phase 1 of migration", timeout=30)
         os.kill(worker_pid(a, "mig.r0"), signal.SIGKILL)  # a stayer, in phase 1
         c.wait_for("the drain to be called off", lambda s: any(
             e["kind"] == "migration-aborted" for e in events(c)), timeout=60)
@@ -180,8 +185,6 @@ def test_a_rank_crashing_during_a_drain_aborts_it_recovers_then_the_drain_comple
         assert job.assignment.epoch == 3
         assert "node-b" not in job.assignment.ranks
         assert_bitwise_equal(reference, out, world=4)
-    finally:
-        c.stop_all(timeout=5)
 
 
 def test_a_sandbox_warmed_standby_is_promoted_with_its_model_built(
@@ -220,12 +223,10 @@ def test_without_a_replica_every_rank_rolls_back_to_the_newest_snapshot(
     # job redoes the steps since. Data and dropout follow the step, so the run ends bit for bit
     # where an uninterrupted one does.
     expected = standalone_run(tmp_path / "reference", world=2, tp=2)
-    c = start(etcd, tmp_path / "cluster", {"node-a": 1, "node-b": 1}, ("node-s1",))
-    try:
-        out = tmp_path / "out"
-        _run_job(c, out, dp=1, standby=1, env={"UNDERSTUDY_SNAPSHOTS": str(tmp_path / "snap"),
-                                               "UNDERSTUDY_SNAPSHOT_EVERY": "20"})
-        wait_standbys(c, ("node-s1",))
+    snapshots = {"UNDERSTUDY_SNAPSHOTS": str(tmp_path / "snap"),
+                 "UNDERSTUDY_SNAPSHOT_EVERY": "20"}
+    with training(etcd, tmp_path, {"node-a": 1, "node-b": 1}, ("node-s1",), dp=1, standby=1,
+                  env=snapshots) as (c, out):
         b = c.daemons["node-b"]
         _wait_steps(b, 1, 50)
         os.kill(worker_pid(b, "mig.r1"), signal.SIGKILL)
@@ -238,8 +239,6 @@ def test_without_a_replica_every_rank_rolls_back_to_the_newest_snapshot(
         job = _finish(c)
         assert job.assignment.ranks == ("node-a", "node-s1")
         assert_bitwise_equal(expected, out, world=2)
-    finally:
-        c.stop_all(timeout=5)
 
 
 def test_the_controller_dying_right_after_planning_a_recovery_leaves_it_to_the_next(
@@ -286,12 +285,8 @@ def test_leavers_dying_in_phase_2_abort_the_drain_and_their_ranks_are_recovered(
     # agreed, nothing has moved. The drain is called off and both ranks are recovered from
     # their replicas on node-a.
     armed = {"node-b": {"UNDERSTUDY_FAILPOINTS": "leaver.send=exit(9)"}}
-    c = start(etcd, tmp_path / "cluster", {"node-a": 2, "node-b": 2}, ("node-s1", "node-s2"),
-              env=armed)
-    try:
-        out = tmp_path / "out"
-        _run_job(c, out)
-        wait_standbys(c, ("node-s1", "node-s2"))
+    with training(etcd, tmp_path, {"node-a": 2, "node-b": 2}, STANDBYS,
+                  armed=armed) as (c, out):
         b = c.daemons["node-b"]
         _wait_steps(b, 2, 50)
         assert c.cli("drain", "node-b", "--deadline", "240").returncode == 0
@@ -306,8 +301,6 @@ def test_leavers_dying_in_phase_2_abort_the_drain_and_their_ranks_are_recovered(
         assert job.assignment.ranks[:2] == ("node-a", "node-a")
         assert "node-b" not in job.assignment.ranks
         assert_bitwise_equal(reference, out, world=4)
-    finally:
-        c.stop_all(timeout=5)
 
 
 def test_a_stayer_dying_at_the_switch_is_recovered_after_the_drain_commits(
@@ -316,12 +309,8 @@ def test_a_stayer_dying_at_the_switch_is_recovered_after_the_drain_commits(
     # the agreed switch step, while the leaver streams its state: the drain still commits (its
     # joiner holds rank 1), and rank 2 is recovered from rank 0 under the new epoch.
     armed = {"node-c": {"UNDERSTUDY_FAILPOINTS": "stayer.switch=exit(9)"}}
-    c = start(etcd, tmp_path / "cluster", {"node-a": 1, "node-b": 1, "node-c": 1, "node-d": 1},
-              ("node-s1", "node-s2"), env=armed)
-    try:
-        out = tmp_path / "out"
-        _run_job(c, out)
-        wait_standbys(c, ("node-s1", "node-s2"))
+    with training(etcd, tmp_path, {"node-a": 1, "node-b": 1, "node-c": 1, "node-d": 1},
+                  STANDBYS, armed=armed) as (c, out):
         _wait_steps(c.daemons["node-c"], 2, 50)
         assert c.cli("drain", "node-b", "--deadline", "240").returncode == 0
         wait_log(c.daemons["node-c"], "failpoint stayer.switch fired", timeout=120)
@@ -336,5 +325,3 @@ def test_a_stayer_dying_at_the_switch_is_recovered_after_the_drain_commits(
         assert job.assignment.epoch == 3
         assert job.assignment.ranks == ("node-a", "node-s1", "node-s2", "node-d")
         assert_bitwise_equal(reference, out, world=4)
-    finally:
-        c.stop_all(timeout=5)

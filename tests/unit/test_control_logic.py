@@ -408,3 +408,19 @@ def test_a_standby_warmed_for_the_lost_rank_takes_it() -> None:
     view = dataclasses.replace(view, live={**view.live, "s2": s2})
     (start,) = plan(view, 5.0)
     assert isinstance(start, StartMigration) and start.migration.joiners == ("s2",)
+
+
+def test_a_job_that_finishes_during_a_drain_ends_done_and_plans_no_more() -> None:
+    view, _ = _migrating_view(phase="preparing")
+    job = view.jobs["j"]
+    done = {r: RankExit(job="j", rank=r, epoch=1, node="a", returncode=0, failed=False,
+                        description="exited cleanly", time=1.0) for r in range(4)}
+    finished = dataclasses.replace(job, exits=done)
+    (abort,) = plan(dataclasses.replace(view, jobs={"j": finished}), 10.0)
+    assert isinstance(abort, AdvanceMigration) and abort.phase == MigrationPhase.ABORTED
+    assert "every rank finished" in abort.reason
+    assert job.migration is not None
+    over = dataclasses.replace(finished, migration=dataclasses.replace(
+        job.migration, phase=MigrationPhase.ABORTED))
+    (end,) = plan(dataclasses.replace(view, jobs={"j": over}), 11.0)
+    assert end == SetJobState("j", JobState.DONE, "every rank finished")
