@@ -9,12 +9,11 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from tests.unit.test_runtime import assert_bitwise_equal
+from tests.unit.test_runtime import assert_bitwise_equal, solo  # noqa: F401
 from understudy.worker import rng
 from understudy.worker.api import JobContext, TrainingJob
-from understudy.worker.runtime import Runtime, StaticGroups
+from understudy.worker.runtime import Runtime
 from understudy.worker.snapshots import (
     COMPLETE,
     Snapshotter,
@@ -58,14 +57,6 @@ class AdamJob(TrainingJob):
         self.committed = state["committed"]
 
 
-@pytest.fixture
-def ctx(tmp_path: Path) -> JobContext:
-    groups = StaticGroups(dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1,
-                          tp=1, timeout=10)
-    return JobContext(job="snap", rank=0, world_size=1, tp=1, groups=groups,
-                      collective_timeout=5)
-
-
 def _runtime(ctx: JobContext) -> Runtime:
     runtime = Runtime(AdamJob(), ctx)
     runtime.build()
@@ -73,9 +64,9 @@ def _runtime(ctx: JobContext) -> Runtime:
 
 
 def test_a_snapshot_loads_into_a_fresh_runtime_and_training_goes_on_identically(
-        ctx: JobContext, tmp_path: Path) -> None:
+        solo: JobContext, tmp_path: Path) -> None:  # noqa: F811
     reports: list[list[int]] = []
-    runtime = _runtime(ctx)
+    runtime = _runtime(solo)
     snapshots = Snapshotter(tmp_path / "snap", rank=0, every=3, report=reports.append, keep=2)
     runtime.after_commit.append(snapshots.after_commit)
     for steps in (3, 6, 9):  # one at a time: a snapshot due while one is written is skipped
@@ -87,14 +78,14 @@ def test_a_snapshot_loads_into_a_fresh_runtime_and_training_goes_on_identically(
         {"step": 9, "rank": 0}
     runtime.run(12)
     # A fresh process (its Adam has no state yet) goes back to step 6 and redoes 6..11.
-    fresh = _runtime(ctx)
+    fresh = _runtime(solo)
     load_snapshot(tmp_path / "snap", 6, fresh)
     assert fresh.step == 6 and fresh.job.committed == 6  # type: ignore[attr-defined]
     fresh.run(12)
     assert_bitwise_equal(runtime.state()["job"], fresh.state()["job"])
 
 
-def test_a_missing_snapshot_is_refused_with_the_step_and_rank(ctx: JobContext,
+def test_a_missing_snapshot_is_refused_with_the_step_and_rank(solo: JobContext,  # noqa: F811
                                                               tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="no complete snapshot of step 40 for rank 0"):
-        load_snapshot(tmp_path / "snap", 40, _runtime(ctx))
+        load_snapshot(tmp_path / "snap", 40, _runtime(solo))
