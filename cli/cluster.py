@@ -70,7 +70,8 @@ class JobView:
         return {
             "name": self.spec.name, "state": self.state,
             "reason": self.status.reason if self.status else "",
-            "tp": self.spec.tp, "dp": self.spec.dp, "standby": self.spec.standby,
+            "tp": self.spec.tp, "dp": self.spec.dp, "pp": self.spec.pp,
+            "standby": self.spec.standby,
             "argv": list(self.spec.argv), "epoch": a.epoch if a else 0,
             "ranks": list(a.ranks) if a else [], "standbys": list(a.standbys) if a else [],
             "migration": None if self.migration is None else {

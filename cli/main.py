@@ -61,11 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("node")
 
     r = sub.add_parser("run", parents=[common], help="start a training job on the cluster",
-                       usage="understudy run --job NAME --tp T --dp D [--standby N] "
+                       usage="understudy run --job NAME --tp T --dp D [--pp P] [--standby N] "
                              "[--env K=V] [--cwd DIR] [--no-wait] -- COMMAND [ARGS...]")
     r.add_argument("--job", required=True, help="job name (lowercase letters, digits, '-')")
     r.add_argument("--tp", type=int, required=True, help="tensor-parallel size")
     r.add_argument("--dp", type=int, required=True, help="data-parallel size")
+    r.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
     r.add_argument("--standby", type=int, default=0, help="standby nodes to reserve")
     r.add_argument("--env", action="append", default=[], metavar="K=V",
                    help="extra environment for every rank")
@@ -156,7 +157,8 @@ def _print_jobs(status: ClusterStatus) -> None:
         elif j.status is not None:
             placement = j.status.reason
         rows.append((j.spec.name, j.state, str(a.epoch) if a else "-",
-                     f"tp{j.spec.tp}xdp{j.spec.dp}", placement))
+                     f"tp{j.spec.tp}xdp{j.spec.dp}"
+                     + (f"xpp{j.spec.pp}" if j.spec.pp > 1 else ""), placement))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r[:4], widths, strict=True)) + "  " + r[4])
@@ -267,7 +269,8 @@ async def _run_job(store: EtcdStore, keys: Keys, args: argparse.Namespace) -> in
         env[k] = v
     try:
         spec = JobSpec(name=args.job, argv=tuple(argv), cwd=args.cwd or os.getcwd(),
-                       tp=args.tp, dp=args.dp, standby=args.standby, created_at=time.time(),
+                       tp=args.tp, dp=args.dp, pp=args.pp, standby=args.standby,
+                       created_at=time.time(),
                        created_by=f"{getpass.getuser()}@{socket.gethostname()}", env=env)
     except ValueError as exc:
         raise CliError(str(exc)) from None
@@ -285,7 +288,8 @@ async def _run_job(store: EtcdStore, keys: Keys, args: argparse.Namespace) -> in
     if not await store.txn(compare=[("create", keys.job_spec(spec.name), 0)],
                            success=[("put", keys.job_spec(spec.name), spec.encode(), None)]):
         raise CliError(f"a job named {spec.name!r} already exists")
-    print(f"job {spec.name} submitted: {spec.world_size} ranks (tp {spec.tp} x dp {spec.dp}), "
+    pp = f" x pp {spec.pp}" if spec.pp > 1 else ""
+    print(f"job {spec.name} submitted: {spec.world_size} ranks (tp {spec.tp} x dp {spec.dp}{pp}), "
           f"{spec.standby} standby", flush=True)
     if args.no_wait:
         return 0

@@ -328,12 +328,14 @@ class JobRunner:
             env.WORLD_SIZE: str(spec.world_size),
             env.TP: str(spec.tp),
             env.DP: str(spec.dp),
+            env.PP: str(spec.pp),
             env.EPOCH: str(assignment.epoch),
             env.WORKER_ROLE: "standby" if rank is None else "rank",
         }
         if rank is not None:
-            worker_env.update({env.RANK: str(rank), env.TP_INDEX: str(rank % spec.tp),
-                               env.DP_INDEX: str(rank // spec.tp)})
+            tp_index, dp_index, pp_index = spec.layout.coordinates(rank)
+            worker_env.update({env.RANK: str(rank), env.TP_INDEX: str(tp_index),
+                               env.DP_INDEX: str(dp_index), env.PP_INDEX: str(pp_index)})
             name = rank_child(spec.name, rank)
         else:
             name = standby_child(spec.name)

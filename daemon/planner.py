@@ -280,12 +280,11 @@ def _plan_recovery(job: JobView, a: Assignment, gone: dict[int, str], view: Clus
                    now: float) -> list[Action]:
     """Replace ranks whose process or node is gone by standbys, each taking the state of the
     last committed step from a live data-parallel replica (same TP index)."""
-    name, tp = a.job, job.spec.tp
+    name, layout = a.job, job.spec.layout
     donors: list[int] = []
     snapshot_step = -1
     for r in gone:
-        replicas = [d for d in range(r % tp, job.spec.world_size, tp)
-                    if d not in gone and a.ranks[d] in view.live]
+        replicas = [d for d in layout.replicas(r) if d not in gone and a.ranks[d] in view.live]
         if replicas:
             donors.append(replicas[0])
             continue

@@ -19,6 +19,7 @@ from typing import Any, ClassVar, TypeVar
 
 from understudy.daemon.errors import RecordError
 from understudy.daemon.states import NodeState
+from understudy.groups.layout import Layout
 
 SCHEMA = "understudy/v1"
 MAX_VALUE_BYTES = 64 * 1024
@@ -213,18 +214,24 @@ class JobSpec(Record):
     created_at: float
     created_by: str = ""
     env: dict[str, Any] = field(default_factory=dict)
+    #: pipeline stages (1: no pipeline parallelism)
+    pp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.dp
+        return self.tp * self.dp * self.pp
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.world_size, self.tp, self.pp)
 
     def __post_init__(self) -> None:
         if not JOB_NAME_RE.match(self.name):
             raise ValueError(f"job name {self.name!r} must be 1-40 lowercase letters, digits "
                              "or '-'")
-        if self.tp < 1 or self.dp < 1 or self.standby < 0:
-            raise ValueError(f"tp ({self.tp}) and dp ({self.dp}) must be >= 1, standby "
-                             f"({self.standby}) >= 0")
+        if self.tp < 1 or self.dp < 1 or self.pp < 1 or self.standby < 0:
+            raise ValueError(f"tp ({self.tp}), dp ({self.dp}) and pp ({self.pp}) must be >= 1, "
+                             f"standby ({self.standby}) >= 0")
         if not self.argv:
             raise ValueError("a job needs a command")
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()):

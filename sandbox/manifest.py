@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from understudy.groups.layout import Layout
 from understudy.sandbox.errors import RecordingError, RecordingMismatch
 
 #: Bumped whenever the manifest or the data file changes shape; readers refuse other formats.
@@ -32,50 +33,6 @@ FORMAT = 1
 MANIFEST = "manifest.json"
 #: A manifest is small; anything larger is not one of ours.
 MAX_MANIFEST_BYTES = 1 << 20
-
-
-@dataclass(frozen=True)
-class Layout:
-    """The job's parallel layout. Ranks are ordered TP fastest, then DP, then PP (Megatron's
-    default order): ``rank = (pp_index * dp + dp_index) * tp + tp_index``.
-
-    Raises (at construction):
-        ValueError: a degree below one, or ``tp * pp`` does not divide ``world_size``.
-    """
-
-    world_size: int
-    tp: int
-    pp: int = 1
-
-    def __post_init__(self) -> None:
-        if min(self.world_size, self.tp, self.pp) < 1:
-            raise ValueError(f"world_size={self.world_size}, tp={self.tp} and pp={self.pp} "
-                             "must all be at least 1")
-        if self.world_size % (self.tp * self.pp):
-            raise ValueError(f"tp={self.tp} x pp={self.pp} does not divide "
-                             f"world_size={self.world_size}")
-
-    @property
-    def dp(self) -> int:
-        return self.world_size // (self.tp * self.pp)
-
-    def coordinates(self, rank: int) -> tuple[int, int, int]:
-        """``(tp_index, dp_index, pp_index)`` of ``rank``.
-
-        Raises:
-            ValueError: ``rank`` is outside the world.
-        """
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} is outside a world of {self.world_size}")
-        rest, tp_index = divmod(rank, self.tp)
-        pp_index, dp_index = divmod(rest, self.dp)
-        return tp_index, dp_index, pp_index
-
-    def rank_of(self, tp_index: int, dp_index: int, pp_index: int) -> int:
-        return (pp_index * self.dp + dp_index) * self.tp + tp_index
-
-    def describe(self) -> str:
-        return f"world {self.world_size} = TP {self.tp} x DP {self.dp} x PP {self.pp}"
 
 
 class Stage(enum.Enum):

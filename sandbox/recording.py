@@ -56,7 +56,7 @@ from understudy.sandbox.manifest import (
     role_directory,
     sha256_file,
 )
-from understudy.worker.api import GROUP_NAMES, Communicator, GroupsProvider, group_ranks
+from understudy.worker.api import Communicator, GroupsProvider
 from understudy.worker.runtime import Action, BoundaryHook, NoMigration
 
 #: The data file format (its ``format`` key); the manifest's is :data:`manifest.FORMAT`.
@@ -132,10 +132,9 @@ class Recorder:
         self._first_step: int | None = None
         self._committed = 0
         self._groups: dict[str, list[int]] = {}
-        if layout.pp == 1:
-            for name in GROUP_NAMES:
-                ranks = group_ranks(name, rank, layout.world_size, layout.tp)
-                self._groups[name] = [ranks.index(rank), len(ranks)]
+        for name in layout.logical():
+            ranks = layout.group_ranks(name, rank)
+            self._groups[name] = [ranks.index(rank), len(ranks)]
         self._writer: threading.Thread | None = None
         self._log = structlog.get_logger("understudy.sandbox").bind(
             job=job, rank=rank, role_type=self.role_type.key)

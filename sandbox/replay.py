@@ -40,7 +40,6 @@ from understudy.sandbox.manifest import (
     role_directory,
 )
 from understudy.sandbox.recording import DATA_FORMAT
-from understudy.worker.api import group_ranks
 
 
 @dataclass(frozen=True)
@@ -237,9 +236,8 @@ class ReplayGroups:
         for name, (rank, size) in m.groups.items():
             self.groups[name] = ReplayGroup(name, rank, size, recording.calls.get(name, ()),
                                             self._shared)
-            if m.layout.pp == 1 and name in ("tp", "dp", "world"):
-                self.groups[name].register(group_ranks(name, m.rank, m.layout.world_size,
-                                                       m.layout.tp))
+            if name in m.layout.logical():
+                self.groups[name].register(m.layout.group_ranks(name, m.rank))
 
     def current(self, name: str) -> ReplayGroup:
         """Raises: ValueError: the recording has no group ``name``."""

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import structlog
 
-from understudy.sandbox.manifest import MANIFEST, Layout, RoleType, recording_ranks, role_directory
+from understudy.groups.layout import Layout
+from understudy.sandbox.manifest import MANIFEST, RoleType, recording_ranks, role_directory
 from understudy.sandbox.warmup import SandboxTarget, Warmed, WarmupOutcome, warm_up
 from understudy.worker.api import TrainingJob
 from understudy.worker.daemon_client import DaemonClient, DaemonError
@@ -53,7 +54,7 @@ def warm_role(node: str, standbys: list[str], layout: Layout) -> tuple[str, int]
 
 
 def warm_standby(make_job: Callable[[], TrainingJob], control: DaemonClient, *, node: str,
-                 stop: threading.Event, job: str, world: int, tp: int, seed: int,
+                 stop: threading.Event, job: str, layout: Layout, seed: int,
                  recordings: Path, script: Path, timeout: float,
                  should_abort: Callable[[], bool]) -> tuple[Warmed | None, bool]:
     """Steps 1-2 of the module docstring. Returns the warmed job (None if none was built) and
@@ -61,7 +62,6 @@ def warm_standby(make_job: Callable[[], TrainingJob], control: DaemonClient, *, 
     log = structlog.get_logger("understudy.sandbox").bind(job=job, node=node)
     info = control.job() or {}
     standbys = list((info.get("assignment") or {}).get("standbys") or [])
-    layout = Layout(world, tp)
     key, rank = warm_role(node, standbys, layout)
     manifest = role_directory(recordings, RoleType.of(rank, layout)) / MANIFEST
     deadline = time.monotonic() + RECORDING_WAIT_S
@@ -74,7 +74,8 @@ def warm_standby(make_job: Callable[[], TrainingJob], control: DaemonClient, *, 
         except DaemonError:
             pass
         time.sleep(POLL_S)
-    target = SandboxTarget(job=job, world_size=world, tp=tp, rank=rank, script=script,
+    target = SandboxTarget(job=job, world_size=layout.world_size, tp=layout.tp, pp=layout.pp,
+                           rank=rank, script=script,
                            seed=seed, collective_timeout=timeout, should_abort=should_abort)
     warmed = warm_up(make_job, target, recordings)
     report = warmed.report

@@ -38,8 +38,9 @@ from typing import Any
 import structlog
 import torch
 
+from understudy.groups.layout import Layout
 from understudy.sandbox.errors import RecordingError, RecordingMismatch, ReplayDiverged
-from understudy.sandbox.manifest import CodeVersion, Expectation, Layout, RoleType
+from understudy.sandbox.manifest import CodeVersion, Expectation, RoleType
 from understudy.sandbox.replay import Recording, ReplayGroups
 from understudy.worker.api import (
     Communicator,
@@ -318,8 +319,8 @@ def _build(make_job: Callable[[], TrainingJob], target: SandboxTarget,
     that diverges is left half done; the caller checks ``replay.diverged`` and builds anew."""
     sandbox = SandboxGroups(replay)
     ctx = JobContext(job=target.job, rank=target.rank, world_size=target.world_size,
-                     tp=target.tp, groups=sandbox, seed=target.seed, device=target.device,
-                     collective_timeout=target.collective_timeout,
+                     tp=target.tp, pp=target.pp, groups=sandbox, seed=target.seed,
+                     device=target.device, collective_timeout=target.collective_timeout,
                      poll_interval=target.poll_interval, should_abort=target.should_abort)
     shadow = _Shadow(make_job())
     runtime = Runtime(shadow, ctx)

@@ -58,8 +58,11 @@ iteration boundary; a job that calls ``ctx.group(name)`` inside ``compute`` uses
 without noticing. A job that keeps a group from ``build`` keeps talking to the old one, which
 hangs or fails. (Megatron-core modules hold their groups; their adapter deals with that.)
 
-**Layout.** Ranks form a TP x DP grid with TP fastest: ``rank = dp_index * tp + tp_index``. A
-TP group is ``tp`` consecutive ranks; a DP group takes every ``tp``-th rank.
+**Layout.** Ranks form a TP x DP x PP grid, TP fastest, PP slowest:
+``rank = (pp_index * dp + dp_index) * tp + tp_index`` (:mod:`understudy.groups.layout`). A TP
+group is ``tp`` consecutive ranks; a DP group takes every ``tp``-th rank of one stage; a PP group
+(``pp >= 2`` only) takes one rank of each stage, and :mod:`understudy.worker.pipeline` runs the
+micro-batch schedule over it.
 """
 
 from __future__ import annotations
@@ -75,9 +78,11 @@ import torch
 import torch.distributed as dist
 
 from understudy.daemon.errors import UnderstudyError
+from understudy.groups.layout import LOGICAL, Layout
 
-#: The groups every job has. ``world`` is every rank of the job.
-GROUP_NAMES = ("tp", "dp", "world")
+#: The groups a job can have. ``world`` is every rank of the job; ``pp`` (the stages of one
+#: pipeline) exists only with pipeline parallelism.
+GROUP_NAMES = LOGICAL
 
 
 class TrainingError(UnderstudyError):
@@ -119,6 +124,10 @@ class Communicator(Protocol):
 
     def allreduce(self, tensors: list[torch.Tensor], opts: dist.AllreduceOptions) -> Any: ...
 
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any: ...
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any: ...
+
 
 class GroupsProvider(Protocol):
     """Hands out the current version of each of the job's groups."""
@@ -144,22 +153,6 @@ def allreduce_options(op: Any) -> dist.AllreduceOptions:
     return opts
 
 
-def group_ranks(name: str, rank: int, world_size: int, tp: int) -> tuple[int, ...]:
-    """The global ranks of group ``name`` that contains ``rank``, in group-rank order.
-
-    Raises:
-        ValueError: ``name`` is not one of :data:`GROUP_NAMES`.
-    """
-    dp_index, tp_index = divmod(rank, tp)
-    if name == "tp":
-        return tuple(range(dp_index * tp, (dp_index + 1) * tp))
-    if name == "dp":
-        return tuple(range(tp_index, world_size, tp))
-    if name == "world":
-        return tuple(range(world_size))
-    raise ValueError(f"unknown group {name!r}: a job's groups are {', '.join(GROUP_NAMES)}")
-
-
 @dataclass(frozen=True)
 class JobContext:
     """What a job learns about its place in the run, and how it reaches its peers.
@@ -175,6 +168,7 @@ class JobContext:
     tp: int
     groups: GroupsProvider
     seed: int = 0
+    pp: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     collective_timeout: float = 60.0
     poll_interval: float = 0.05
@@ -185,15 +179,19 @@ class JobContext:
             raise ValueError(f"world_size must be at least 1, got {self.world_size}")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside a world of {self.world_size}")
-        if self.tp < 1 or self.world_size % self.tp:
-            raise ValueError(f"tp={self.tp} does not divide world_size={self.world_size}")
+        Layout(self.world_size, self.tp, self.pp)  # raises on a tp or pp that does not fit
         if self.collective_timeout <= 0 or self.poll_interval <= 0:
             raise ValueError(f"collective_timeout ({self.collective_timeout}) and poll_interval "
                              f"({self.poll_interval}) must be positive")
 
     @property
+    def layout(self) -> Layout:
+        """Raises: ValueError: ``tp * pp`` does not divide the world."""
+        return Layout(self.world_size, self.tp, self.pp)
+
+    @property
     def dp(self) -> int:
-        return self.world_size // self.tp
+        return self.layout.dp
 
     @property
     def tp_index(self) -> int:
@@ -203,7 +201,20 @@ class JobContext:
     @property
     def dp_index(self) -> int:
         """This rank's place in its DP group: which data-parallel replica it belongs to."""
-        return self.rank // self.tp
+        return self.layout.coordinates(self.rank)[1]
+
+    @property
+    def pp_index(self) -> int:
+        """This rank's pipeline stage (0 without pipeline parallelism)."""
+        return self.layout.coordinates(self.rank)[2]
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_index == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_index == self.pp - 1
 
     def group(self, name: str) -> Communicator:
         """The current version of group ``name``: call it at each use, do not keep the result
@@ -243,8 +254,27 @@ def wait_abortable(work: Work, *, what: str, timeout: float, should_abort: Calla
             communicator's error when it failed.
     """
     done = threading.Event()
-    # The callback runs on the communicator's thread and only sets a flag.
-    work.get_future().add_done_callback(lambda _: done.set())
+    failed: list[BaseException] = []
+    threaded = False
+    try:
+        future = work.get_future()
+    except RuntimeError:
+        # Gloo's send and recv have no future (torch 2.13): a thread waits instead. If the
+        # wait is abandoned, the thread stays blocked until the peer's connection breaks or
+        # the communicator's own timeout; it holds nothing else.
+        def waiter() -> None:
+            try:
+                work.wait()
+            except Exception as exc:  # the communicator's error, whatever its type
+                failed.append(exc)
+            finally:
+                done.set()
+
+        threaded = True
+        threading.Thread(target=waiter, name=f"wait: {what}", daemon=True).start()
+    else:
+        # The callback runs on the communicator's thread and only sets a flag.
+        future.add_done_callback(lambda _: done.set())
     start = clock()
     while not done.wait(poll_interval):
         waited = clock() - start
@@ -256,7 +286,10 @@ def wait_abortable(work: Work, *, what: str, timeout: float, should_abort: Calla
                                     f"{timeout:g} s): a peer did not take part", what=what,
                                     waited=waited)
     try:
-        work.wait()
+        if failed:
+            raise failed[0]
+        if not threaded:  # the thread has waited already; gloo's works are waited on once
+            work.wait()
     except Exception as exc:  # the communicator's error, whatever its type
         waited = clock() - start
         raise CollectiveAborted(f"{what} failed after {waited:.2f} s: {exc}", what=what,

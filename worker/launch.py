@@ -30,7 +30,8 @@ from typing import Any
 from understudy.daemon import env, failpoints
 from understudy.daemon import logs as daemon_logs
 from understudy.groups.groupset import GroupSet
-from understudy.sandbox.manifest import CodeVersion, Layout
+from understudy.groups.layout import Layout
+from understudy.sandbox.manifest import CodeVersion
 from understudy.sandbox.recording import Recorder, should_record
 from understudy.sandbox.standby import RECORDED_ITERATIONS, RECORDINGS, sandboxed, warm_standby
 from understudy.worker.api import (
@@ -38,7 +39,6 @@ from understudy.worker.api import (
     GroupsProvider,
     JobContext,
     TrainingJob,
-    group_ranks,
 )
 from understudy.worker.daemon_client import DaemonClient, DaemonError
 from understudy.worker.errors import install_excepthook, record_error
@@ -47,7 +47,6 @@ from understudy.worker.migration import (
     Joiner,
     MigrationHook,
     group_members,
-    group_names,
     member,
     wait_for_plan,
 )
@@ -78,6 +77,7 @@ def main(make_job: Callable[[], TrainingJob], steps: int, *, seed: int = 0,
     job = _env(env.JOB)
     node = _env(env.CHILD_NODE)
     world, tp = int(_env(env.WORLD_SIZE)), int(_env(env.TP))
+    layout = Layout(world, tp, int(os.environ.get(env.PP) or 1))
     epoch = int(_env(env.EPOCH))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -108,7 +108,7 @@ def main(make_job: Callable[[], TrainingJob], steps: int, *, seed: int = 0,
         if can_sandbox:
             assert recordings is not None
             warmed, _ = warm_standby(make_job, control, node=node, stop=stop, job=job,
-                                     world=world, tp=tp, seed=seed,
+                                     layout=layout, seed=seed,
                                      recordings=Path(recordings), script=script,
                                      timeout=collective_timeout, should_abort=should_abort)
         found = wait_for_plan(control, node, stop)
@@ -120,20 +120,20 @@ def main(make_job: Callable[[], TrainingJob], steps: int, *, seed: int = 0,
                           timeout=collective_timeout)
         # The group objects exist before their first version, so the model is built now,
         # while phase 1 runs, not inside the switch.
-        for logical, name in group_names(rank, world, tp).items():
-            ranks = group_ranks(logical, rank, world, tp)
+        for logical, name in layout.concrete(rank).items():
+            ranks = layout.group_ranks(logical, rank)
             groups.reserve(name, ranks.index(rank), len(ranks))
         if warmed is not None and warmed.report.rank == rank:
-            runtime = warmed.promote(JobGroups(groups, rank, world, tp))
+            runtime = warmed.promote(JobGroups(groups, rank, layout))
             log.info(f"Promoting the standby warmed as rank {rank}: its model is built.")
         else:
             if warmed is not None:
                 log.info(f"Warmed as rank {warmed.report.rank}, chosen for rank {rank}: "
                          "building that rank's job (imports are warm).")
-            runtime = _runtime(make_job, job, rank, world, tp, seed, groups,
+            runtime = _runtime(make_job, job, rank, layout, seed, groups,
                                collective_timeout, should_abort)
             runtime.build()
-        joiner = Joiner(control, groups, plan, job=job, rank=rank, node=node, tp=tp,
+        joiner = Joiner(control, groups, plan, job=job, rank=rank, node=node, layout=layout,
                         nodes=nodes, timeout=collective_timeout)
         joiner.bound()
         try:
@@ -161,21 +161,20 @@ def main(make_job: Callable[[], TrainingJob], steps: int, *, seed: int = 0,
     else:
         rank = int(_env(env.RANK))
         groups = GroupSet(job, member(rank, node), epoch=epoch, timeout=collective_timeout)
-        for name in ("world", f"tp-{rank // tp}", f"dp-{rank % tp}"):
-            groups.prepare(name, epoch, group_members(name, nodes, tp))
+        for name in layout.concrete(rank).values():
+            groups.prepare(name, epoch, group_members(name, nodes, layout))
         groups.switch(groups.pending())
-        layout = Layout(world, tp)
         if can_sandbox and epoch == 1 and should_record(rank, layout):
             assert recordings is not None
             recorder = Recorder(recordings, job=job, layout=layout, rank=rank,
                                 iterations=RECORDED_ITERATIONS, code=CodeVersion.of(script))
-        runtime = _runtime(make_job, job, rank, world, tp, seed, groups, collective_timeout,
+        runtime = _runtime(make_job, job, rank, layout, seed, groups, collective_timeout,
                            should_abort, recorder)
         runtime.build()
         finished = ()
 
-    hook = MigrationHook(control, groups, job=job, rank=rank, node=node, world_size=world,
-                         tp=tp, nodes=nodes, transfer_timeout=collective_timeout,
+    hook = MigrationHook(control, groups, job=job, rank=rank, node=node, layout=layout,
+                         nodes=nodes, transfer_timeout=collective_timeout,
                          finished=finished, stop=stop)
     runtime.hook = hook if recorder is None else recorder.hook(hook)
     hooks.append(hook)
@@ -253,12 +252,13 @@ def _train(runtime: Runtime, hook: MigrationHook, steps: int, stop: threading.Ev
                     break
 
 
-def _runtime(make_job: Callable[[], TrainingJob], job: str, rank: int, world: int, tp: int,
+def _runtime(make_job: Callable[[], TrainingJob], job: str, rank: int, layout: Layout,
              seed: int, groups: GroupSet, timeout: float, should_abort: Callable[[], bool],
              recorder: Recorder | None = None) -> Runtime:
-    provider: GroupsProvider = JobGroups(groups, rank, world, tp)
+    provider: GroupsProvider = JobGroups(groups, rank, layout)
     if recorder is not None:
         provider = recorder.provider(provider)
-    ctx = JobContext(job=job, rank=rank, world_size=world, tp=tp, groups=provider, seed=seed,
-                     collective_timeout=timeout, should_abort=should_abort)
+    ctx = JobContext(job=job, rank=rank, world_size=layout.world_size, tp=layout.tp,
+                     pp=layout.pp, groups=provider, seed=seed, collective_timeout=timeout,
+                     should_abort=should_abort)
     return Runtime(make_job(), ctx)

@@ -35,6 +35,7 @@ from understudy.daemon import failpoints, logs
 from understudy.daemon.planner import PAUSED
 from understudy.groups.errors import GroupError
 from understudy.groups.groupset import GroupSet
+from understudy.groups.layout import Layout
 from understudy.worker.api import CollectiveAborted
 from understudy.worker.daemon_client import DaemonClient, DaemonError
 from understudy.worker.runtime import Action, Runtime
@@ -55,27 +56,9 @@ def member(rank: int, node: str) -> str:
     return f"r{rank}-{node}"
 
 
-def group_names(rank: int, world_size: int, tp: int) -> dict[str, str]:
-    """The job's logical group names -> this rank's concrete group in the group set."""
-    dp_index, tp_index = divmod(rank, tp)
-    return {"world": "world", "tp": f"tp-{dp_index}", "dp": f"dp-{tp_index}"}
-
-
-def group_rank_ids(name: str, world_size: int, tp: int) -> range:
-    """The ranks in concrete group ``name``, in group order."""
-    if name == "world":
-        return range(world_size)
-    if name.startswith("tp-"):
-        k = int(name[3:])
-        return range(k * tp, (k + 1) * tp)
-    if name.startswith("dp-"):
-        return range(int(name[3:]), world_size, tp)
-    raise ValueError(f"unknown group {name!r}")
-
-
-def group_members(name: str, nodes: tuple[str, ...], tp: int) -> tuple[str, ...]:
+def group_members(name: str, nodes: tuple[str, ...], layout: Layout) -> tuple[str, ...]:
     """Members of concrete group ``name`` when rank ``i`` lives on ``nodes[i]``."""
-    return tuple(member(r, nodes[r]) for r in group_rank_ids(name, len(nodes), tp))
+    return tuple(member(r, nodes[r]) for r in layout.members(name))
 
 
 def pair_name(rank: int, version: int) -> str:
@@ -157,26 +140,32 @@ def _paused(info: dict[str, Any]) -> bool:
 
 
 class JobGroups:
-    """The runtime's groups provider: ``tp``/``dp``/``world`` -> this rank's current group."""
+    """The runtime's groups provider: ``tp``/``dp``/``pp``/``world`` -> this rank's current
+    group."""
 
-    def __init__(self, groups: GroupSet, rank: int, world_size: int, tp: int) -> None:
+    def __init__(self, groups: GroupSet, rank: int, layout: Layout) -> None:
         self.groups = groups
-        self.names = group_names(rank, world_size, tp)
+        self.names = layout.concrete(rank)
 
     def current(self, name: str) -> Any:
-        return self.groups.current(self.names[name])
+        try:
+            concrete = self.names[name]
+        except KeyError:
+            raise ValueError(f"unknown group {name!r}: this job's groups are "
+                             f"{', '.join(self.names)}") from None
+        return self.groups.current(concrete)
 
 
 class MigrationHook:
     """The boundary hook of a rank that holds its role (see the module docstring)."""
 
     def __init__(self, control: DaemonClient, groups: GroupSet, *, job: str, rank: int,
-                 node: str, world_size: int, tp: int, nodes: tuple[str, ...],
+                 node: str, layout: Layout, nodes: tuple[str, ...],
                  transfer_timeout: float = 60.0, finished: tuple[str, ...] = (),
                  stop: threading.Event | None = None) -> None:
         self.control, self.groups = control, groups
         self.job, self.rank, self.node = job, rank, node
-        self.world_size, self.tp = world_size, tp
+        self.layout = layout
         #: node of each rank under the current epoch
         self.nodes = nodes
         self.transfer_timeout = transfer_timeout
@@ -275,16 +264,15 @@ class MigrationHook:
             self._prepared = [pair_name(self.rank, plan.version)]
             return
         # The job's groups only: a rank that joined through a transfer pair still holds it.
-        for name in group_names(self.rank, self.world_size, self.tp).values():
-            before = group_members(name, self.nodes, self.tp)
-            new = group_members(name, after, self.tp)
+        names = self.layout.concrete(self.rank).values()
+        for name in names:
+            before = group_members(name, self.nodes, self.layout)
+            new = group_members(name, after, self.layout)
             if before != new:
                 self.groups.prepare(name, plan.version, new)
                 self._prepared.append(name)
         self.log.info(f"Phase 1 of migration {plan.id}: rebuilding {self._prepared}.",
-                      untouched=[n for n in group_names(self.rank, self.world_size,
-                                                        self.tp).values()
-                                 if n not in self._prepared])
+                      untouched=[n for n in names if n not in self._prepared])
 
     # -- the runtime's hook -----------------------------------------------------------------
 
@@ -422,10 +410,10 @@ class Joiner:
     state from the leaver, then the new groups (see the module docstring)."""
 
     def __init__(self, control: DaemonClient, groups: GroupSet, plan: Plan, *, job: str,
-                 rank: int, node: str, tp: int, nodes: tuple[str, ...],
+                 rank: int, node: str, layout: Layout, nodes: tuple[str, ...],
                  timeout: float = 120.0) -> None:
         self.control, self.groups, self.plan = control, groups, plan
-        self.job, self.rank, self.node, self.tp = job, rank, node, tp
+        self.job, self.rank, self.node, self.layout = job, rank, node, layout
         self.nodes_before = nodes
         self.nodes = plan.nodes_after(nodes)
         self.timeout = timeout
@@ -448,10 +436,10 @@ class Joiner:
             if time.monotonic() > deadline:
                 raise TransferError(f"migration {self.plan.id} never reached phase 1")
             time.sleep(0.05)
-        names = [*group_names(self.rank, len(self.nodes), self.tp).values()]
+        names = [*self.layout.concrete(self.rank).values()]
         for name in names:
             self.groups.prepare(name, self.plan.version,
-                                group_members(name, self.nodes, self.tp))
+                                group_members(name, self.nodes, self.layout))
         waiting = list(names)
         if not self.plan.rollback:  # a rollback's joiner loads its rank's snapshot instead
             pair = pair_name(self.rank, self.plan.version)

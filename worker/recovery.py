@@ -46,8 +46,6 @@ from understudy.worker.migration import (
     MigrationHook,
     Plan,
     group_members,
-    group_names,
-    group_rank_ids,
     member,
     pair_name,
 )
@@ -96,7 +94,7 @@ class _Survivor:
         self.runtime, self.hook, self.plan, self.timeout = runtime, hook, plan, timeout
         self.snapshots = snapshots
         self.groups: GroupSet = hook.groups
-        self.rank, self.world, self.tp = hook.rank, hook.world_size, hook.tp
+        self.rank, self.layout = hook.rank, hook.layout
         self.nodes = hook.nodes
         self.after = plan.nodes_after(self.nodes)
         self.log = logs.get(job=hook.job, rank=self.rank, node=hook.node)
@@ -132,7 +130,7 @@ class _Survivor:
     # -- steps --------------------------------------------------------------------------------
 
     def _my_groups(self) -> list[str]:
-        return list(group_names(self.rank, self.world, self.tp).values())
+        return list(self.layout.concrete(self.rank).values())
 
     def _settle(self) -> int:
         pending = self.runtime.pending
@@ -143,7 +141,7 @@ class _Survivor:
         mine = {"step": self.runtime.step, "pending": pending[0] if pending else None,
                 "ops": ops}
         self._set(f"stopped/{self.rank}", json.dumps(mine).encode())
-        self.stopped = {r: self._read_report(r) for r in range(self.world)
+        self.stopped = {r: self._read_report(r) for r in range(self.layout.world_size)
                         if r not in self.plan.moves}
         committed = max(int(rep["step"]) for rep in self.stopped.values())
         try:
@@ -182,13 +180,13 @@ class _Survivor:
         lost = set(self.plan.moves)
         rebuild = []
         for name in self._my_groups():
-            ranks = group_rank_ids(name, self.world, self.tp)
+            ranks = self.layout.members(name)
             counts = {self.stopped[r]["ops"].get(name) for r in ranks if r not in lost}
             if lost & set(ranks) or len(counts) > 1:
                 rebuild.append(name)
         for name in rebuild:
             self._guarded(self.groups.prepare, name, self.plan.version,
-                          group_members(name, self.after, self.tp))
+                          group_members(name, self.after, self.layout))
             self.prepared.append(name)
         for r in self._donating():
             pair = pair_name(r, self.plan.version)

@@ -41,16 +41,15 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from understudy.groups.layout import Layout
 from understudy.worker import rng
 from understudy.worker.api import (
-    GROUP_NAMES,
     CollectiveAborted,
     Communicator,
     JobContext,
     TrainingError,
     TrainingJob,
     allreduce_options,
-    group_ranks,
     reseeds,
 )
 
@@ -356,13 +355,13 @@ class StaticGroups:
     """
 
     def __init__(self, store: dist.Store, *, rank: int, world_size: int, tp: int,
-                 timeout: float = 60.0, prefix: str = "understudy/groups") -> None:
-        if tp < 1 or world_size % tp:
-            raise ValueError(f"tp={tp} does not divide world_size={world_size}")
+                 timeout: float = 60.0, prefix: str = "understudy/groups", pp: int = 1) -> None:
+        layout = Layout(world_size, tp, pp)
         self._groups: dict[str, Communicator] = {}
-        for name in GROUP_NAMES:  # the same order on every rank, so no two ranks wait crosswise
-            ranks = group_ranks(name, rank, world_size, tp)
-            index = {"tp": rank // tp, "dp": rank % tp, "world": 0}[name]
+        # The same order on every rank, so that no two ranks wait crosswise.
+        for name, concrete in layout.concrete(rank).items():
+            ranks = layout.group_ranks(name, rank)
+            index = concrete.rpartition("-")[2] if "-" in concrete else "0"
             pg = dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}/{name}{index}", store),
                                        ranks.index(rank), len(ranks), timedelta(seconds=timeout))
             # torch's stubs do not declare a backend's collectives; it has them at run time.
@@ -377,5 +376,5 @@ class StaticGroups:
         try:
             return self._groups[name]
         except KeyError:
-            raise ValueError(f"unknown group {name!r}: a job's groups are "
-                             f"{', '.join(GROUP_NAMES)}") from None
+            raise ValueError(f"unknown group {name!r}: this job's groups are "
+                             f"{', '.join(self._groups)}") from None

@@ -1,15 +1,21 @@
-"""A plain-PyTorch job on the understudy worker API: a tensor- and data-parallel MLP with Adam.
+"""A plain-PyTorch job on the understudy worker API: a tensor-, data- and pipeline-parallel
+MLP with Adam.
 
-The model is ``y = W2 dropout(gelu(W1 x + b1)) + b2``, split Megatron-style over the TP group:
-``W1`` by rows (column-parallel), ``W2`` by columns (row-parallel), the partial outputs summed
-by an all-reduce over the TP group. Gradients are averaged over the DP group. The data is a
-synthetic regression whose batches derive from ``(seed, step, dp_index)``, so the data position
-is the step itself; the learning rate warms up linearly, then decays along a cosine.
+The model is a linear embedding, residual MLP blocks ``h + W2 dropout(gelu(W1 h + b1)) + b2``
+and a linear head with a squared-error loss. Each block is split Megatron-style over the TP
+group: ``W1`` by rows (column-parallel), ``W2`` by columns (row-parallel), the partial outputs
+summed by an all-reduce over the TP group (and the input gradients summed coming back). With
+``pp`` stages the first holds the embedding, the last the head and the loss, and each an equal
+share of the blocks; a step runs its micro-batches through the stages with the runtime's own
+schedule (:mod:`understudy.worker.pipeline`). Gradients are averaged over the DP group. The
+data is a synthetic regression whose batches derive from ``(seed, step, dp_index)``, so the data
+position is the step itself; the learning rate warms up linearly, then decays along a cosine.
 
 Every run with the same arguments is bitwise identical, and so is a run whose ranks hand their
 state to fresh processes midway (``--save`` then ``--load``).
 
-Four ranks, TP=2 x DP=2, bootstrapped through a file store::
+Four ranks, TP=2 x DP=2, bootstrapped through a file store (add ``--pp 2`` and eight ranks for
+two stages)::
 
     for r in 0 1 2 3; do
         python examples/plain_torch/train.py --rank $r --world-size 4 --tp 2 \\
@@ -41,6 +47,7 @@ from understudy.daemon import logs
 from understudy.worker import rng
 from understudy.worker.api import JobContext, TrainingJob, allreduce_options
 from understudy.worker.errors import record
+from understudy.worker.pipeline import run_schedule
 from understudy.worker.runtime import Runtime, StaticGroups
 
 
@@ -60,41 +67,142 @@ class _SumOverTP(torch.autograd.Function):
         return grad, None
 
 
+class _CopyToTP(torch.autograd.Function):
+    """The input of a column-parallel layer: the same on every TP rank going forward; coming
+    back, each rank holds the gradient of its own columns only, so they are summed."""
+
+    @staticmethod
+    def forward(fctx: Any, replicated: torch.Tensor, ctx: JobContext) -> torch.Tensor:
+        fctx.job_ctx = ctx
+        return replicated.view_as(replicated)
+
+    @staticmethod
+    def backward(fctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx: JobContext = fctx.job_ctx
+        total = grad.clone()
+        work = ctx.group("tp").allreduce([total], allreduce_options(dist.ReduceOp.SUM))
+        ctx.wait(work, "the TP all-reduce of an input gradient")
+        return total, None
+
+
 class PlainJob(TrainingJob):
+    """The model: ``embed`` (a linear layer, first stage), ``layers`` residual MLP blocks
+    (``h + W2 dropout(gelu(W1 h + b1)) + b2``, split over the TP group), ``head`` (a linear
+    layer and the loss, last stage). With ``pp`` stages each holds ``layers / pp`` blocks and
+    the step runs ``microbatches`` micro-batches through
+    :func:`~understudy.worker.pipeline.run_schedule`. Every parameter is drawn from the job's
+    seed in one order whatever the layout, so every layout trains the same model."""
+
     def __init__(self, *, features: int = 16, hidden: int = 64, batch: int = 32,
+                 layers: int | None = None, microbatches: int | None = None,
                  lr: float = 1e-2, warmup: int = 5, total_steps: int = 1000,
                  dropout: float = 0.1, fail_at: int | None = None,
                  freeze_at: int | None = None, marker_dir: Path | None = None,
                  step_sleep: float = 0.0) -> None:
         self.features, self.hidden, self.batch = features, hidden, batch
+        # Defaults, once the layout is known: a block per stage, a micro-batch per stage.
+        self._layers, self._microbatches = layers, microbatches
+        self.layers = self.microbatches = 1
         self.lr, self.warmup, self.total_steps, self.dropout = lr, warmup, total_steps, dropout
         self.fail_at, self.freeze_at, self.marker_dir = fail_at, freeze_at, marker_dir
         self._failed = False
         self.step_sleep = step_sleep
+        #: what the last build or retarget allocated, in words (the sandbox tests read it)
+        self.allocated: list[str] = []
 
-    def build(self, ctx: JobContext) -> None:
-        if self.hidden % ctx.tp:
-            raise ValueError(f"hidden={self.hidden} does not split over tp={ctx.tp}")
-        self.ctx = ctx
-        # Full matrices from the job's seed, then this rank's slice: the model is the same
-        # whatever the TP degree.
-        init = torch.Generator().manual_seed(ctx.seed)
-        w1 = torch.randn(self.hidden, self.features, generator=init) / math.sqrt(self.features)
-        w2 = torch.randn(self.features, self.hidden, generator=init) / math.sqrt(self.hidden)
+    def _full_model(self, seed: int) -> dict[str, torch.Tensor]:
+        """Every parameter of the whole model, unsplit, drawn in one order from ``seed``."""
+        init = torch.Generator().manual_seed(seed)
+        f, h = self.features, self.hidden
+        full = {"embed_w": torch.randn(f, f, generator=init) / math.sqrt(f),
+                "embed_b": torch.zeros(f)}
+        for layer in range(self.layers):
+            full[f"block{layer}_w1"] = torch.randn(h, f, generator=init) / math.sqrt(f)
+            full[f"block{layer}_b1"] = torch.zeros(h)
+            full[f"block{layer}_w2"] = torch.randn(f, h, generator=init) / math.sqrt(h)
+            full[f"block{layer}_b2"] = torch.zeros(f)
+        full["head_w"] = torch.randn(f, f, generator=init) / math.sqrt(f)
+        full["head_b"] = torch.zeros(f)
+        return full
+
+    def _stage_blocks(self, ctx: JobContext) -> range:
+        per = self.layers // ctx.pp
+        return range(ctx.pp_index * per, (ctx.pp_index + 1) * per)
+
+    def _own(self, ctx: JobContext, name: str, value: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the full parameter ``name`` (TP: W1 and b1 by rows, W2 by
+        columns; everything else replicated)."""
         part = slice(ctx.tp_index * self.hidden // ctx.tp,
                      (ctx.tp_index + 1) * self.hidden // ctx.tp)
+        if name.endswith(("_w1", "_b1")):
+            return value[part].clone()
+        if name.endswith("_w2"):
+            return value[:, part].clone()
+        return value.clone()
+
+    def _names(self, ctx: JobContext) -> list[str]:
+        names = ["embed_w", "embed_b"] if ctx.first_stage else []
+        for layer in self._stage_blocks(ctx):
+            names += [f"block{layer}_{p}" for p in ("w1", "b1", "w2", "b2")]
+        return names + (["head_w", "head_b"] if ctx.last_stage else [])
+
+    def build(self, ctx: JobContext) -> None:
+        self.layers = self._layers or ctx.pp
+        self.microbatches = self._microbatches or ctx.pp
+        if self.hidden % ctx.tp:
+            raise ValueError(f"hidden={self.hidden} does not split over tp={ctx.tp}")
+        if self.layers % ctx.pp:
+            raise ValueError(f"layers={self.layers} do not split over pp={ctx.pp} stages")
+        if self.batch % self.microbatches:
+            raise ValueError(f"batch={self.batch} does not split into {self.microbatches} "
+                             "micro-batches")
+        self.ctx = ctx
+        # Full matrices from the job's seed, then this rank's slice: the model is the same
+        # whatever the layout.
+        full = self._full_model(ctx.seed)
         self.params = torch.nn.ParameterDict({
-            "w1": torch.nn.Parameter(w1[part].clone()),
-            "b1": torch.nn.Parameter(torch.zeros(self.hidden // ctx.tp)),
-            "w2": torch.nn.Parameter(w2[:, part].clone()),
-            "b2": torch.nn.Parameter(torch.zeros(self.features)),
-        })
-        self.optimizer = torch.optim.Adam(self.params.parameters(), lr=self.lr)
-        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+            name: torch.nn.Parameter(self._own(ctx, name, full[name]))
+            for name in self._names(ctx)})
+        self.allocated = list(self.params)
+        self._optimizer()
         self.committed = 0
         # Dropout draws from the global generator, which the runtime saves and restores; each
         # rank has its own stream, as each holds different activations.
         rng.seed_all(ctx.seed * 1_000_003 + ctx.rank)
+
+    def _optimizer(self) -> None:
+        self.optimizer = torch.optim.Adam(self.params.parameters(), lr=self.lr)
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+
+    def retarget(self, ctx: JobContext) -> bool:
+        # Another rank with the same TP split: the blocks built are the right shape whatever
+        # their stage, so they are kept (renamed); only the embedding (first stage) or the head
+        # (last stage) is allocated when the new stage has it and the old one did not. The
+        # values do not matter: the rank's state is loaded next.
+        if (ctx.tp, ctx.pp, ctx.tp_index) != (self.ctx.tp, self.ctx.pp, self.ctx.tp_index):
+            return False
+        blocks = [n for n in self.params if n.startswith("block")]
+        new_names = self._names(ctx)
+        new_blocks = [n for n in new_names if n.startswith("block")]
+        if len(blocks) != len(new_blocks):
+            return False
+        kept = dict(zip(new_blocks, (self.params[n] for n in blocks), strict=True))
+        self.allocated = []
+        params: dict[str, torch.nn.Parameter] = {}
+        for name in new_names:
+            if name in kept:
+                params[name] = kept[name]
+            elif name in self.params:
+                params[name] = self.params[name]
+            else:
+                shape = (self.features,) if name.endswith("_b") else (self.features,) * 2
+                params[name] = torch.nn.Parameter(torch.zeros(shape))
+                self.allocated.append(name)
+        self.params = torch.nn.ParameterDict(params)
+        self.ctx = ctx
+        self._optimizer()
+        rng.seed_all(ctx.seed * 1_000_003 + ctx.rank)
+        return True
 
     def reseed(self, step: int) -> None:
         # This rank's dropout stream follows from (seed, rank, step): a rank rebuilt from a
@@ -113,17 +221,36 @@ class PlainJob(TrainingJob):
         x = torch.randn(self.batch, self.features, generator=g)
         return x, torch.sin(x) + 0.1 * torch.randn(x.shape, generator=g)
 
-    def compute(self, step: int) -> float:
+    def _block(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        p, ctx = self.params, self.ctx
+        x = _CopyToTP.apply(h, ctx) if h.requires_grad else h
+        inner = F.dropout(F.gelu(x @ p[f"block{layer}_w1"].T + p[f"block{layer}_b1"]),
+                          self.dropout, training=True)
+        return h + _SumOverTP.apply(inner @ p[f"block{layer}_w2"].T, ctx) + p[f"block{layer}_b2"]
+
+    def _stage(self, x: torch.Tensor, y: torch.Tensor, mb: int,
+               received: torch.Tensor | None) -> torch.Tensor:
+        ctx, p = self.ctx, self.params
+        rows = slice(mb * self.batch // self.microbatches,
+                     (mb + 1) * self.batch // self.microbatches)
+        h = x[rows] @ p["embed_w"].T + p["embed_b"] if ctx.first_stage else received
+        assert h is not None
+        for layer in self._stage_blocks(ctx):
+            h = self._block(layer, h)
+        if not ctx.last_stage:
+            return h
+        return F.mse_loss(h @ p["head_w"].T + p["head_b"], y[rows]) / self.microbatches
+
+    def compute(self, step: int) -> float | None:
         ctx, p = self.ctx, self.params
         if self.step_sleep:
             time.sleep(self.step_sleep)
         x, y = self._batch(step)
         self.optimizer.zero_grad(set_to_none=False)
-        hidden = F.dropout(F.gelu(x @ p["w1"].T + p["b1"]), self.dropout, training=True)
-        out = _SumOverTP.apply(hidden @ p["w2"].T, ctx) + p["b2"]
-        loss = F.mse_loss(out, y)
-        loss.backward()
-        grads = [q.grad for q in self.params.values()]
+        losses = run_schedule(ctx, microbatches=self.microbatches,
+                              stage=lambda mb, h: self._stage(x, y, mb, h),
+                              activation=(self.batch // self.microbatches, self.features))
+        grads = [q.grad for q in p.values()]
         assert all(g is not None for g in grads), "every parameter takes part in the loss"
         flat = torch.cat([g.flatten() for g in grads if g is not None])
         work = ctx.group("dp").allreduce([flat], allreduce_options(dist.ReduceOp.SUM))
@@ -142,7 +269,7 @@ class PlainJob(TrainingJob):
             if self.marker_dir is not None:
                 (self.marker_dir / f"frozen-rank{ctx.rank}").write_text(repr(time.time()))
             os.kill(os.getpid(), signal.SIGSTOP)
-        return loss.item()
+        return sum(losses) if ctx.last_stage else None
 
     def apply(self, step: int) -> None:
         self.optimizer.step()
@@ -169,6 +296,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rank", type=int, default=int(os.environ.get("RANK", "0")))
     p.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", "1")))
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (standalone runs; under "
+                   "`understudy run` the job's --pp)")
+    p.add_argument("--layers", type=int, help="MLP blocks, split over the stages (default: "
+                   "one per stage)")
+    p.add_argument("--microbatches", type=int, help="micro-batches per step (default: one per "
+                   "stage)")
     p.add_argument("--store", help="file shared by all ranks to bootstrap groups (standalone "
                    "runs; under `understudy run` the daemons bootstrap the groups)")
     p.add_argument("--job", default="plain-torch")
@@ -201,10 +334,12 @@ def main(argv: list[str] | None = None) -> int:
         args.save.mkdir(parents=True, exist_ok=True)
     groups = StaticGroups(dist.FileStore(args.store, args.world_size), rank=args.rank,
                           world_size=args.world_size, tp=args.tp, timeout=args.group_timeout,
-                          prefix=f"{args.job}/groups")
+                          prefix=f"{args.job}/groups", pp=args.pp)
     ctx = JobContext(job=args.job, rank=args.rank, world_size=args.world_size, tp=args.tp,
+                     pp=args.pp,
                      groups=groups, seed=args.seed, collective_timeout=args.collective_timeout)
-    job = PlainJob(fail_at=args.fail_at, freeze_at=args.freeze_at, marker_dir=args.save)
+    job = PlainJob(layers=args.layers, microbatches=args.microbatches, fail_at=args.fail_at,
+                   freeze_at=args.freeze_at, marker_dir=args.save)
     runtime = Runtime(job, ctx)
     runtime.build()
     if args.load is not None:
@@ -227,7 +362,8 @@ def _under_understudy(args: argparse.Namespace) -> int:
         if args.save is not None:
             save(runtime, args.save, runtime.ctx.rank)
 
-    return launch(lambda: PlainJob(fail_at=args.fail_at, freeze_at=args.freeze_at,
+    return launch(lambda: PlainJob(layers=args.layers, microbatches=args.microbatches,
+                                   fail_at=args.fail_at, freeze_at=args.freeze_at,
                                    marker_dir=args.save, step_sleep=args.step_sleep),
                   args.steps, seed=args.seed, on_finish=finish,
                   collective_timeout=args.collective_timeout)

@@ -19,7 +19,7 @@ CLI = {
     "cordon": ["node"],
     "uncordon": ["node"],
     "events": ["--follow", "--json", "--limit"],
-    "run": ["--cwd", "--dp", "--env", "--job", "--no-wait", "--standby", "--tp", "argv"],
+    "run": ["--cwd", "--dp", "--env", "--job", "--no-wait", "--pp", "--standby", "--tp", "argv"],
 }
 
 DAEMON = ["--address", "--check-config", "--config", "--drain-deadline", "--etcd",

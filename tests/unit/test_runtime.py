@@ -22,12 +22,12 @@ import torch
 import torch.distributed as dist
 
 from understudy.daemon import env
+from understudy.groups.layout import Layout
 from understudy.worker import rng
 from understudy.worker.api import (
     CollectiveAborted,
     JobContext,
     TrainingJob,
-    group_ranks,
     wait_abortable,
 )
 from understudy.worker.errors import read_error
@@ -49,13 +49,41 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "plain_torch" / "tr
 
 
 def test_layout_is_tp_fastest() -> None:
-    assert group_ranks("tp", 0, 4, 2) == (0, 1)
-    assert group_ranks("tp", 3, 4, 2) == (2, 3)
-    assert group_ranks("dp", 0, 4, 2) == (0, 2)
-    assert group_ranks("dp", 3, 4, 2) == (1, 3)
-    assert group_ranks("world", 2, 4, 2) == (0, 1, 2, 3)
+    layout = Layout(4, 2)
+    assert layout.group_ranks("tp", 0) == (0, 1)
+    assert layout.group_ranks("tp", 3) == (2, 3)
+    assert layout.group_ranks("dp", 0) == (0, 2)
+    assert layout.group_ranks("dp", 3) == (1, 3)
+    assert layout.group_ranks("world", 2) == (0, 1, 2, 3)
+    assert layout.logical() == ("tp", "dp", "world")
     with pytest.raises(ValueError, match="'pp'"):
-        group_ranks("pp", 0, 4, 2)
+        layout.group_ranks("pp", 0)
+
+
+def test_layout_with_stages_is_tp_then_dp_then_pp() -> None:
+    layout = Layout(12, 2, pp=3)  # dp = 2
+    assert layout.logical() == ("tp", "dp", "pp", "world")
+    assert layout.coordinates(7) == (1, 1, 1)
+    assert layout.group_ranks("tp", 7) == (6, 7)
+    assert layout.group_ranks("dp", 7) == (5, 7)
+    assert layout.group_ranks("pp", 7) == (3, 7, 11)
+    assert layout.replicas(10) == (8, 10)
+    assert layout.concrete(7) == {"tp": "tp-3", "dp": "dp-3", "pp": "pp-3", "world": "world"}
+    # Every concrete group's members name it back, and the groups of one kind partition the
+    # world.
+    for kind in layout.logical():
+        seen: set[int] = set()
+        for name in {layout.concrete(r)[kind] for r in range(12)}:
+            members = list(layout.members(name))
+            assert all(layout.concrete(r)[kind] == name for r in members)
+            assert not seen & set(members)
+            seen |= set(members)
+        assert seen == set(range(12))
+    for bad in ("pp-4", "dp-6", "tp-x", "ring-0"):
+        with pytest.raises(ValueError, match="unknown group"):
+            layout.members(bad)
+    with pytest.raises(ValueError, match="does not divide"):
+        Layout(12, 5)
 
 
 class _NoGroups:
@@ -484,7 +512,8 @@ def test_two_runs_are_bitwise_identical(baseline: Path, tmp_path: Path) -> None:
         assert_same_training(final, load(again, r))
         # It trained, and the DP all-reduce kept the replicas of each shard in step.
         snapshot = load(baseline / "snapshot", r)
-        assert not torch.equal(final["job"]["params"]["w1"], snapshot["job"]["params"]["w1"])
+        w1 = "block0_w1"
+        assert not torch.equal(final["job"]["params"][w1], snapshot["job"]["params"][w1])
         replica = load(baseline, (r + TP) % WORLD)
         assert_bitwise_equal(final["job"]["params"], replica["job"]["params"])
 

@@ -332,9 +332,9 @@ def test_the_recorder_records_its_iterations_then_hands_out_the_real_groups(
     assert s["wrapped"] and s["real_after"], "wrapped while recording, the real groups after"
     assert s["state"] is RecordState.WRITTEN and s["closed"] is RecordState.WRITTEN
     m = s["manifest"]
-    # Per step: the TP all-reduce in forward (a group of one here), the DP gradient
-    # all-reduce, the vote.
-    assert m.segments == {"build": 0, "0": 3, "1": 3} and m.calls == 6
+    # Per step: the TP all-reduce in forward and the one of the block's input gradient (a
+    # group of one here), the DP gradient all-reduce, the vote.
+    assert m.segments == {"build": 0, "0": 4, "1": 4} and m.calls == 8
     assert (m.iterations, m.first_step, m.rank, m.role_type) == (2, 0, 0, ROLE.key)
     assert m.groups == {"tp": [0, 1], "dp": [0, 2], "world": [0, 2]}
     assert s["kept"] == [2.0, 2.0]
@@ -352,7 +352,7 @@ def test_shadow_iterations_reproduce_the_recording_rank_bitwise(recorded: Record
     report = warmed.report
     assert report.outcome is WarmupOutcome.SHADOWED, report.fallback_reason
     assert report.iterations == RECORD and len(report.shadow_s) == RECORD
-    assert report.calls_answered == 6 and report.inputs_differed == 0
+    assert report.calls_answered == 8 and report.inputs_differed == 0
     assert list(report.losses) == [recorded.losses[0][s] for s in range(RECORD)]
     assert_same_state(job.state(), recorded.states[0])
     # Shadow results go nowhere: the runtime starts over, on the original job object.
@@ -371,8 +371,9 @@ def test_another_replica_of_the_role_type_replays_the_same_recording(
     with own_rng():
         report = warm_up(lambda: job, target(1), recorded.directory).report
     assert report.outcome is WarmupOutcome.SHADOWED, report.fallback_reason
-    # The TP (a group of one) and DP all-reduces of each step; the votes were the same.
-    assert report.inputs_differed == 2 * RECORD
+    # The TP all-reduces (a group of one: forward, input gradient) and the DP all-reduce of
+    # each step; the votes were the same.
+    assert report.inputs_differed == 3 * RECORD
     assert len(report.losses) == RECORD and job.committed == RECORD
     with own_rng():
         strict = warm_up(lambda: LossJob(**THREAD_JOB), target(1), recorded.directory,
@@ -406,9 +407,9 @@ def test_a_diverging_job_falls_back_to_a_plain_warm_start(recorded: Recorded) ->
     assert report.outcome is WarmupOutcome.PLAIN and report.iterations == 0
     reason = str(report.fallback_reason)
     assert "shadow iteration 0 diverged" in reason and "call 0 on group 'dp'" in reason
-    assert "float32[1072]" in reason and "float32[2128]" in reason, reason
+    assert "float32[1616]" in reason and "float32[2672]" in reason, reason
     # The model is built and parked, at step 0, its shadow step rolled back.
-    assert warmed.runtime.job is job and job.params["w1"].shape == (32, 16)
+    assert warmed.runtime.job is job and job.params["block0_w1"].shape == (32, 16)
     assert warmed.runtime.step == 0 and "Plain warm start" in report.summary()
 
 
@@ -636,7 +637,7 @@ def test_processes_record_and_a_fresh_process_replays_with_no_network(tmp_path: 
         assert p.returncode == 0, err.decode()[-3000:]
     recorder = json.loads((out / "rank0.json").read_text())
     assert recorder["state"] == "written" and recorder["real_group_after"]
-    assert recorder["calls_on_disk_at_close"] == recorder["manifest_calls"] == 6
+    assert recorder["calls_on_disk_at_close"] == recorder["manifest_calls"] == 8
 
     proc = subprocess.Popen(
         ["unshare", "--net", sys.executable, str(WORKERS / "sandbox_replay.py"),
@@ -654,7 +655,7 @@ def test_processes_record_and_a_fresh_process_replays_with_no_network(tmp_path: 
     replay = json.loads((out / "replay.json").read_text())
     report = replay["report"]
     assert report["outcome"] == "shadow-iterations", report["fallback_reason"]
-    assert report["inputs_differed"] == 0 and report["calls_answered"] == 6
+    assert report["inputs_differed"] == 0 and report["calls_answered"] == 8
     assert replay["sockets_in_compute"] == [[], []] and replay["sockets_after"] == []
     assert report["losses"] == [recorder["losses"][str(s)] for s in range(2)]
     assert_same_state(torch.load(out / "replay-state.pt", weights_only=True),

@@ -65,13 +65,13 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.distributed import distributed_c10d as c10d
 
 from understudy.groups.groupset import GroupSet
+from understudy.groups.layout import Layout as JobLayout
 from understudy.groups.versioned import VersionedGroup, build_process_group
 from understudy.worker import rng
 from understudy.worker.api import (
     JobContext,
     TrainingJob,
     allreduce_options,
-    group_ranks,
 )
 from understudy.worker.megatron import cpu
 from understudy.worker.migration import JobGroups, group_members, member
@@ -92,7 +92,7 @@ class Layout:
 
     def ranks(self, name: str) -> list[int]:
         """Job-wide ranks of this rank's group ``name`` (``tp``, ``dp``, ``world``)."""
-        return list(group_ranks(name, self.rank, self.world_size, self.tp))
+        return list(JobLayout(self.world_size, self.tp).group_ranks(name, self.rank))
 
 
 def _self_group(rank: int) -> dist.ProcessGroup:
@@ -187,11 +187,12 @@ def file_store_groups(path: str, *, job: str, rank: int, world_size: int, tp: in
     groups = GroupSet(job, member(rank, "standalone"), timeout=timeout, store_factory=factory,
                       backends={"cpu": "gloo"})
     nodes = ("standalone",) * world_size
-    names = ("world", f"tp-{rank // tp}", f"dp-{rank % tp}")
+    layout = JobLayout(world_size, tp)
+    names = tuple(layout.concrete(rank).values())
     for name in names:
-        groups.prepare(name, 1, group_members(name, nodes, tp))
+        groups.prepare(name, 1, group_members(name, nodes, layout))
     groups.switch(names)
-    return groups, JobGroups(groups, rank, world_size, tp)
+    return groups, JobGroups(groups, rank, layout)
 
 
 # -- the job --------------------------------------------------------------------------------------
