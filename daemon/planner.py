@@ -23,6 +23,7 @@ from understudy.daemon.records import (
     RegistryEntry,
 )
 from understudy.daemon.states import NodeState
+from understudy.groups.layout import Layout
 
 #: how a running job's status reason starts while it waits for a standby to recover a rank
 PAUSED = "paused: "
@@ -254,10 +255,11 @@ def _free_standbys(job: JobView, a: Assignment, view: ClusterView) -> list[str]:
     return free
 
 
-def _pick_joiners(job: str, ranks: list[int], free: list[str],
-                  view: ClusterView) -> tuple[str, ...]:
+def _pick_joiners(job: str, ranks: list[int], free: list[str], view: ClusterView,
+                  layout: Layout) -> tuple[str, ...]:
     """One free standby per rank, in order; a standby whose worker has built the job for that
-    very rank (its warmth says so) takes it first."""
+    very rank (its warmth says so) takes it first, then one built for a rank of the same role
+    (stage type and TP index: its code paths are warm, its blocks the right shape)."""
     def warmed_rank(node: str) -> int | None:
         w = view.live[node].warmth.get(job) if node in view.live else None
         r = w.get("rank") if isinstance(w, dict) else None
@@ -267,6 +269,15 @@ def _pick_joiners(job: str, ranks: list[int], free: list[str],
     picks: dict[int, str] = {}
     for r in ranks:
         match = next((n for n in left if warmed_rank(n) == r), None)
+        if match is not None:
+            picks[r] = match
+            left.remove(match)
+    for r in ranks:
+        if r in picks:
+            continue
+        match = next((n for n in left if (w := warmed_rank(n)) is not None
+                      and 0 <= w < layout.world_size and layout.role(w) == layout.role(r)),
+                     None)
         if match is not None:
             picks[r] = match
             left.remove(match)
@@ -314,7 +325,7 @@ def _plan_recovery(job: JobView, a: Assignment, gone: dict[int, str], view: Clus
     migration = Migration(
         job=name, id=f"e{a.epoch + 1}-{int(now * 1000)}", from_epoch=a.epoch,
         to_epoch=a.epoch + 1, ranks=ranks, leavers=tuple(a.ranks[r] for r in ranks),
-        joiners=_pick_joiners(name, list(ranks), free, view), phase=MigrationPhase.PLANNED,
+        joiners=_pick_joiners(name, list(ranks), free, view, layout), phase=MigrationPhase.PLANNED,
         reason=what,
         created_at=now, deadline=now + view.migration_timeout, updated_at=now,
         timings={"planned": now}, kind="recovery" if snapshot_step < 0 else "rollback",
@@ -367,7 +378,8 @@ def _plan_migration(job: JobView, a: Assignment, view: ClusterView,
     migration = Migration(
         job=a.job, id=mig_id, from_epoch=a.epoch, to_epoch=a.epoch + 1,
         ranks=tuple(r for r, _ in leaving), leavers=tuple(n for _, n in leaving),
-        joiners=_pick_joiners(a.job, [r for r, _ in leaving], free, view),
+        joiners=_pick_joiners(a.job, [r for r, _ in leaving], free, view,
+                              job.spec.layout),
         phase=MigrationPhase.PLANNED,
         reason=f"drain of {', '.join(sorted({n for _, n in leaving}))}", created_at=now,
         deadline=deadline, updated_at=now, timings={"planned": now})

@@ -111,6 +111,21 @@ class Layout:
             return range(k, self.world_size, tp * dp)
         raise ValueError(f"unknown group {concrete!r} in a layout of {self.describe()}")
 
+    def stage_type(self, rank: int) -> str:
+        """``only`` (no pipeline), ``first``, ``middle`` or ``last``: stages of one type run
+        the same code paths."""
+        pp_index = self.coordinates(rank)[2]
+        if self.pp == 1:
+            return "only"
+        if pp_index == 0:
+            return "first"
+        return "last" if pp_index == self.pp - 1 else "middle"
+
+    def role(self, rank: int) -> tuple[str, int]:
+        """``(stage type, tp index)``: ranks with one role issue the same collectives with the
+        same shapes; only their data and their parameters' values differ."""
+        return self.stage_type(rank), self.coordinates(rank)[0]
+
     def replicas(self, rank: int) -> tuple[int, ...]:
         """The data-parallel replicas of ``rank`` (itself included): the ranks that hold the
         same parameters, with the same TP index in the same stage."""

@@ -28,6 +28,7 @@ job after promotion (the process, its imports and kernels are still warm).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from collections.abc import Callable
@@ -184,6 +185,26 @@ class Warmed:
             raise RuntimeError("this warmed standby was promoted already")
         self.groups.promote(real)
         return self.runtime
+
+    def retarget(self, real: GroupsProvider, rank: int) -> tuple[Runtime, str] | None:
+        """Promote the standby to ``rank``, another rank than it was warmed as, if its job can
+        take that role in place (:meth:`TrainingJob.retarget`): the real groups are ``rank``'s.
+        Returns the runtime and what the job kept and allocated; None, with nothing changed,
+        if the job cannot (build a new one: the process and its imports are still warm).
+
+        Raises:
+            RuntimeError: promoted already.
+            ValueError: ``rank`` is outside the job.
+        """
+        if self.groups.promoted:
+            raise RuntimeError("this warmed standby was promoted already")
+        ctx = dataclasses.replace(self.runtime.ctx, rank=rank)
+        what = self.runtime.job.retarget(ctx)
+        if what is None:
+            return None
+        self.groups.promote(real)
+        self.runtime.ctx = ctx
+        return self.runtime, what
 
 
 class _Shadow(TrainingJob):

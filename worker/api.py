@@ -340,6 +340,15 @@ class TrainingJob(abc.ABC):
         """Take a state :meth:`state` returned on a rank with the same role. Called after
         :meth:`build`, before the first step."""
 
+    def retarget(self, ctx: JobContext) -> str | None:
+        """Take the role ``ctx`` describes in place of the one this job was built for, keeping
+        what fits (a warm standby built as one stage, chosen for another, keeps its blocks and
+        allocates only the layers the new stage has in addition). The state is loaded next, so
+        values do not matter, only shapes. Returns what was kept and allocated, in words; None
+        when the job cannot (then a new job is built: the default).
+        """
+        return None
+
     def reseed(self, step: int) -> None:
         """Key this rank's random streams to ``step``: seed the process-global generators (and
         any the job owns whose state differs between data-parallel replicas) from the job's

@@ -123,9 +123,16 @@ def main(make_job: Callable[[], TrainingJob], steps: int, *, seed: int = 0,
         for logical, name in layout.concrete(rank).items():
             ranks = layout.group_ranks(logical, rank)
             groups.reserve(name, ranks.index(rank), len(ranks))
+        retargeted = None
         if warmed is not None and warmed.report.rank == rank:
             runtime = warmed.promote(JobGroups(groups, rank, layout))
             log.info(f"Promoting the standby warmed as rank {rank}: its model is built.")
+        elif warmed is not None and (retargeted := warmed.retarget(JobGroups(groups, rank, layout),
+                                                                   rank)) is not None:
+            runtime = retargeted[0]
+            log.info(f"Promoting the standby warmed as rank {warmed.report.rank} "
+                     f"({layout.stage_type(warmed.report.rank)} stage) to rank {rank} "
+                     f"({layout.stage_type(rank)} stage): {retargeted[1]}.")
         else:
             if warmed is not None:
                 log.info(f"Warmed as rank {warmed.report.rank}, chosen for rank {rank}: "

@@ -174,35 +174,34 @@ class PlainJob(TrainingJob):
         self.optimizer = torch.optim.Adam(self.params.parameters(), lr=self.lr)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
 
-    def retarget(self, ctx: JobContext) -> bool:
+    def retarget(self, ctx: JobContext) -> str | None:
         # Another rank with the same TP split: the blocks built are the right shape whatever
         # their stage, so they are kept (renamed); only the embedding (first stage) or the head
         # (last stage) is allocated when the new stage has it and the old one did not. The
         # values do not matter: the rank's state is loaded next.
         if (ctx.tp, ctx.pp, ctx.tp_index) != (self.ctx.tp, self.ctx.pp, self.ctx.tp_index):
-            return False
-        blocks = [n for n in self.params if n.startswith("block")]
-        new_names = self._names(ctx)
-        new_blocks = [n for n in new_names if n.startswith("block")]
-        if len(blocks) != len(new_blocks):
-            return False
-        kept = dict(zip(new_blocks, (self.params[n] for n in blocks), strict=True))
+            return None
+        old_names, new_names = self._names(self.ctx), self._names(ctx)
+        moved = dict(zip(self._stage_blocks(ctx), self._stage_blocks(self.ctx), strict=True))
         self.allocated = []
         params: dict[str, torch.nn.Parameter] = {}
         for name in new_names:
-            if name in kept:
-                params[name] = kept[name]
+            if name.startswith("block"):  # block<new>_<p> takes block<old>_<p>
+                layer, _, part = name.removeprefix("block").partition("_")
+                params[name] = self.params[f"block{moved[int(layer)]}_{part}"]
             elif name in self.params:
                 params[name] = self.params[name]
             else:
                 shape = (self.features,) if name.endswith("_b") else (self.features,) * 2
                 params[name] = torch.nn.Parameter(torch.zeros(shape))
                 self.allocated.append(name)
+        dropped = [n for n in old_names if not n.startswith("block") and n not in params]
         self.params = torch.nn.ParameterDict(params)
         self.ctx = ctx
         self._optimizer()
         rng.seed_all(ctx.seed * 1_000_003 + ctx.rank)
-        return True
+        return (f"kept {len(moved)} blocks, allocated {', '.join(self.allocated) or 'nothing'}, "
+                f"dropped {', '.join(dropped) or 'nothing'}")
 
     def reseed(self, step: int) -> None:
         # This rank's dropout stream follows from (seed, rank, step): a rank rebuilt from a

@@ -35,7 +35,7 @@ def _job_args(out: Path, step_sleep: float = 0.04) -> list[str]:
     return [TRAIN, "--steps", str(STEPS), "--step-sleep", str(step_sleep), "--save", str(out)]
 
 
-def standalone_run(base: Path, world: int = 4, tp: int = 2) -> Path:
+def standalone_run(base: Path, world: int = 4, tp: int = 2, pp: int = 1) -> Path:
     """The uninterrupted run: the same job on plain processes, no daemons."""
     base.mkdir(parents=True, exist_ok=True)
     procs = []
@@ -43,7 +43,7 @@ def standalone_run(base: Path, world: int = 4, tp: int = 2) -> Path:
         with open(base / f"r{r}.log", "wb") as log:
             procs.append(subprocess.Popen(
                 [sys.executable, *_job_args(base / "out"), "--rank", str(r), "--world-size",
-                 str(world), "--tp", str(tp), "--store", str(base / "store")],
+                 str(world), "--tp", str(tp), "--pp", str(pp), "--store", str(base / "store")],
                 env={**os.environ, **ONE_THREAD}, stdout=subprocess.DEVNULL, stderr=log))
     for p in procs:
         assert p.wait(timeout=300) == 0, (base / "r0.log").read_text()[-2000:]
@@ -65,9 +65,10 @@ def cluster(etcd: EmbeddedEtcd, tmp_path: Path) -> Iterator[LocalCluster]:
 
 
 def _run_job(c: LocalCluster, out: Path, step_sleep: float = 0.04, standby: int = 2,
-             env: dict[str, str] | None = None, dp: int = 2) -> None:
+             env: dict[str, str] | None = None, dp: int = 2, tp: int = 2, pp: int = 1) -> None:
     env = [f"--env={k}={v}" for k, v in {**ONE_THREAD, **(env or {})}.items()]
-    run = c.cli("run", "--job", "mig", "--tp", "2", "--dp", str(dp), "--standby", str(standby),
+    run = c.cli("run", "--job", "mig", "--tp", str(tp), "--dp", str(dp), "--pp", str(pp),
+                "--standby", str(standby),
                 *env,
                 "--", sys.executable, *_job_args(out, step_sleep))
     assert run.returncode == 0, run.stderr

@@ -1,0 +1,112 @@
+"""The pipeline schedule over real gloo groups (one thread per rank, in one process), and the
+plain job's stages: split over two stages, a step computes the gradients one stage computes;
+a job built for one stage takes another keeping its blocks."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.workers.sandbox_common import plain_example
+from understudy.worker.api import CollectiveAborted, JobContext
+from understudy.worker.pipeline import run_schedule
+from understudy.worker.runtime import StaticGroups
+
+JOB = {"dropout": 0.0, "layers": 4, "microbatches": 4}
+
+
+def _ranks(world: int, pp: int, body: Callable[[JobContext], Any],
+           timeout: float = 20.0) -> list[Any]:
+    """Run ``body(ctx)`` on ``world`` ranks (TP=1), one thread each, over gloo groups."""
+    store = dist.HashStore()
+    results: list[Any] = [None] * world
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            groups = StaticGroups(store, rank=rank, world_size=world, tp=1, pp=pp,
+                                  timeout=timeout)
+            ctx = JobContext(job="pp", rank=rank, world_size=world, tp=1, pp=pp,
+                             groups=groups, seed=7, collective_timeout=timeout)
+            results[rank] = body(ctx)
+        except BaseException as exc:  # reported by the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 10)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def _step_gradients(ctx: JobContext) -> dict[str, Any]:
+    job = plain_example().PlainJob(**JOB)
+    job.build(ctx)
+    loss = job.compute(0)
+    return {"loss": loss, "grads": {n: p.grad.clone() for n, p in job.params.items()}}
+
+
+def test_two_stages_compute_the_gradients_of_one() -> None:
+    whole = _ranks(1, 1, _step_gradients)[0]
+    staged = _ranks(2, 2, _step_gradients)
+    first, last = staged[0]["grads"], staged[1]["grads"]
+    assert set(first) == {"embed_w", "embed_b", *(f"block{i}_{p}" for i in (0, 1)
+                                                  for p in ("w1", "b1", "w2", "b2"))}
+    assert set(last) == {"head_w", "head_b", *(f"block{i}_{p}" for i in (2, 3)
+                                               for p in ("w1", "b1", "w2", "b2"))}
+    assert staged[0]["loss"] is None and staged[1]["loss"] == pytest.approx(whole["loss"])
+    for name, grad in {**first, **last}.items():
+        torch.testing.assert_close(grad, whole["grads"][name], rtol=1e-5, atol=1e-7,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_a_stage_waiting_on_a_silent_neighbour_is_released_by_the_timeout() -> None:
+    # Stage 1 waits for an activation stage 0 never sends: gloo's recv has no future, and the
+    # wait is still bounded by the collective timeout.
+    done = threading.Event()
+
+    def body(ctx: JobContext) -> str:
+        if ctx.first_stage:  # alive and connected, but silent
+            done.wait(10)
+            return "silent"
+        short = JobContext(job="pp", rank=ctx.rank, world_size=2, tp=1, pp=2,
+                           groups=ctx.groups, collective_timeout=0.5)
+        with pytest.raises(CollectiveAborted, match="activation of micro-batch 0 from stage 0 "
+                                                   "timed out"):
+            run_schedule(short, microbatches=1, stage=lambda mb, x: x, activation=(2,))
+        done.set()
+        return "released"
+
+    assert _ranks(2, 2, body, timeout=5.0) == ["silent", "released"]
+
+
+def test_a_job_built_for_the_last_stage_takes_a_first_stage_rank_keeping_its_blocks() -> None:
+    def ctx(rank: int) -> JobContext:
+        return JobContext(job="pp", rank=rank, world_size=4, tp=1, pp=2, groups=None,  # type: ignore[arg-type]
+                          seed=7)
+
+    job = plain_example().PlainJob(**JOB)
+    job.build(ctx(2))  # last stage: blocks 2 and 3, the head
+    blocks = [job.params[f"block{i}_w1"] for i in (2, 3)]
+    what = job.retarget(ctx(1))
+    assert what == ("kept 2 blocks, allocated embed_w, embed_b, dropped head_w, head_b")
+    fresh = plain_example().PlainJob(**JOB)
+    fresh.build(ctx(1))
+    assert {n: p.shape for n, p in job.params.items()} == \
+        {n: p.shape for n, p in fresh.params.items()}
+    assert job.params["block0_w1"] is blocks[0] and job.params["block1_w1"] is blocks[1]
+    job.load_state(fresh.state())  # the rank's state fits what it became
+    for name, p in fresh.params.items():
+        assert torch.equal(job.params[name], p)
+    # Another TP split cannot be taken in place.
+    other = JobContext(job="pp", rank=1, world_size=4, tp=2, pp=2,
+                       groups=None, seed=7)  # type: ignore[arg-type]
+    assert job.retarget(other) is None
