@@ -252,7 +252,8 @@ class SnapshotHolder:
         self._conns: set[socket.socket] = set()
         self._threads: set[threading.Thread] = set()
         self._log = structlog.get_logger("understudy.worker").bind(node=node, holder=self.id)
-        self._listener = socket.create_server((host, 0))
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host, 0), family=family)
         self._listener.settimeout(0.2)
         bound_host, port = self._listener.getsockname()[:2]
         self.address = f"{bound_host}:{port}"
@@ -576,22 +577,35 @@ class HolderDirectory:
 
 
 def push_to_any(directory: HolderDirectory | Callable[[], list[HolderAddress]], rank: int,
-                step: int, data: bytes | memoryview, *, timeout: float = 60.0) -> MemoryCopies:
+                step: int, data: bytes | memoryview | Callable[[], bytes | memoryview], *,
+                timeout: float = 60.0) -> MemoryCopies:
     """Push to the rank's holder: the job's standbys in turn, starting at ``rank`` modulo
-    their number (so the ranks spread over the pool), the first that takes it.
+    their number (so the ranks spread over the pool), the first that takes it. ``data`` may
+    be a function making the bytes: called once, and only if there is a holder to try.
 
     Raises:
         HolderError: none took it; says why for each.
     """
     errors = []
+    payload = data if not callable(data) else None
     for holder in _candidates(directory, rank):
         try:
             if isinstance(holder, HolderError):
                 raise holder
-            return push(holder, rank, step, data, timeout=timeout)
+            if payload is None:
+                assert callable(data)
+                payload = data()
+            return push(holder, rank, step, payload, timeout=timeout)
         except HolderError as exc:
             errors.append(str(exc))
     raise HolderError("; ".join(errors) or "the job has no standby to hold snapshots")
+
+
+def holder_order(nodes: tuple[str, ...], rank: int) -> tuple[str, ...]:
+    """The standby nodes ``rank`` tries, in turn: from ``rank`` modulo their number on, so
+    that the ranks' copies spread over the pool."""
+    start = rank % len(nodes) if nodes else 0
+    return nodes[start:] + nodes[:start]
 
 
 def _candidates(directory: HolderDirectory | Callable[[], list[HolderAddress]],
@@ -599,9 +613,7 @@ def _candidates(directory: HolderDirectory | Callable[[], list[HolderAddress]],
     if not isinstance(directory, HolderDirectory):
         yield from directory()
         return
-    nodes = directory.standbys()
-    start = rank % len(nodes) if nodes else 0
-    for node in nodes[start:] + nodes[:start]:
+    for node in holder_order(directory.standbys(), rank):
         try:
             yield directory.lookup(node)
         except HolderError as exc:

@@ -268,9 +268,8 @@ class Snapshotter:
     def _push(self, step: int, state: dict[str, Any]) -> None:
         assert self.holders is not None
         try:
-            data = serialize(state)
-            self.memory = push_to_any(self.holders, self.rank, step, data,
-                                      timeout=self.push_timeout)
+            self.memory = push_to_any(self.holders, self.rank, step,
+                                      lambda: serialize(state), timeout=self.push_timeout)
         except Exception as exc:  # a snapshot that fails must never fail training
             error = f"{type(exc).__name__}: {exc}"
             if error != self._push_error:

@@ -26,6 +26,7 @@ from understudy.worker.holder import (
     SnapshotHolder,
     fetch,
     held,
+    holder_order,
     push,
     push_to_any,
 )
@@ -236,3 +237,23 @@ def test_an_unreadable_advertisement_is_refused(value: bytes) -> None:
 def test_an_advertisement_round_trips(holder: SnapshotHolder) -> None:
     where = holder.advertised()
     assert HolderAddress.parse("node-s1", where.encode()) == where
+
+
+def test_ranks_spread_over_the_pool_and_go_on_to_the_next_holder_when_one_fails(
+        holder: SnapshotHolder) -> None:
+    assert holder_order(("s1", "s2", "s3"), 4) == ("s2", "s3", "s1")
+    assert holder_order(("s1",), 3) == ("s1",) and holder_order((), 3) == ()
+    gone = SnapshotHolder("node-s2", host="127.0.0.1", capacity=1 << 20)
+    dead = gone.advertised()
+    gone.close()
+    made: list[int] = []
+
+    def serialize() -> bytes:  # once, and only when there is a holder to try
+        made.append(20)
+        return _archive(20)
+
+    copies = push_to_any(lambda: [dead, holder.advertised()], 0, 20, serialize, timeout=2)
+    assert copies == MemoryCopies("node-s1", holder.id, (20,)) and made == [20]
+    with pytest.raises(HolderError, match="no standby"):
+        push_to_any(lambda: [], 0, 40, serialize)
+    assert made == [20]
