@@ -236,11 +236,15 @@ def test_without_a_replica_every_rank_rolls_back_from_the_standbys_memory(
     # standby worker's memory on node-s1. When rank 1 dies every rank goes back to the newest
     # step both hold there: rank 0 fetches its copy over TCP, the standby promoted to rank 1
     # takes its own from its own memory, and the job redoes the steps since. Data and dropout
-    # follow the step, so the run ends bit for bit where an uninterrupted one does.
+    # follow the step, so the run ends bit for bit where an uninterrupted one does. The standby
+    # is sandbox-warmed as well (as rank 0), as in production: its later warmth report must
+    # not make the daemon forget the holder it runs.
     expected = standalone_run(tmp_path / "reference", world=2, tp=2)
+    env = {"UNDERSTUDY_SNAPSHOT_EVERY": "20", "UNDERSTUDY_RECORDINGS": str(tmp_path / "rec")}
     with training(etcd, tmp_path, {"node-a": 1, "node-b": 1}, ("node-s1",), dp=1, standby=1,
-                  env={"UNDERSTUDY_SNAPSHOT_EVERY": "20"}) as (c, out):
+                  env=env) as (c, out):
         a, b, s1 = c.daemons["node-a"], c.daemons["node-b"], c.daemons["node-s1"]
+        wait_log(s1, "Standby is warm (replay) as rank 0", timeout=120)
         _wait_steps(b, 1, 50)
         wait_log(b, "Snapshots are kept in memory on node-s1")
         holder = _holder(c.status(), "node-s1")
@@ -378,3 +382,4 @@ def test_a_stayer_dying_at_the_switch_is_recovered_after_the_drain_commits(
         assert job.assignment.epoch == 3
         assert job.assignment.ranks == ("node-a", "node-s1", "node-s2", "node-d")
         assert_bitwise_equal(reference, out, world=4)
+
