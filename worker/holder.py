@@ -1,4 +1,5 @@
-"""The in-memory snapshot tier: a holder in a standby worker's host memory, and its clients.
+"""The in-memory snapshot tier: a holder in a standby worker's host memory (its clients are in
+``worker/holder_client.py``).
 
 A standby worker waits on a spare node with idle host memory. When the job takes snapshots
 (``worker/snapshots.py``), it runs a :class:`SnapshotHolder`: a TCP server bound to its node's
@@ -8,7 +9,7 @@ the host name resolves to, as gloo does), port 0. It advertises itself under the
 job's workers can read through their daemons) and reports its id with its warmth, so the node
 record (bound to the node's lease, and dropped by the daemon when the worker exits or is
 promoted) says which holder is alive. Each rank pushes its snapshots, serialized once with
-``torch.save``, to one holder (:func:`push`); a rollback fetches them back (:func:`fetch`).
+``torch.save``, to one holder; a rollback fetches them back.
 
 Protocol: one frame per message each way, on a connection that may carry several requests::
 
@@ -49,21 +50,19 @@ import socket
 import struct
 import threading
 import zlib
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
 from understudy.daemon import env
-from understudy.daemon.snapshot_tiers import HOLDER_ID_RE, MemoryCopies
-from understudy.worker.daemon_client import DaemonClient, DaemonError
+from understudy.daemon.snapshot_tiers import HOLDER_ID_RE
 
 MAGIC = b"USSH"
 VERSION = 1
 _HEAD = struct.Struct(">4sBIQI")
 MAX_HEADER = 64 * 1024
-#: what a fetch accepts from a holder (the holder's own limit is its capacity)
+#: the largest reply a client accepts (the holder's own limit is its capacity)
 MAX_FETCH = 1 << 40
 #: send and receive in pieces of this size, each within the socket timeout
 CHUNK = 4 * 1024 * 1024
@@ -96,7 +95,7 @@ class Op(enum.StrEnum):
 # -- frames -----------------------------------------------------------------------------------
 
 
-def _send_frame(sock: socket.socket, header: dict[str, Any],
+def send_frame(sock: socket.socket, header: dict[str, Any],
                 payload: bytes | bytearray | memoryview = b"",
                 crc: int | None = None) -> None:
     head = json.dumps(header).encode()
@@ -121,7 +120,7 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
-def _recv_head(sock: socket.socket) -> tuple[dict[str, Any], int, int] | None:
+def recv_head(sock: socket.socket) -> tuple[dict[str, Any], int, int] | None:
     """A frame's header, payload length and crc; None if the peer closed between frames.
 
     Raises:
@@ -147,7 +146,7 @@ def _recv_head(sock: socket.socket) -> tuple[dict[str, Any], int, int] | None:
     return header, payload_len, crc
 
 
-def _recv_payload(sock: socket.socket, n: int, crc: int) -> bytearray:
+def recv_payload(sock: socket.socket, n: int, crc: int) -> bytearray:
     data = _recv_exactly(sock, n)
     if zlib.crc32(data) != crc:
         raise ProtocolError(f"the payload's crc32 does not match ({n} bytes)")
@@ -351,7 +350,7 @@ class SnapshotHolder:
         try:
             while not self._stop.is_set():
                 try:
-                    head = _recv_head(conn)
+                    head = recv_head(conn)
                     if head is None:
                         return
                     pending = self._answer(conn, pending, *head)
@@ -390,12 +389,12 @@ class SnapshotHolder:
             if pending is None or size != pending[2]:
                 raise ProtocolError(f"{size} bytes of data, but {pending} was admitted")
             rank, step, _ = pending
-            data = _recv_payload(conn, size, crc)  # ProtocolError: released by the caller
+            data = recv_payload(conn, size, crc)  # ProtocolError: released by the caller
             if not data.startswith(_ZIP):
                 raise ProtocolError("the payload is not a torch.save archive")
             held = self._store(rank, step, data, crc)  # the reservation is used up
             with contextlib.suppress(OSError):  # a peer gone already reads no reply
-                _send_frame(conn, {"op": Op.OK, "held": list(held)})
+                send_frame(conn, {"op": Op.OK, "held": list(held)})
             return None
         if pending is not None:
             raise ProtocolError(f"a {op} request while a push waits for its data")
@@ -404,16 +403,16 @@ class SnapshotHolder:
                 admitted = (_int_field(header, "rank"), _int_field(header, "step"),
                             _int_field(header, "size"))
                 self._admit(*admitted)
-                _send_frame(conn, {"op": Op.OK})
+                send_frame(conn, {"op": Op.OK})
                 return admitted
             if op is Op.FETCH:
                 rank, step = _int_field(header, "rank"), _int_field(header, "step")
                 copy, stored_crc = self._get(rank, step)
                 # The crc stored with the push: the fetcher checks the bytes end to end.
-                _send_frame(conn, {"op": Op.OK, "rank": rank, "step": step}, copy,
+                send_frame(conn, {"op": Op.OK, "rank": rank, "step": step}, copy,
                             crc=stored_crc)
             elif op is Op.LIST:
-                _send_frame(conn, {"op": Op.OK, "id": self.id, "used": self._used,
+                send_frame(conn, {"op": Op.OK, "id": self.id, "used": self._used,
                                    "capacity": self.capacity,
                                    "held": {str(r): list(s) for r, s in self.held().items()}})
             else:
@@ -426,7 +425,7 @@ class SnapshotHolder:
         self.refused += 1
         self._log.warning(f"Snapshot holder refused a request: {exc}")
         with contextlib.suppress(OSError, ValueError):
-            _send_frame(conn, {"op": Op.ERROR, "error": str(exc)[:500]})
+            send_frame(conn, {"op": Op.ERROR, "error": str(exc)[:500]})
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop serving and drop every copy (bounded: ``timeout`` seconds for the threads)."""
@@ -443,178 +442,3 @@ class SnapshotHolder:
         with self._lock:
             self._copies.clear()
             self._used = 0
-
-
-# -- clients ----------------------------------------------------------------------------------
-
-
-class _Connection:
-    """A client connection to one holder; every call raises HolderError, naming the holder."""
-
-    def __init__(self, holder: HolderAddress, timeout: float) -> None:
-        self.holder, self.timeout = holder, timeout
-        try:
-            self.sock = socket.create_connection(holder.endpoint(), timeout=min(timeout, 5.0))
-        except OSError as exc:
-            raise HolderError(f"holder on {holder.node} ({holder.address}) is unreachable: "
-                              f"{exc}") from exc
-        self.sock.settimeout(timeout)
-
-    def __enter__(self) -> _Connection:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.sock.close()
-
-    def request(self, header: dict[str, Any], payload: bytes | memoryview = b""
-                ) -> tuple[dict[str, Any], bytearray]:
-        where = f"holder on {self.holder.node} ({self.holder.address})"
-        try:
-            _send_frame(self.sock, {**header, "token": self.holder.token}, payload)
-            head = _recv_head(self.sock)
-            if head is None:
-                raise HolderError("it closed the connection without a reply")
-            reply, size, crc = head
-            if size > MAX_FETCH:
-                raise ProtocolError(f"a reply of {size} bytes exceeds {MAX_FETCH}")
-            data = _recv_payload(self.sock, size, crc)
-        except HolderError as exc:
-            raise HolderError(f"{where}: {exc}") from exc
-        except OSError as exc:
-            raise HolderError(f"{where} is unreachable: {exc}") from exc
-        if reply.get("op") != Op.OK:
-            raise HolderError(f"{where} refused: {reply.get('error', reply)}")
-        return reply, data
-
-
-def _request(holder: HolderAddress, header: dict[str, Any], *,
-             timeout: float) -> tuple[dict[str, Any], bytearray]:
-    with _Connection(holder, timeout) as conn:
-        return conn.request(header)
-
-
-def push(holder: HolderAddress, rank: int, step: int, data: bytes | memoryview, *,
-         timeout: float = 60.0) -> MemoryCopies:
-    """Give ``holder`` this rank's snapshot of ``step``; returns what it holds for the rank.
-    The holder admits the push before the bytes are sent: a refused one costs no transfer.
-
-    Raises:
-        HolderError: refused (full, older than what it keeps), unreachable, or garbled.
-    """
-    size = memoryview(data).nbytes
-    with _Connection(holder, timeout) as conn:
-        conn.request({"op": Op.PUSH, "rank": rank, "step": step, "size": size})
-        reply, _ = conn.request({"op": Op.DATA}, data)
-    held = reply.get("held")
-    if not isinstance(held, list) or not all(isinstance(s, int) for s in held):
-        raise HolderError(f"holder on {holder.node} answered a push with {reply!r}")
-    return MemoryCopies(holder.node, holder.id, tuple(held))
-
-
-def fetch(holder: HolderAddress, rank: int, step: int, *, timeout: float = 60.0) -> bytearray:
-    """This rank's snapshot of ``step`` from ``holder``, checked against the push's crc.
-
-    Raises:
-        HolderError: not held there, unreachable, or garbled.
-    """
-    reply, data = _request(holder, {"op": Op.FETCH, "rank": rank, "step": step},
-                           timeout=timeout)
-    if reply.get("rank") != rank or reply.get("step") != step:
-        raise HolderError(f"holder on {holder.node} answered for rank {reply.get('rank')} "
-                          f"step {reply.get('step')}, not rank {rank} step {step}")
-    return data
-
-
-def held(holder: HolderAddress, *, timeout: float = 10.0) -> dict[int, tuple[int, ...]]:
-    """rank -> steps ``holder`` holds. Raises HolderError."""
-    reply, _ = _request(holder, {"op": Op.LIST}, timeout=timeout)
-    raw = reply.get("held")
-    if not isinstance(raw, dict):
-        raise HolderError(f"holder on {holder.node} answered a list with {reply!r}")
-    return {int(r): tuple(s) for r, s in raw.items()}
-
-
-class HolderDirectory:
-    """The job's holders, as advertised under ``<job>/holders/<node>``, read through this
-    node's daemon on a connection of its own (opened on first use, by the thread that uses
-    it; one thread at a time). ``epoch``: the worker's current epoch, for the hello."""
-
-    def __init__(self, job: str, epoch: Callable[[], int], timeout: float = 10.0) -> None:
-        self.job, self.epoch, self.timeout = job, epoch, timeout
-        self._client: DaemonClient | None = None
-
-    def _call(self, fn: Callable[[DaemonClient], Any]) -> Any:
-        try:
-            if self._client is None:
-                self._client = DaemonClient(self.job, epoch=self.epoch(), timeout=self.timeout)
-            return fn(self._client)
-        except DaemonError as exc:
-            self.close()
-            raise HolderError(f"cannot ask the daemon about snapshot holders: {exc}") from exc
-
-    def standbys(self) -> tuple[str, ...]:
-        """The job's standby nodes, in the assignment's order."""
-        info = self._call(lambda c: c.job()) or {}
-        standbys = (info.get("assignment") or {}).get("standbys") or ()
-        return tuple(n for n in standbys if isinstance(n, str))
-
-    def lookup(self, node: str) -> HolderAddress:
-        """Raises HolderError: no holder advertised for ``node``, or an unreadable one."""
-        try:
-            value = self._call(lambda c: c.get(f"holders/{node}"))
-        except HolderError as exc:
-            raise HolderError(f"no snapshot holder is advertised for {node}") from exc
-        return HolderAddress.parse(node, value)
-
-    def advertise(self, holder: SnapshotHolder) -> None:
-        """Raises HolderError: the daemon did not take it."""
-        self._call(lambda c: c.set(f"holders/{holder.node}", holder.advertised().encode()))
-
-    def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None
-
-
-def push_to_any(directory: HolderDirectory | Callable[[], list[HolderAddress]], rank: int,
-                step: int, data: bytes | memoryview | Callable[[], bytes | memoryview], *,
-                timeout: float = 60.0) -> MemoryCopies:
-    """Push to the rank's holder: the job's standbys in turn, starting at ``rank`` modulo
-    their number (so the ranks spread over the pool), the first that takes it. ``data`` may
-    be a function making the bytes: called once, and only if there is a holder to try.
-
-    Raises:
-        HolderError: none took it; says why for each.
-    """
-    errors = []
-    payload = data if not callable(data) else None
-    for holder in _candidates(directory, rank):
-        try:
-            if isinstance(holder, HolderError):
-                raise holder
-            if payload is None:
-                assert callable(data)
-                payload = data()
-            return push(holder, rank, step, payload, timeout=timeout)
-        except HolderError as exc:
-            errors.append(str(exc))
-    raise HolderError("; ".join(errors) or "the job has no standby to hold snapshots")
-
-
-def holder_order(nodes: tuple[str, ...], rank: int) -> tuple[str, ...]:
-    """The standby nodes ``rank`` tries, in turn: from ``rank`` modulo their number on, so
-    that the ranks' copies spread over the pool."""
-    start = rank % len(nodes) if nodes else 0
-    return nodes[start:] + nodes[:start]
-
-
-def _candidates(directory: HolderDirectory | Callable[[], list[HolderAddress]],
-                rank: int) -> Iterator[HolderAddress | HolderError]:
-    if not isinstance(directory, HolderDirectory):
-        yield from directory()
-        return
-    for node in holder_order(directory.standbys(), rank):
-        try:
-            yield directory.lookup(node)
-        except HolderError as exc:
-            yield exc

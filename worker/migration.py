@@ -38,7 +38,8 @@ from understudy.groups.errors import GroupError
 from understudy.groups.groupset import GroupSet
 from understudy.worker.api import CollectiveAborted
 from understudy.worker.daemon_client import DaemonClient, DaemonError
-from understudy.worker.holder import HolderDirectory, SnapshotHolder
+from understudy.worker.holder import SnapshotHolder
+from understudy.worker.holder_client import HolderDirectory
 from understudy.worker.runtime import Action, Runtime
 from understudy.worker.snapshots import SnapshotError, restore
 from understudy.worker.transfer import PairGroupTransport, TransferError, receive_state, send_state

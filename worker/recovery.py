@@ -42,7 +42,7 @@ from understudy.daemon import logs
 from understudy.groups.errors import GroupError
 from understudy.groups.groupset import GroupSet
 from understudy.worker.daemon_client import DaemonClient, DaemonError
-from understudy.worker.holder import HolderDirectory
+from understudy.worker.holder_client import HolderDirectory
 from understudy.worker.migration import (
     MigrationHook,
     Plan,

@@ -45,15 +45,8 @@ import torch.distributed.checkpoint as dcp
 from understudy.daemon import env
 from understudy.daemon.snapshot_tiers import MemoryCopies, SnapshotReport, parse_source
 from understudy.worker.daemon_client import DaemonClient, DaemonError
-from understudy.worker.holder import (
-    HolderAddress,
-    HolderDirectory,
-    HolderError,
-    SnapshotHolder,
-    fetch,
-    node_address,
-    push_to_any,
-)
+from understudy.worker.holder import HolderAddress, HolderError, SnapshotHolder, node_address
+from understudy.worker.holder_client import HolderDirectory, fetch, push_to_any
 from understudy.worker.runtime import Runtime
 
 COMPLETE = "COMPLETE"

@@ -1,6 +1,6 @@
-"""The in-memory snapshot holder over a real TCP socket: what is pushed is fetched back byte
-for byte, the newest ``keep`` steps of each rank are kept within the capacity, and garbage is
-refused with a reason while the holder serves on."""
+"""The in-memory snapshot holder and its clients over a real TCP socket: what is pushed is
+fetched back byte for byte, the newest ``keep`` steps of each rank are kept within the
+capacity, and garbage is refused with a reason while the holder serves on."""
 
 from __future__ import annotations
 
@@ -24,12 +24,8 @@ from understudy.worker.holder import (
     HolderAddress,
     HolderError,
     SnapshotHolder,
-    fetch,
-    held,
-    holder_order,
-    push,
-    push_to_any,
 )
+from understudy.worker.holder_client import fetch, held, holder_order, push, push_to_any
 
 _HEAD = struct.Struct(">4sBIQI")
 
