@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -48,6 +47,7 @@ from understudy.daemon.records import (
     RankExit,
     RegistryEntry,
 )
+from understudy.daemon.snapshot_tiers import MemoryCopies, SnapshotReport
 from understudy.daemon.states import NodeState
 from understudy.daemon.store import KV, EtcdStore, WatchEvent, wait_any
 
@@ -383,8 +383,10 @@ class _JobTables:
         #: job -> migration id -> progress keys ("prepared/3", ...)
         self.progress: dict[str, dict[str, set[str]]] = {}
         self.abort_reasons: dict[tuple[str, str], str] = {}
-        #: job -> rank -> steps of its complete snapshots
+        #: job -> rank -> steps of its complete snapshots (in storage)
         self.snapshots: dict[str, dict[int, tuple[int, ...]]] = {}
+        #: job -> rank -> the steps a holder keeps in memory
+        self.memory_snapshots: dict[str, dict[int, MemoryCopies]] = {}
 
     def ingest_progress(self, path: str, value: bytes, deleted: bool) -> None:
         """``path`` is ``<job>/migration/<id>/<report>`` under the workers' KV root."""
@@ -406,21 +408,27 @@ class _JobTables:
                                               value[:300].decode(errors="replace"))
 
     def _ingest_snapshots(self, job: str, rank: str, value: bytes, deleted: bool) -> None:
-        """``<job>/snapshots/<rank>``: a JSON list of the steps that rank's snapshots hold.
+        """``<job>/snapshots/<rank>``: which steps that rank's snapshots hold, in storage and
+        in a holder's memory (``SnapshotReport``; a plain JSON list is storage steps).
         Anything else is ignored (workers write here, so the value is untrusted)."""
         table = self.snapshots.setdefault(job, {})
+        memory = self.memory_snapshots.setdefault(job, {})
         if not rank.isdigit():
             return
-        try:
-            steps = None if deleted else json.loads(value)
-        except ValueError:
-            steps = None
-        if not isinstance(steps, list) or not all(
-                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in steps):
-            table.pop(int(rank), None)
-            return
         r = int(rank)
-        table[r] = tuple(steps[-64:])
+        try:
+            report = None if deleted else SnapshotReport.parse(value)
+        except ValueError:
+            report = None
+        if report is None:
+            table.pop(r, None)
+            memory.pop(r, None)
+            return
+        table[r] = report.storage
+        if report.memory is None:
+            memory.pop(r, None)
+        else:
+            memory[r] = report.memory
 
     def migration_rev(self, job: str) -> int:
         return self.migrations[job][1] if job in self.migrations else 0
@@ -493,5 +501,6 @@ class _JobTables:
                                 assignment=a[0] if a else None, exits=exits,
                                 migration=m[0] if m else None, progress=progress,
                                 abort_reason=self.abort_reasons.get((name, m[0].id), "")
-                                if m else "", snapshots=dict(self.snapshots.get(name, {})))
+                                if m else "", snapshots=dict(self.snapshots.get(name, {})),
+                                memory_snapshots=dict(self.memory_snapshots.get(name, {})))
         return out

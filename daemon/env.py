@@ -24,6 +24,8 @@ CHILD_SOCKET = "UNDERSTUDY_SOCKET"
 CHILD_ERROR_FILE = "UNDERSTUDY_ERROR_FILE"
 CHILD_NODE = "UNDERSTUDY_NODE"
 CHILD_NAME = "UNDERSTUDY_CHILD"
+#: the node's first configured address (``addresses``), where a worker's servers bind
+NODE_ADDRESS = "UNDERSTUDY_NODE_ADDRESS"
 
 # A rank's coordinates, set by understudyd for each worker it starts.
 JOB = "UNDERSTUDY_JOB"

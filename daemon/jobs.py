@@ -204,6 +204,9 @@ class JobRunner:
         old = self.agent.warmth.get(job)
         if old is not None:
             self.agent.metrics.standby_warm_since.remove(job, old["mode"])
+            if "holder" in old and "holder" not in warmth:
+                # The same worker (warmth is dropped when it exits): its holder still runs.
+                warmth = {**warmth, "holder": old["holder"]}
         self.agent.warmth[job] = {**warmth, "since": self.wall()}
         self.agent.metrics.standby_warm_since.labels(job=job, mode=warmth["mode"]).set(
             self.wall())
@@ -339,6 +342,8 @@ class JobRunner:
             name = rank_child(spec.name, rank)
         else:
             name = standby_child(spec.name)
+        if self.agent.cfg.addresses:  # where its servers (a snapshot holder) bind
+            worker_env[env.NODE_ADDRESS] = self.agent.cfg.addresses[0]
         try:
             pid = await self.supervisor.spawn(name, list(spec.argv), env=worker_env,
                                               cwd=spec.cwd or None)

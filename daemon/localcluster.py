@@ -90,7 +90,7 @@ class LocalCluster:
             self.python, "-m", "understudy.daemon.main",
             "--node", name, "--etcd", self.etcd_endpoint, "--prefix", self.prefix,
             "--role", role, "--run-dir", str(run_dir),
-            "--metrics-listen", f"127.0.0.1:{metrics_port}",
+            "--metrics-listen", f"127.0.0.1:{metrics_port}", "--address", "127.0.0.1",
             "--lease-ttl", str(self.lease_ttl), "--log-format", "json",
             *self.extra_args, *extra,
         ]

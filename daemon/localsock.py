@@ -26,6 +26,7 @@ from typing import Any
 from understudy.daemon import logs
 from understudy.daemon.errors import StoreError
 from understudy.daemon.keys import Keys
+from understudy.daemon.snapshot_tiers import HOLDER_ID_RE
 from understudy.daemon.store import EtcdStore, WatchEvent
 
 MAX_LINE = 1024 * 1024
@@ -46,7 +47,8 @@ class Op(enum.StrEnum):
     #: the job's assignment, status and migration, as the daemon last saw them (no etcd call)
     JOB = "job"
     #: a standby worker says what it has warmed: ``{"mode": str, "roles": [str], "detail":
-    #: str}``; every later request on that connection counts as a sign of life
+    #: str}``, and ``"holder"``, the id of its snapshot holder, if it runs one; every later
+    #: request on that connection counts as a sign of life
     WARMTH = "warmth"
 
 
@@ -87,6 +89,11 @@ def _warmth(req: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < 1 << 20:
             raise RequestError("warmth rank must be a non-negative integer")
         out["rank"] = rank
+    holder = req.get("holder")
+    if holder is not None:
+        if not isinstance(holder, str) or not HOLDER_ID_RE.match(holder):
+            raise RequestError("warmth holder must be a holder id (8-64 hex digits)")
+        out["holder"] = holder
     return out
 
 

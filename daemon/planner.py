@@ -22,6 +22,12 @@ from understudy.daemon.records import (
     RankExit,
     RegistryEntry,
 )
+from understudy.daemon.snapshot_tiers import (
+    MemoryCopies,
+    RollbackPoint,
+    live_holders,
+    rollback_point,
+)
 from understudy.daemon.states import NodeState
 from understudy.groups.layout import Layout
 
@@ -108,6 +114,8 @@ class JobView:
     abort_reason: str = ""
     #: rank -> the steps of its complete snapshots (the workers' ``<job>/snapshots/<rank>``)
     snapshots: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    #: rank -> the steps of its snapshots a holder keeps in memory, and which holder
+    memory_snapshots: Mapping[int, MemoryCopies] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -294,18 +302,20 @@ def _plan_recovery(job: JobView, a: Assignment, gone: dict[int, str], view: Clus
     name, layout = a.job, job.spec.layout
     donors: list[int] = []
     snapshot_step = -1
+    point: RollbackPoint | None = None
     for r in gone:
         replicas = [d for d in layout.replicas(r) if d not in gone and a.ranks[d] in view.live]
         if replicas:
             donors.append(replicas[0])
             continue
-        held = [set(job.snapshots.get(rank, ())) for rank in range(job.spec.world_size)]
-        common = set.intersection(*held)
-        if not common:
+        point = rollback_point(job.spec.world_size, job.snapshots, job.memory_snapshots,
+                               live_holders(name, {n: rec.warmth for n, rec in
+                                                   view.live.items()}))
+        if point is None:
             return [SetJobState(name, JobState.FAILED,
                                 f"{gone[r]}, no live data-parallel replica holds its state, "
                                 "and no snapshot is held by every rank")]
-        snapshot_step, donors = max(common), []
+        snapshot_step, donors = point.step, []
         break
     free = _free_standbys(job, a, view)
     what = "; ".join(gone.values())
@@ -329,12 +339,14 @@ def _plan_recovery(job: JobView, a: Assignment, gone: dict[int, str], view: Clus
         reason=what,
         created_at=now, deadline=now + view.migration_timeout, updated_at=now,
         timings={"planned": now}, kind="recovery" if snapshot_step < 0 else "rollback",
-        donors=tuple(donors), snapshot_step=snapshot_step)
-    if snapshot_step >= 0:
+        donors=tuple(donors), snapshot_step=snapshot_step,
+        snapshot_from=point.sources if point is not None else ())
+    if point is not None:
         moves = ", ".join(f"rank {r} -> {j}" for r, j in
                           zip(migration.ranks, migration.joiners, strict=True))
         return [StartMigration(migration, f"rollback of every rank to the snapshot of step "
-                                          f"{snapshot_step}: {moves}")]
+                                          f"{snapshot_step}: {moves}; copies from "
+                                          f"{point.summary()}")]
     moves = ", ".join(f"rank {r} -> {j} (state from rank {d})" for r, j, d in
                       zip(migration.ranks, migration.joiners, donors, strict=True))
     return [StartMigration(migration, f"recovery: {moves}")]

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
 from understudy.daemon.errors import RecordError
+from understudy.daemon.snapshot_tiers import parse_source
 from understudy.daemon.states import NodeState
 from understudy.groups.layout import Layout
 
@@ -315,7 +316,8 @@ class Migration(Record):
     ``recovery`` (the leaver is gone: rank ``donors[i]``, a data-parallel replica of
     ``ranks[i]``, gives the joiner the state of the last committed step) or ``rollback`` (the
     leaver is gone and no replica holds its state: every rank, joiners included, loads its
-    snapshot of ``snapshot_step``).
+    snapshot of ``snapshot_step``, rank ``r``'s from ``snapshot_from[r]``: ``storage`` or
+    ``memory:<node>:<holder id>``, see ``snapshot_tiers.py``; empty: all from storage).
     """
 
     KIND: ClassVar[str] = "migration"
@@ -337,6 +339,8 @@ class Migration(Record):
     donors: tuple[int, ...] = ()
     #: rollback: the step of the snapshot every rank goes back to
     snapshot_step: int = -1
+    #: rollback: where each rank's copy of that snapshot comes from (by rank)
+    snapshot_from: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not len(self.ranks) == len(self.leavers) == len(self.joiners) > 0:
@@ -352,6 +356,10 @@ class Migration(Record):
             raise ValueError(f"a {self.kind} migration names no donors")
         if (self.kind == "rollback") != (self.snapshot_step >= 0):
             raise ValueError("a rollback, and only a rollback, names the snapshot step")
+        if self.snapshot_from and self.kind != "rollback":
+            raise ValueError("only a rollback names where the snapshots come from")
+        for source in self.snapshot_from:
+            parse_source(source)
         if set(self.donors) & set(self.ranks):
             raise ValueError("a rank being replaced cannot be a donor")
 

@@ -96,11 +96,14 @@ class DaemonClient:
         return bool(self._call("delete", key=key)["deleted"])
 
     def warmth(self, mode: str, roles: list[str], detail: str = "",
-               rank: int | None = None) -> None:
+               rank: int | None = None, holder: str | None = None) -> None:
         """As a standby worker: say what is warm (``rank``: the rank whose job it has built,
-        which the controller prefers to give it). Every later request on this connection
-        tells the daemon the worker is alive; one silent for long is replaced."""
-        extra = {} if rank is None else {"rank": rank}
+        which the controller prefers to give it; ``holder``: the id of the snapshot holder it
+        runs, kept by the daemon until the worker exits). Every later request on this
+        connection tells the daemon the worker is alive; one silent for long is replaced."""
+        extra: dict[str, Any] = {} if rank is None else {"rank": rank}
+        if holder is not None:
+            extra["holder"] = holder
         self._call("warmth", mode=mode, roles=roles, detail=detail, **extra)
 
     def job(self) -> dict[str, Any] | None:

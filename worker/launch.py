@@ -18,7 +18,6 @@ step the leaver stopped at. ``on_finish(runtime)`` is called once the last step 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -40,7 +39,7 @@ from understudy.worker.api import (
     JobContext,
     TrainingJob,
 )
-from understudy.worker.daemon_client import DaemonClient, DaemonError
+from understudy.worker.daemon_client import DaemonClient
 from understudy.worker.errors import install_excepthook, record_error
 from understudy.worker.migration import (
     JobGroups,
@@ -52,7 +51,7 @@ from understudy.worker.migration import (
 )
 from understudy.worker.recovery import recover, wait_for_recovery
 from understudy.worker.runtime import Outcome, Runtime
-from understudy.worker.snapshots import DEFAULT_EVERY, SNAPSHOT_EVERY, SNAPSHOTS, Snapshotter
+from understudy.worker.snapshots import SNAPSHOTS, start_holder, start_snapshotter
 from understudy.worker.transfer import TransferError
 
 
@@ -103,7 +102,9 @@ def main(make_job: Callable[[], TrainingJob], steps: int, *, seed: int = 0,
 
     if _env(env.WORKER_ROLE) == "standby":
         log.info("Standby worker is up and waiting to be chosen as a joiner.")
-        control.warmth("imports", [], "imports done; the model is built once chosen")
+        holder = start_holder(job, node, epoch)  # the ranks' snapshots, in this host's memory
+        control.warmth("imports", [], "imports done; the model is built once chosen",
+                       holder=holder.id if holder is not None else None)
         warmed = None
         if can_sandbox:
             assert recordings is not None
@@ -113,6 +114,8 @@ def main(make_job: Callable[[], TrainingJob], steps: int, *, seed: int = 0,
                                      timeout=collective_timeout, should_abort=should_abort)
         found = wait_for_plan(control, node, stop)
         if found is None:
+            if holder is not None:
+                holder.close()
             return 0
         plan, rank = found
         log.info(f"Standby chosen to take over rank {rank}.", migration=plan.id)
@@ -146,9 +149,7 @@ def main(make_job: Callable[[], TrainingJob], steps: int, *, seed: int = 0,
         try:
             names = joiner.prepare()
             if plan.rollback:
-                if snapshots is None:
-                    raise TransferError(f"a rollback, but {SNAPSHOTS} is not set here")
-                joiner.restore(runtime, snapshots)
+                joiner.restore(runtime, snapshots, holder)
                 joiner.switch(names)
             else:
                 runtime.load_state(joiner.receive(names))
@@ -161,6 +162,11 @@ def main(make_job: Callable[[], TrainingJob], steps: int, *, seed: int = 0,
             control.close()
             os._exit(0)
         joiner.switched()
+        if holder is not None:
+            # A rank now: the survivors have their copies (they loaded before the switch),
+            # the controller counts this holder no more (its warmth went with the promotion).
+            holder.close()
+            log.info(f"Snapshot holder {holder.id} closed: this standby holds rank {rank} now.")
         nodes = joiner.nodes
         if plan.recovery:
             runtime.announce = f"First step after recovery {plan.id}"
@@ -185,14 +191,7 @@ def main(make_job: Callable[[], TrainingJob], steps: int, *, seed: int = 0,
                          finished=finished, stop=stop)
     runtime.hook = hook if recorder is None else recorder.hook(hook)
     hooks.append(hook)
-    snapshotter = None
-    if snapshots is not None:
-        every = int(os.environ.get(SNAPSHOT_EVERY) or DEFAULT_EVERY)
-        snapshotter = Snapshotter(snapshots, rank=rank, every=every,
-                                  report=_snapshot_reporter(job, rank, lambda: groups.epoch))
-        runtime.after_commit.append(snapshotter.after_commit)
-        if runtime.step == 0:
-            snapshotter.after_commit(runtime)  # the start is a snapshot too: step 0
+    snapshotter = start_snapshotter(runtime, job, lambda: groups.epoch)
     outcome = _train(runtime, hook, steps, stop, collective_timeout, log, snapshots)
     if snapshotter is not None:
         snapshotter.close()
@@ -209,24 +208,6 @@ def main(make_job: Callable[[], TrainingJob], steps: int, *, seed: int = 0,
     groups.close()
     control.close()
     return 0
-
-
-def _snapshot_reporter(job: str, rank: int,
-                       epoch: Callable[[], int]) -> Callable[[list[int]], None]:
-    """Tells the controller (through the daemon) which snapshots this rank holds; runs on the
-    snapshot writer's thread, on a connection of its own."""
-    client: list[DaemonClient] = []
-
-    def report(steps: list[int]) -> None:
-        try:
-            if not client:
-                client.append(DaemonClient(f"{job}/snapshots", epoch=epoch(), timeout=10))
-            client[0].set(str(rank), json.dumps(steps).encode())
-        except DaemonError:
-            if client:
-                client.pop().close()
-
-    return report
 
 
 def _train(runtime: Runtime, hook: MigrationHook, steps: int, stop: threading.Event,

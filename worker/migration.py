@@ -33,13 +33,16 @@ from typing import Any
 
 from understudy.daemon import failpoints, logs
 from understudy.daemon.planner import PAUSED
+from understudy.daemon.snapshot_tiers import STORAGE
 from understudy.groups.errors import GroupError
 from understudy.groups.groupset import GroupSet
 from understudy.groups.layout import Layout
 from understudy.worker.api import CollectiveAborted
 from understudy.worker.daemon_client import DaemonClient, DaemonError
+from understudy.worker.holder import SnapshotHolder
+from understudy.worker.holder_client import HolderDirectory
 from understudy.worker.runtime import Action, Runtime
-from understudy.worker.snapshots import load_snapshot
+from understudy.worker.snapshots import SnapshotError, restore
 from understudy.worker.transfer import PairGroupTransport, TransferError, receive_state, send_state
 
 READY_PHASES = ("ready", "switching")
@@ -86,6 +89,8 @@ class Plan:
     donors: dict[int, int] = field(default_factory=dict)
     #: rollback: the step of the snapshot every rank loads
     snapshot_step: int = -1
+    #: rollback: where each rank's copy comes from, by rank (empty: storage for all)
+    snapshot_from: tuple[str, ...] = ()
 
     @classmethod
     def from_info(cls, info: dict[str, Any] | None) -> Plan | None:
@@ -99,7 +104,8 @@ class Plan:
                    deadline=m["deadline"], version=int(m["created_at"] * 1000),
                    kind=m.get("kind", "planned"),
                    donors=dict(zip(m["ranks"], m.get("donors") or (), strict=False)),
-                   snapshot_step=int(m.get("snapshot_step", -1)))
+                   snapshot_step=int(m.get("snapshot_step", -1)),
+                   snapshot_from=tuple(m.get("snapshot_from") or ()))
 
     @property
     def recovery(self) -> bool:
@@ -109,6 +115,10 @@ class Plan:
     @property
     def rollback(self) -> bool:
         return self.kind == "rollback"
+
+    def snapshot_source(self, rank: int) -> str:
+        """Where ``rank``'s copy of a rollback's snapshot comes from (``snapshot_tiers``)."""
+        return self.snapshot_from[rank] if rank < len(self.snapshot_from) else STORAGE
 
     @property
     def active(self) -> bool:
@@ -485,17 +495,24 @@ class Joiner:
         self.log.info(f"Took over rank {self.rank}: {stats}.", epoch=self.plan.to_epoch)
         return state
 
-    def restore(self, runtime: Runtime, directory: Path) -> None:
-        """A rollback's joiner: load this rank's snapshot of the plan's step and say so (the
+    def restore(self, runtime: Runtime, directory: Path | None,
+                holder: SnapshotHolder | None = None) -> None:
+        """A rollback's joiner: load this rank's snapshot of the plan's step from where the plan
+        says (``holder``: this standby's own, whose copies need no network) and say so (the
         survivors wait for it). Raises TransferError."""
+        holders = HolderDirectory(self.job, lambda: self.plan.from_epoch)
         try:
-            load_snapshot(directory, self.plan.snapshot_step, runtime)
-        except (OSError, ValueError, RuntimeError) as exc:
+            where = restore(runtime, self.plan.snapshot_step, self.plan.snapshot_source(self.rank),
+                            directory=directory, holders=holders, local=holder,
+                            timeout=self.timeout)
+        except SnapshotError as exc:
             self.reports.set(f"transferred/{self.rank}", f"failed: {exc}".encode())
             raise TransferError(f"could not load the snapshot: {exc}") from exc
+        finally:
+            holders.close()
         self.reports.set(f"transferred/{self.rank}", b"ok")
         self.log.info(f"Took over rank {self.rank} from its snapshot of step "
-                      f"{self.plan.snapshot_step}.", epoch=self.plan.to_epoch)
+                      f"{self.plan.snapshot_step} ({where}).", epoch=self.plan.to_epoch)
 
     def switch(self, names: list[str]) -> None:
         self.groups.switch(names)

@@ -42,6 +42,7 @@ from understudy.daemon import logs
 from understudy.groups.errors import GroupError
 from understudy.groups.groupset import GroupSet
 from understudy.worker.daemon_client import DaemonClient, DaemonError
+from understudy.worker.holder_client import HolderDirectory
 from understudy.worker.migration import (
     MigrationHook,
     Plan,
@@ -50,7 +51,7 @@ from understudy.worker.migration import (
     pair_name,
 )
 from understudy.worker.runtime import Runtime
-from understudy.worker.snapshots import load_snapshot
+from understudy.worker.snapshots import SnapshotError, restore
 from understudy.worker.transfer import PairGroupTransport, TransferError, send_state
 
 #: how often a survivor re-reads the plan while it waits for peers' reports
@@ -83,8 +84,8 @@ def recover(runtime: Runtime, hook: MigrationHook, plan: Plan, *, timeout: float
             snapshots: Path | None = None) -> bool:
     """This survivor's part of ``plan`` (see the module docstring). True: the joiners hold
     their ranks and training resumes on the new groups. False: the plan was called off; the
-    caller waits for the next one. ``snapshots``: where this job's snapshots are, for a
-    rollback."""
+    caller waits for the next one. ``snapshots``: this job's snapshot directory (storage),
+    for a rollback that takes copies from there."""
     return _Survivor(runtime, hook, plan, timeout, snapshots).run()
 
 
@@ -153,17 +154,17 @@ class _Survivor:
 
     def _roll_back(self) -> int:
         step = self.plan.snapshot_step
-        if self.snapshots is None:
-            self._set("aborted", f"rank {self.rank} has no snapshot directory "
-                                 "(UNDERSTUDY_SNAPSHOTS)".encode())
-            raise CalledOff("a rollback without a snapshot directory")
+        holders = HolderDirectory(self.hook.job, lambda: self.plan.from_epoch)
         try:
-            load_snapshot(self.snapshots, step, self.runtime)
-        except (OSError, ValueError, RuntimeError) as exc:
+            where = restore(self.runtime, step, self.plan.snapshot_source(self.rank),
+                            directory=self.snapshots, holders=holders, timeout=self.timeout)
+        except SnapshotError as exc:
             self._set("aborted", f"rank {self.rank} could not load the snapshot of step "
                                  f"{step}: {exc}".encode())
             raise CalledOff(f"the snapshot of step {step} did not load: {exc}") from exc
-        self.log.info(f"Rolled back to the snapshot of step {step}.")
+        finally:
+            holders.close()
+        self.log.info(f"Rolled back to the snapshot of step {step} ({where}).")
         return step
 
     def _read_report(self, rank: int) -> dict[str, Any]:

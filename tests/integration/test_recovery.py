@@ -25,6 +25,7 @@ from tests.integration.test_migration import (  # noqa: F401
     reference,
     standalone_run,
 )
+from understudy.cli.cluster import ClusterStatus
 from understudy.daemon.embedded_etcd import EmbeddedEtcd
 from understudy.daemon.localcluster import DaemonProcess, LocalCluster
 
@@ -215,27 +216,83 @@ def test_a_sandbox_warmed_standby_is_promoted_with_its_model_built(
         c.stop_all(timeout=5)
 
 
-def test_without_a_replica_every_rank_rolls_back_to_the_newest_snapshot(
+def _holder(s: ClusterStatus, node: str) -> str | None:
+    """The id of the snapshot holder that ``node``'s live record says runs there."""
+    n = s.node(node)
+    w = n.warmth.get("mig") if n is not None and n.online else None
+    return w.get("holder") if isinstance(w, dict) else None
+
+
+def _rollback_step(c: LocalCluster) -> tuple[int, str]:
+    planned = next(e for e in events(c) if e["kind"] == "migration-planned")
+    return int(planned["message"].split("snapshot of step ")[1].split(":")[0]), \
+        planned["message"]
+
+
+def test_without_a_replica_every_rank_rolls_back_from_the_standbys_memory(
         etcd: EmbeddedEtcd, tmp_path: Path) -> None:
-    # TP=2 x DP=1: nobody else holds rank 1's shards. Every rank snapshots its state every 20
-    # steps (torch.distributed.checkpoint, written in the background); when rank 1 dies every
-    # rank goes back to the newest snapshot all of them hold, a standby loads rank 1's, and the
-    # job redoes the steps since. Data and dropout follow the step, so the run ends bit for bit
-    # where an uninterrupted one does.
+    # TP=2 x DP=1: nobody else holds rank 1's shards. No snapshot directory at all: every 20
+    # steps each rank pushes its state (serialized in the background) to the holder in the
+    # standby worker's memory on node-s1. When rank 1 dies every rank goes back to the newest
+    # step both hold there: rank 0 fetches its copy over TCP, the standby promoted to rank 1
+    # takes its own from its own memory, and the job redoes the steps since. Data and dropout
+    # follow the step, so the run ends bit for bit where an uninterrupted one does. The standby
+    # is sandbox-warmed as well (as rank 0), as in production: its later warmth report must
+    # not make the daemon forget the holder it runs.
+    expected = standalone_run(tmp_path / "reference", world=2, tp=2)
+    env = {"UNDERSTUDY_SNAPSHOT_EVERY": "20", "UNDERSTUDY_RECORDINGS": str(tmp_path / "rec")}
+    with training(etcd, tmp_path, {"node-a": 1, "node-b": 1}, ("node-s1",), dp=1, standby=1,
+                  env=env) as (c, out):
+        a, b, s1 = c.daemons["node-a"], c.daemons["node-b"], c.daemons["node-s1"]
+        wait_log(s1, "Standby is warm (replay) as rank 0", timeout=120)
+        _wait_steps(b, 1, 50)
+        wait_log(b, "Snapshots are kept in memory on node-s1")
+        holder = _holder(c.status(), "node-s1")
+        assert holder is not None
+        os.kill(worker_pid(b, "mig.r1"), signal.SIGKILL)
+        _recovery_done(c)
+        step, planned = _rollback_step(c)
+        assert step >= 40 and step % 20 == 0, planned
+        assert "rank 1 -> node-s1; copies from memory on node-s1 (ranks 0, 1)." in planned
+        assert f"Rolled back to the snapshot of step {step} (from memory on node-s1)." \
+            in a.log_text()
+        assert f"Took over rank 1 from its snapshot of step {step} (from this standby's own " \
+               "memory)." in s1.log_text()
+        assert f"Snapshot holder {holder} closed: this standby holds rank 1 now." \
+            in s1.log_text()
+        job = _finish(c)
+        assert job.assignment.ranks == ("node-a", "node-s1")
+        assert_bitwise_equal(expected, out, world=2)
+
+
+def test_with_the_holder_gone_every_rank_rolls_back_from_storage(
+        etcd: EmbeddedEtcd, tmp_path: Path) -> None:
+    # As above, with a snapshot directory too: both tiers are kept. The standby worker holding
+    # the memory copies is killed; its copies die with it, the controller stops counting them
+    # (its holder left the node record), and when rank 1 dies the job rolls back from the
+    # storage checkpoint (torch.distributed.checkpoint) instead; the restarted standby takes
+    # rank 1 from there.
     expected = standalone_run(tmp_path / "reference", world=2, tp=2)
     snapshots = {"UNDERSTUDY_SNAPSHOTS": str(tmp_path / "snap"),
                  "UNDERSTUDY_SNAPSHOT_EVERY": "20"}
     with training(etcd, tmp_path, {"node-a": 1, "node-b": 1}, ("node-s1",), dp=1, standby=1,
                   env=snapshots) as (c, out):
-        b = c.daemons["node-b"]
+        a, b, s1 = c.daemons["node-a"], c.daemons["node-b"], c.daemons["node-s1"]
         _wait_steps(b, 1, 50)
+        wait_log(b, "Snapshots are kept in memory on node-s1")
+        holder = _holder(c.status(), "node-s1")
+        assert holder is not None
+        os.kill(worker_pid(s1, "mig.standby"), signal.SIGKILL)
+        c.wait_for("the dead holder to leave node-s1's record",
+                   lambda s: _holder(s, "node-s1") != holder)
         os.kill(worker_pid(b, "mig.r1"), signal.SIGKILL)
         _recovery_done(c)
-        planned = next(e for e in events(c) if e["kind"] == "migration-planned")
-        step = int(planned["message"].split("snapshot of step ")[1].split(":")[0])
-        assert step >= 40 and step % 20 == 0, planned["message"]
-        assert "rank 1 -> node-s1" in planned["message"]
-        assert f"Rolled back to the snapshot of step {step}." in c.daemons["node-a"].log_text()
+        step, planned = _rollback_step(c)
+        assert step >= 40 and step % 20 == 0, planned
+        assert "rank 1 -> node-s1; copies from storage (ranks 0, 1)." in planned
+        assert f"Rolled back to the snapshot of step {step} (from storage)." in a.log_text()
+        assert f"Took over rank 1 from its snapshot of step {step} (from storage)." \
+            in s1.log_text()
         job = _finish(c)
         assert job.assignment.ranks == ("node-a", "node-s1")
         assert_bitwise_equal(expected, out, world=2)
@@ -325,3 +382,4 @@ def test_a_stayer_dying_at_the_switch_is_recovered_after_the_drain_commits(
         assert job.assignment.epoch == 3
         assert job.assignment.ranks == ("node-a", "node-s1", "node-s2", "node-d")
         assert_bitwise_equal(reference, out, world=4)
+

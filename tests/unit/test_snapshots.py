@@ -1,9 +1,12 @@
-"""Snapshots of a rank's state (torch.distributed.checkpoint, written in the background) load
-back bit for bit, into a fresh process's runtime too, whose optimizer has no state yet."""
+"""Snapshots of a rank's state, kept in the background in a holder's memory (over a real
+socket) and in storage (torch.distributed.checkpoint), load back bit for bit, into a fresh
+process's runtime too, whose optimizer has no state yet; a copy that is not there is refused
+with the reason, and a holder that fails never fails training."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -11,14 +14,18 @@ import pytest
 import torch
 
 from tests.unit.test_runtime import assert_bitwise_equal, solo  # noqa: F401
+from understudy.daemon.snapshot_tiers import STORAGE, MemoryCopies, SnapshotReport, memory_source
 from understudy.worker import rng
 from understudy.worker.api import JobContext, TrainingJob
+from understudy.worker.holder import SnapshotHolder
 from understudy.worker.runtime import Runtime
 from understudy.worker.snapshots import (
     COMPLETE,
+    SnapshotError,
     Snapshotter,
     complete_steps,
     load_snapshot,
+    restore,
     snapshot_dir,
 )
 
@@ -65,14 +72,15 @@ def _runtime(ctx: JobContext) -> Runtime:
 
 def test_a_snapshot_loads_into_a_fresh_runtime_and_training_goes_on_identically(
         solo: JobContext, tmp_path: Path) -> None:  # noqa: F811
-    reports: list[list[int]] = []
+    reports: list[SnapshotReport] = []
     runtime = _runtime(solo)
     snapshots = Snapshotter(tmp_path / "snap", rank=0, every=3, report=reports.append, keep=2)
     runtime.after_commit.append(snapshots.after_commit)
     for steps in (3, 6, 9):  # one at a time: a snapshot due while one is written is skipped
         runtime.run(steps)
         snapshots.close()
-    assert reports[-1] == [6, 9] and complete_steps(tmp_path / "snap", 0) == [6, 9]
+    assert reports[-1] == SnapshotReport(storage=(6, 9))
+    assert complete_steps(tmp_path / "snap", 0) == [6, 9]
     assert not snapshot_dir(tmp_path / "snap", 3, 0).exists()  # only the newest two are kept
     assert json.loads((snapshot_dir(tmp_path / "snap", 9, 0) / COMPLETE).read_text()) == \
         {"step": 9, "rank": 0}
@@ -89,3 +97,103 @@ def test_a_missing_snapshot_is_refused_with_the_step_and_rank(solo: JobContext, 
                                                               tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="no complete snapshot of step 40 for rank 0"):
         load_snapshot(tmp_path / "snap", 40, _runtime(solo))
+
+
+@pytest.fixture
+def holder() -> Iterator[SnapshotHolder]:
+    h = SnapshotHolder("node-s1", host="127.0.0.1", keep=2)
+    try:
+        yield h
+    finally:
+        h.close()
+
+
+def test_snapshots_kept_in_a_holders_memory_load_back_identically_without_a_directory(
+        solo: JobContext, holder: SnapshotHolder) -> None:  # noqa: F811
+    reports: list[SnapshotReport] = []
+    runtime = _runtime(solo)
+    snapshots = Snapshotter(None, rank=0, every=3, report=reports.append, keep=2,
+                            holders=lambda: [holder.advertised()])
+    runtime.after_commit.append(snapshots.after_commit)
+    for steps in (3, 6, 9):
+        runtime.run(steps)
+        snapshots.close()
+    assert reports[-1] == SnapshotReport(memory=MemoryCopies("node-s1", holder.id, (6, 9)))
+    assert holder.held() == {0: (6, 9)}
+    runtime.run(12)
+    source = memory_source("node-s1", holder.id)
+    # Over the network, as a survivor fetches its copy...
+    fresh = _runtime(solo)
+    where = restore(fresh, 6, source, directory=None,
+                    holders=lambda node: holder.advertised())
+    assert where == "from memory on node-s1" and fresh.step == 6
+    fresh.run(12)
+    assert_bitwise_equal(runtime.state()["job"], fresh.state()["job"])
+    # ...and in the holder's own process, as the joiner it becomes takes its rank's copy.
+    own = _runtime(solo)
+    assert restore(own, 9, source, directory=None, holders=None, local=holder) == \
+        "from this standby's own memory"
+    own.run(12)
+    assert_bitwise_equal(runtime.state()["job"], own.state()["job"])
+
+
+def test_both_tiers_are_kept_and_reported_and_either_restores(
+        solo: JobContext, holder: SnapshotHolder, tmp_path: Path) -> None:  # noqa: F811
+    reports: list[SnapshotReport] = []
+    runtime = _runtime(solo)
+    snapshots = Snapshotter(tmp_path / "snap", rank=0, every=3, report=reports.append,
+                            holders=lambda: [holder.advertised()])
+    runtime.after_commit.append(snapshots.after_commit)
+    runtime.run(3)
+    snapshots.close()
+    # One report after the memory copy, one after storage.
+    assert reports == [SnapshotReport(memory=MemoryCopies("node-s1", holder.id, (3,))),
+                       SnapshotReport((3,), MemoryCopies("node-s1", holder.id, (3,)))]
+    from_memory, from_storage = _runtime(solo), _runtime(solo)
+    restore(from_memory, 3, memory_source("node-s1", holder.id), directory=None,
+            holders=lambda node: holder.advertised())
+    assert restore(from_storage, 3, STORAGE, directory=tmp_path / "snap",
+                   holders=None) == "from storage"
+    assert_bitwise_equal(from_memory.state(), from_storage.state())
+    # The holder is gone by the time the copy is wanted: the same step from storage will do.
+    where = holder.advertised()
+    holder.close()
+    fallback = _runtime(solo)
+    assert restore(fallback, 3, memory_source("node-s1", holder.id), directory=tmp_path / "snap",
+                   holders=lambda node: where, timeout=2).startswith(
+        "from storage: rank 0's snapshot of step 3 is not to be had from memory: holder on "
+        "node-s1")
+    assert_bitwise_equal(from_memory.state(), fallback.state())
+
+
+def test_a_failing_holder_costs_the_memory_copy_never_training(
+        solo: JobContext, holder: SnapshotHolder, tmp_path: Path) -> None:  # noqa: F811
+    gone = holder.advertised()
+    holder.close()
+    reports: list[SnapshotReport] = []
+    runtime = _runtime(solo)
+    snapshots = Snapshotter(tmp_path / "snap", rank=0, every=3, report=reports.append,
+                            holders=lambda: [gone], push_timeout=2)
+    runtime.after_commit.append(snapshots.after_commit)
+    runtime.run(3)
+    snapshots.close()
+    assert runtime.step == 3
+    assert reports == [SnapshotReport(storage=(3,))]
+
+
+def test_a_copy_that_is_not_there_is_refused_with_the_reason(
+        solo: JobContext, holder: SnapshotHolder) -> None:  # noqa: F811
+    runtime = _runtime(solo)
+    with pytest.raises(SnapshotError, match="to come from storage, but UNDERSTUDY_SNAPSHOTS "
+                                            "is not set here"):
+        restore(runtime, 3, STORAGE, directory=None, holders=None)
+    with pytest.raises(SnapshotError, match=r"step 3 of rank 0 is not held on node-s1"):
+        restore(runtime, 3, memory_source("node-s1", holder.id), directory=None,
+                holders=lambda node: holder.advertised())
+    restarted = memory_source("node-s1", "0123456789abcdef")
+    with pytest.raises(SnapshotError, match=f"the holder on node-s1 is now {holder.id}, not "
+                                            "0123456789abcdef: it was restarted"):
+        restore(runtime, 3, restarted, directory=None, holders=lambda node: holder.advertised())
+    with pytest.raises(SnapshotError, match="neither 'storage' nor"):
+        restore(runtime, 3, "tape:node-s1", directory=None, holders=None)
+    assert runtime.step == 0
