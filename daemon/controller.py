@@ -490,15 +490,19 @@ class _JobTables:
         for name, spec in self.specs.items():
             a = self.assignments.get(name)
             st = self.statuses.get(name)
-            exits = {}
+            exits, next_exits = {}, {}
+            m = self.migrations.get(name)
             if a is not None:
                 exits = {rank: e for (epoch, rank), e in self.exits.get(name, {}).items()
                          if epoch == a[0].epoch}
-            m = self.migrations.get(name)
+            if m is not None:
+                next_exits = {rank: e for (epoch, rank), e in self.exits.get(name, {}).items()
+                              if epoch == m[0].to_epoch}
             progress = frozenset(self.progress.get(name, {}).get(m[0].id, set())) if m \
                 else frozenset()
             out[name] = JobView(spec=spec, status=st[0] if st else None,
                                 assignment=a[0] if a else None, exits=exits,
+                                next_exits=next_exits,
                                 migration=m[0] if m else None, progress=progress,
                                 abort_reason=self.abort_reasons.get((name, m[0].id), "")
                                 if m else "", snapshots=dict(self.snapshots.get(name, {})),

@@ -84,6 +84,10 @@ class JobRunner:
         #: child name -> (migration id, epoch) of a joiner promoted here whose migration may not
         #: have committed yet
         self._promoted: dict[str, tuple[str, int]] = {}
+        #: rank child name -> (migration id, rank, new epoch, pid of the standby worker) for a
+        #: joiner chosen on this node: its promotion stands even if the migration record is
+        #: replaced by the next one before this daemon saw it done
+        self._chosen: dict[str, tuple[str, int, int, int]] = {}
         #: job -> monotonic time of the last request from its standby worker's reporting
         #: connection
         self._standby_seen: dict[str, float] = {}
@@ -255,8 +259,27 @@ class JobRunner:
         (job, rank, new epoch, migration id). Held from the switch on, before the new
         assignment lands."""
         out = {}
+        children = self.supervisor.children
         for job in jobs.values():
             m = job.migration
+            assert job.spec is not None
+            standby = children.get(standby_child(job.spec.name))
+            if m is not None and m.phase != MigrationPhase.ABORTED and standby is not None \
+                    and standby.state == ChildState.RUNNING:
+                for rank, joiner in zip(m.ranks, m.joiners, strict=True):
+                    if joiner == self.node:
+                        self._chosen[rank_child(m.job, rank)] = (m.id, rank, m.to_epoch,
+                                                                 standby.pid)
+            a = job.assignment
+            for name, (mid, rank, epoch, pid) in list(self._chosen.items()):
+                if not name.startswith(f"{job.spec.name}."):
+                    continue
+                if a is not None and a.epoch > epoch:
+                    del self._chosen[name]
+                elif a is not None and a.epoch == epoch and a.ranks[rank] == self.node and \
+                        standby is not None and standby.pid == pid:
+                    # committed, and the migration record moved on before we saw it done
+                    out[name] = (job, rank, epoch, mid)
             if m is None or m.phase not in (MigrationPhase.SWITCHING, MigrationPhase.DONE):
                 continue
             if job.assignment is not None and job.assignment.epoch > m.to_epoch:

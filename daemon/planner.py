@@ -107,6 +107,8 @@ class JobView:
     assignment: Assignment | None = None
     #: exits of the current epoch's ranks, by rank
     exits: Mapping[int, RankExit] = field(default_factory=dict)
+    #: exits under the migration's next epoch (a joiner that took its rank, then died)
+    next_exits: Mapping[int, RankExit] = field(default_factory=dict)
     migration: Migration | None = None
     #: workers' progress reports for the current migration: "bound/3", "prepared/0", ...
     progress: frozenset[str] = frozenset()
@@ -430,6 +432,12 @@ def _advance_migration(job: JobView, m: Migration, view: ClusterView,
         return [AdvanceMigration(m.job, m.id, MigrationPhase.ABORTED,
                                  f"{failed[dead_leavers[0]]} in phase 2, before its state "
                                  "reached the joiner")]
+    # A joiner that dies in phase 2 once its leaver sent the state: the leaver has handed off
+    # and the stayers switch, so the migration is committed and the rank, lost under the new
+    # epoch, is recovered by the next round like any other. (Before that, the leaver's failed
+    # send reports it and the migration is called off.)
+    dead_joiners = {r for r, j in zip(m.ranks, m.joiners, strict=True)
+                    if j not in view.live or (r in job.next_exits and job.next_exits[r].failed)}
     if now > m.deadline and m.phase != MigrationPhase.SWITCHING:
         return [AdvanceMigration(
             m.job, m.id, MigrationPhase.ABORTED,
@@ -443,8 +451,11 @@ def _advance_migration(job: JobView, m: Migration, view: ClusterView,
     if m.phase == MigrationPhase.READY and "switching" in job.progress:
         return [AdvanceMigration(m.job, m.id, MigrationPhase.SWITCHING,
                                  "the ranks agreed on the switch step")]
+    took_over = all(f"switched/{r}" in job.progress or (
+        r in dead_joiners and f"transferred/{r}" in job.progress
+        and m.phase == MigrationPhase.SWITCHING) for r in m.ranks)
     if (m.phase in (MigrationPhase.READY, MigrationPhase.SWITCHING) or (m.recovery
-            and m.phase == MigrationPhase.PREPARING)) and reported("switched", m.ranks):
+            and m.phase == MigrationPhase.PREPARING)) and took_over:
         a = job.assignment
         assert a is not None
         ranks = list(a.ranks)

@@ -161,6 +161,7 @@ def main(make_job: Callable[[], TrainingJob], steps: int, *, seed: int = 0,
                         migration=plan.id)
             control.close()
             os._exit(0)
+        failpoints.hit("joiner.switch")
         joiner.switched()
         if holder is not None:
             # A rank now: the survivors have their copies (they loaded before the switch),

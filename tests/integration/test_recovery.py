@@ -360,6 +360,28 @@ def test_leavers_dying_in_phase_2_abort_the_drain_and_their_ranks_are_recovered(
         assert_bitwise_equal(reference, out, world=4)
 
 
+def test_a_joiner_dying_after_its_state_arrived_is_recovered_after_the_drain_commits(
+        etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:  # noqa: F811
+    # node-s2's joiner (rank 3) exits holding the leaver's state, before it says it switched:
+    # the leaver has handed off, so the drain is committed (epoch 2) and rank 3, lost under the
+    # new epoch, is recovered onto node-s3 from its replica, rank 1 (epoch 3).
+    armed = {"node-s2": {"UNDERSTUDY_FAILPOINTS": "joiner.switch=exit(3)"}}
+    with training(etcd, tmp_path, {"node-a": 2, "node-b": 2}, (*STANDBYS, "node-s3"),
+                  armed=armed, standby=3) as (c, out):
+        _wait_steps(c.daemons["node-b"], 3, 50)
+        drain = c.cli("drain", "node-b", "--deadline", "120", "--wait", timeout=180)
+        assert drain.returncode == 0, drain.stdout + drain.stderr
+        job = _finish(c)
+        evs = events(c)
+        planned = [e for e in evs if e["kind"] == "migration-planned"]
+        assert len(planned) == 2 and "recovery: rank 3 -> node-s3 (state from rank 1)" in \
+            planned[1]["message"], [e["message"] for e in planned]
+        assert [e["kind"] for e in evs].count("migration-done") == 2
+        assert job.assignment.epoch == 3
+        assert job.assignment.ranks == ("node-a", "node-a", "node-s1", "node-s3")
+        assert_bitwise_equal(reference, out, world=4)
+
+
 def test_a_stayer_dying_at_the_switch_is_recovered_after_the_drain_commits(
         etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:  # noqa: F811
     # One rank per node. node-b (rank 1) is drained; rank 2 on node-c crashes in phase 2, at

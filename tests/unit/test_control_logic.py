@@ -353,6 +353,27 @@ def test_migrations_abort_on_deadline_dead_joiner_or_report() -> None:
     assert not [x for x in plan(view, now=m.deadline + 1) if isinstance(x, AdvanceMigration)]
 
 
+def test_a_joiner_dying_in_phase_2_after_its_state_was_sent_commits_the_migration() -> None:
+    # The leaver of rank 3 sent its state and handed off; the joiner died before it said it
+    # switched. Nobody else holds rank 3 under epoch 1 any more: the migration is committed,
+    # and rank 3, lost under epoch 2, is the next round's recovery.
+    died = RankExit(job="j", rank=3, epoch=2, node="s2", returncode=1, failed=True,
+                    description="exit code 1", time=1.0)
+    progress = frozenset({"switching", "switched/2", "transferred/2", "transferred/3"})
+    view, _ = _migrating_view(progress, phase="switching")
+    job = dataclasses.replace(view.jobs["j"], next_exits={3: died})
+    view = dataclasses.replace(view, jobs={"j": job})
+    (done,) = [x for x in plan(view, now=10.0) if isinstance(x, AdvanceMigration)]
+    assert done.phase == MigrationPhase.DONE and done.assignment is not None
+    assert done.assignment.ranks == ("a", "a", "s1", "s2")
+    # Without the leaver's word that the state went out, nothing is committed: its failed
+    # send calls the migration off (the "transferred/3" report says why).
+    view, _ = _migrating_view(progress - {"transferred/3"}, phase="switching")
+    view = dataclasses.replace(view, jobs={"j": dataclasses.replace(view.jobs["j"],
+                                                                    next_exits={3: died})})
+    assert not [x for x in plan(view, now=10.0) if isinstance(x, AdvanceMigration)]
+
+
 def test_an_offline_standby_is_replaced_in_the_pool_by_a_fresh_one() -> None:
     view = _recovery_view(standbys=("s1",), drop=("s1",))
     (refill,) = [x for x in plan(view, 5.0) if isinstance(x, AddStandbys)]
