@@ -22,6 +22,9 @@ step) and the **mean** (the window over its steps, checkpoints included). Overhe
 torchrun - 1, on the medians and on the means; the checkpoint cadence's cost = torchrun+dcp's
 mean against torchrun's.
 
+Under understudy the runtime's own per-step timings (``--save``) also say where the step goes:
+boundary (the migration hook), compute, vote, apply.
+
 Prints a summary and writes JSON with the machine, the command, the configuration and every
 sample. Every process it starts is stopped on exit, Ctrl-C and SIGTERM included.
 
@@ -38,6 +41,7 @@ import os
 import shlex
 import shutil
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -100,7 +104,8 @@ def run_understudy(cfg: BenchConfig, base: Path) -> dict[str, Any]:
         env = [f"--env={k}={v}" for k, v in ONE_THREAD.items()]
         run = cluster.cli("run", "--job", JOB, "--tp", str(TP), "--dp", str(WORLD // TP), *env,
                           "--", sys.executable, str(TRAIN), "--steps", str(cfg.steps),
-                          "--step-sleep", str(cfg.step_sleep), "--step-log", str(base / "steps"))
+                          "--step-sleep", str(cfg.step_sleep), "--step-log", str(base / "steps"),
+                          "--save", str(base / "out"))
         if run.returncode != 0:
             raise BenchmarkError(f"understudy run failed: {run.stderr.strip()}")
         cluster.wait_for("the job to finish", lambda s: (j := s.job(JOB)) is not None
@@ -112,7 +117,29 @@ def run_understudy(cfg: BenchConfig, base: Path) -> dict[str, Any]:
     finally:
         recovery.stop_cluster(etcd, cluster)
     return {"wall_s": time.monotonic() - t0, "records": read_records(base / "steps"),
+            "runtime_split_s": runtime_split(base / "out", cfg.warmup),
             "daemon_log_tracebacks": tracebacks}
+
+
+def runtime_split(out: Path, warmup: int) -> dict[str, float]:
+    """Where an understudy step goes, from the runtime's own per-step timings (``--save``):
+    per part (boundary: the migration hook; compute; vote; apply), the median over the steady
+    steps of each rank, then the median over the ranks.
+
+    Raises:
+        BenchmarkError: a rank saved no timings.
+    """
+    parts = ("boundary", "compute", "vote", "apply")
+    per_rank: dict[str, list[float]] = {k: [] for k in parts}
+    for r in range(WORLD):
+        try:
+            timings = json.loads((out / f"rank{r}.json").read_text())["timings"]
+        except (OSError, json.JSONDecodeError, KeyError) as exc:
+            raise BenchmarkError(f"rank {r} saved no timings: {exc}") from exc
+        steady = [t for t in timings if t["committed"] and t["step"] >= warmup]
+        for k in parts:
+            per_rank[k].append(statistics.median(t[k] for t in steady))
+    return {k: statistics.median(v) for k, v in per_rank.items()}
 
 
 def run_torchrun(cfg: BenchConfig, base: Path, checkpoints: bool) -> dict[str, Any]:
@@ -187,6 +214,9 @@ def collect(repeats: list[dict[str, Any]]) -> dict[str, Any]:
         "dcp_cadence_over_torchrun": {"mean_step": overhead("torchrun+dcp", "torchrun",
                                                             "mean_s")},
         "checkpoint_save_s": summarize(saves) if saves else None,
+        "understudy_runtime_split_s": {k: summarize([r["understudy"]["runtime_split_s"][k]
+                                                     for r in repeats])
+                                       for k in repeats[0]["understudy"]["runtime_split_s"]},
     }
 
 
@@ -215,6 +245,8 @@ def print_summary(result: dict[str, Any]) -> None:
     row("torchrun+dcp vs torchrun, mean step", s["dcp_cadence_over_torchrun"]["mean_step"][
         "per_repeat"], "%", 100)
     row("one DCP save (median per run)", s["checkpoint_save_s"], "ms", 1e3)
+    for k, v in s["understudy_runtime_split_s"].items():
+        row(f"understudy step, runtime's {k} (median)", v, "ms", 1e3)
     o = s["understudy_over_torchrun"]["median_step"]["per_repeat"]["median"]
     print(f"  target: understudy <= {TARGET_OVERHEAD * 100:.0f} % over torchrun without "
           f"checkpoints; median of the per-run overheads {o * 100:+.2f} %")

@@ -347,3 +347,6 @@ def test_overhead_smoke(tmp_path: Path) -> None:
                                                             abs=1e-5)
     assert s["understudy_over_torchrun"]["target"] == 0.02
     assert s["step_s"]["understudy"]["median_s"]["n"] == 1
+    split = rep["understudy"]["runtime_split_s"]
+    assert set(split) == {"boundary", "compute", "vote", "apply"}
+    assert split["compute"] > cfg["step_sleep"] and all(v >= 0 for v in split.values())
