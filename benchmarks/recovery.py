@@ -124,6 +124,8 @@ class BenchConfig:
     smoke: bool
     #: standbys warm up in the sandbox (the job gets a recording directory)
     sandbox: bool = True
+    #: the job logs a line per committed step under ``<out>/../steps`` (benchmarks/downtime.py)
+    step_log: bool = False
 
 
 # -- the cluster -------------------------------------------------------------------------------
@@ -158,10 +160,11 @@ def submit(cluster: LocalCluster, cfg: BenchConfig, out: Path) -> None:
     if cfg.sandbox:
         extra["UNDERSTUDY_RECORDINGS"] = str(out.parent / "recordings")
     env = [f"--env={k}={v}" for k, v in extra.items()]
+    step_log = ["--step-log", str(out.parent / "steps")] if cfg.step_log else []
     run = cluster.cli("run", "--job", JOB, "--tp", str(TP), "--dp", str(WORLD // TP),
                       "--standby", "2", *env, "--", sys.executable, str(TRAIN),
                       "--steps", str(cfg.steps), "--step-sleep", str(cfg.step_sleep),
-                      "--save", str(out))
+                      "--save", str(out), *step_log)
     if run.returncode != 0:
         raise BenchmarkError(f"understudy run failed: {run.stderr.strip()}")
     # Both standby workers have imported the job (torch included) and wait: they are warm.
@@ -417,6 +420,7 @@ def worker_crash(cfg: BenchConfig, base: Path) -> dict[str, Any]:
     figures = analyse(kill_at, exit_rec["time"], (VICTIM,), recovery, seen["events"],
                       seen["logs"])
     return {"wall_s": time.monotonic() - t0, "controller": controller, "killed_pid": pid,
+            "kill_at": kill_at,
             "exit_record": {k: exit_rec[k] for k in ("returncode", "failed", "description")},
             # The daemon's log line for the exit (logged just before it writes the record).
             "kill_to_exit_log_line_s": None if killed_line is None else killed_line - kill_at,
@@ -459,7 +463,7 @@ def node_loss(cfg: BenchConfig, base: Path) -> dict[str, Any]:
         raise BenchmarkError(f"no node-failed event for {LOST_NODE}; events: "
                              f"{sorted({e['kind'] for e in seen['events']})}")
     figures = analyse(kill_at, failed[0]["time"], lost, recovery, seen["events"], seen["logs"])
-    return {"wall_s": time.monotonic() - t0, "controller": controller,
+    return {"wall_s": time.monotonic() - t0, "controller": controller, "kill_at": kill_at,
             "killed_pids": sorted(pids), "node_failed_message": failed[0]["message"],
             "recovery": recovery, **figures,
             "loadavg_1m_before_after": [load_before, os.getloadavg()[0]],

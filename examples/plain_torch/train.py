@@ -23,7 +23,9 @@ two stages)::
     done; wait
 
 ``--fail-at`` and ``--freeze-at`` inject faults for tests (a transient compute error, a frozen
-process); production code knows nothing of them.
+process); production code knows nothing of them. ``--step-log DIR`` appends a line per committed
+step (step, wall time, rank, pid, loss) to ``DIR/rank<r>-<pid>.jsonl``: the benchmarks compute
+downtime from it (``benchmarks/downtime.py``).
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ class PlainJob(TrainingJob):
                  lr: float = 1e-2, warmup: int = 5, total_steps: int = 1000,
                  dropout: float = 0.1, fail_at: int | None = None,
                  freeze_at: int | None = None, marker_dir: Path | None = None,
-                 step_sleep: float = 0.0) -> None:
+                 step_sleep: float = 0.0, step_log: Path | None = None) -> None:
         self.features, self.hidden, self.batch = features, hidden, batch
         # Defaults, once the layout is known: a block per stage, a micro-batch per stage.
         self._layers, self._microbatches = layers, microbatches
@@ -107,6 +109,8 @@ class PlainJob(TrainingJob):
         self.fail_at, self.freeze_at, self.marker_dir = fail_at, freeze_at, marker_dir
         self._failed = False
         self.step_sleep = step_sleep
+        self.step_log = StepLog(step_log) if step_log is not None else None
+        self._loss: float | None = None  # the last compute's, for the step log
         #: what the last build or retarget allocated, in words (the sandbox tests read it)
         self.allocated: list[str] = []
 
@@ -268,12 +272,17 @@ class PlainJob(TrainingJob):
             if self.marker_dir is not None:
                 (self.marker_dir / f"frozen-rank{ctx.rank}").write_text(repr(time.time()))
             os.kill(os.getpid(), signal.SIGSTOP)
-        return sum(losses) if ctx.last_stage else None
+        loss = sum(losses) if ctx.last_stage else None
+        if self.step_log is not None:
+            self._loss = None if loss is None else float(loss)
+        return loss
 
     def apply(self, step: int) -> None:
         self.optimizer.step()
         self.schedule.step()
         self.committed = step + 1
+        if self.step_log is not None:
+            self.step_log.committed(self.ctx.rank, step, self._loss)
 
     def discard(self, step: int) -> None:
         self.optimizer.zero_grad(set_to_none=False)
@@ -288,6 +297,26 @@ class PlainJob(TrainingJob):
         self.optimizer.load_state_dict(state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])
         self.committed = int(state["step"])
+
+
+class StepLog:
+    """One JSON line per committed step, ``{"step", "t", "rank", "pid", "loss"}`` (``t``: wall
+    time just after the optimizer step), appended to ``<dir>/rank<r>-<pid>.jsonl`` and flushed at
+    once, so that a process killed mid-run leaves every step it committed. A file per process: a
+    standby that takes over a rank, or a restarted process, starts a file of its own."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._files: dict[int, Any] = {}
+
+    def committed(self, rank: int, step: int, loss: float | None) -> None:
+        f = self._files.get(rank)
+        if f is None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            f = self._files[rank] = open(  # noqa: SIM115 (open for the process's life)
+                self.directory / f"rank{rank}-{os.getpid()}.jsonl", "a", buffering=1)
+        f.write(json.dumps({"step": step, "t": time.time(), "rank": rank, "pid": os.getpid(),
+                            "loss": loss}) + "\n")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -316,6 +345,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "SAVE/snapshot")
     p.add_argument("--step-sleep", type=float, default=0.0,
                    help="seconds of extra work per step (to stand in for a bigger model)")
+    p.add_argument("--step-log", type=Path, help="directory for a line per committed step "
+                   "(StepLog), for the benchmarks")
     p.add_argument("--fail-at", type=int, help="fault: fail this step's compute once")
     p.add_argument("--freeze-at", type=int, help="fault: SIGSTOP this rank in this step")
     return p.parse_args(argv)
@@ -338,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
                      pp=args.pp,
                      groups=groups, seed=args.seed, collective_timeout=args.collective_timeout)
     job = PlainJob(layers=args.layers, microbatches=args.microbatches, fail_at=args.fail_at,
-                   freeze_at=args.freeze_at, marker_dir=args.save)
+                   freeze_at=args.freeze_at, marker_dir=args.save, step_sleep=args.step_sleep,
+                   step_log=args.step_log)
     runtime = Runtime(job, ctx)
     runtime.build()
     if args.load is not None:
@@ -363,7 +395,8 @@ def _under_understudy(args: argparse.Namespace) -> int:
 
     return launch(lambda: PlainJob(layers=args.layers, microbatches=args.microbatches,
                                    fail_at=args.fail_at, freeze_at=args.freeze_at,
-                                   marker_dir=args.save, step_sleep=args.step_sleep),
+                                   marker_dir=args.save, step_sleep=args.step_sleep,
+                                   step_log=args.step_log),
                   args.steps, seed=args.seed, on_finish=finish,
                   collective_timeout=args.collective_timeout)
 

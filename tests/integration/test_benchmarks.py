@@ -196,3 +196,157 @@ def test_recovery_smoke(tmp_path: Path) -> None:
     w = s["warm_vs_cold"]
     for fig in ("warm_chosen_to_first_step_s", "cold_spawn_to_first_step_s", "cold_over_warm"):
         assert w[fig]["median"] > 0
+
+
+def steplog_module():  # benchmarks/ is no package: its scripts import each other by path
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import steplog
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    return steplog
+
+
+def test_steplog_downtime_of_a_restart() -> None:
+    """Four ranks step every 0.1 s; at t=10.05 rank 1 is lost after committing step 99 alone;
+    all restart from step 90 at t=20. Downtime, redone steps and full strength as defined."""
+    steplog = steplog_module()
+    recs = [{"step": s, "t": s * 0.1 + r * 0.001, "rank": r} for s in range(100) for r in range(4)
+            if s < 99 or r == 1]
+    recs += [{"kind": "step", "step": s, "t": 20 + (s - 90) * 0.1 + r * 0.001, "rank": r}
+             for s in range(90, 120) for r in range(4)]
+    recs.append({"kind": "saved", "step": 90, "t": 9.0, "rank": 0})  # not a commit
+    done = steplog.completions(recs, 4)
+    # Step 99 is no job-level completion the first time: ranks 0, 2 and 3 never committed it.
+    assert [c.k for c in done if c.step == 99] == [1] and done[-1].step == 119
+    normal = steplog.normal_step(done, 10.05)
+    assert normal == pytest.approx(0.1)
+    d = steplog.interruption(done, 10.05, normal)
+    assert (d["last_step_before"], d["first_step_after"], d["steps_redone"]) == (98, 90, 9)
+    assert d["downtime_s"] == pytest.approx(20.003 - 9.803 - 0.1)
+    # Full strength: step 99 completed, after the nine redone steps.
+    assert d["time_to_full_strength_s"] == pytest.approx(20.903 - 9.803)
+    assert d["time_lost_s"] == pytest.approx(d["time_to_full_strength_s"] - 0.1)
+    # A drain: the interruption is found where it is said to be, not at the request.
+    d = steplog.interruption(done, 5.0, normal, inside_t=15.0)
+    assert d["last_step_before"] == 98 and d["first_step_after_event_s"] == pytest.approx(15.003)
+    with pytest.raises(ValueError, match="redid steps"):
+        steplog.steady_steps(done)
+    steady = steplog.steady_steps([c for c in done if c.t < 10])
+    assert steady["median_s"] == pytest.approx(0.1) and steady["mean_s"] == pytest.approx(0.1)
+
+
+def check_downtime_side(r: dict, system: str, event: str, cfg: dict) -> None:
+    assert r["system"] == system and r["event"] == event
+    assert r["steps_completed"] == cfg["steps"]
+    assert 0 < r["normal_step_s"] < 1
+    assert r["downtime_s"] >= 0
+    assert r["downtime_s"] == pytest.approx(r["gap_s"] - r["normal_step_s"], abs=1e-5)
+    assert r["time_to_full_strength_s"] >= r["gap_s"]
+    assert r["time_lost_s"] == pytest.approx(r["time_to_full_strength_s"] - r["normal_step_s"],
+                                             abs=1e-5)
+    # The event landed after the steps it waited for (some rank may not have committed the
+    # last of them yet), and the job went on past it.
+    assert cfg["event_at"] - 2 <= r["last_step_before"] < cfg["steps"] - 1
+    assert r["phases_s"] and all(v is None or v >= 0 for v in r["phases_s"].values())
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("event", ["planned-drain", "worker-crash", "node-loss"])
+def test_downtime_smoke(tmp_path: Path, event: str) -> None:
+    if shutil.which("etcd") is None:
+        pytest.fail("etcd is not installed: the test command installs it (scripts/test)")
+    out_file = tmp_path / "downtime.json"
+    res = run_benchmark("downtime.py", "--smoke", "--events", event, "--out", str(out_file),
+                        timeout=240)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"{event}: torchrun / understudy downtime" in res.stdout
+
+    data = json.loads(out_file.read_text())
+    assert {"benchmark", "command", "machine", "config", "summary", "repeats", "chart"} <= set(
+        data)
+    assert {"platform", "cpu_count", "python", "etcd_version", "torch"} <= set(data["machine"])
+    assert "--smoke" in data["command"]
+    cfg = data["config"]
+    assert cfg["smoke"] is True and cfg["repeats"] == 1 and cfg["events"] == [event]
+    assert len(data["repeats"]) == 1
+    assert Path(data["chart"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    rep = data["repeats"][0][event]
+    u, t = rep["understudy"], rep["torchrun"]
+    check_downtime_side(u, "understudy", event, cfg)
+    check_downtime_side(t, "torchrun", event, cfg)
+    # understudy redoes nothing: a drain hands the state over, a failure takes it from a live
+    # replica. torchrun redoes the steps since its checkpoint, but none after a drain with
+    # notice (it saved at the stop).
+    assert u["steps_redone"] == 0 and u["daemon_log_tracebacks"] == 0
+    since_ckpt = cfg["event_at"] % cfg["ckpt_every"]
+    assert t["steps_redone"] == (0 if event == "planned-drain" else pytest.approx(since_ckpt,
+                                                                                   abs=1))
+    assert t["details"]["checkpoints"] > 0
+    # torchrun's phases run from the event to its first step after the restart.
+    assert sum(v for v in t["phases_s"].values() if v is not None) == pytest.approx(
+        t["first_step_after_event_s"], abs=1e-4)
+    assert all(t["phases_s"][p] > 0 for p in ("restart_rendezvous", "imports", "build_load"))
+    if event == "planned-drain":
+        assert u["phases_s"]["switch_boundary"] > 0 and t["phases_s"]["drain_save"] > 0
+        assert sorted(u["lost_ranks"]) == [2, 3] and t["details"]["restored_from_steps"] == [
+            t["first_step_after"]]
+    else:
+        assert set(u["phases_s"]) == {"detection", "planning", "settle", "rebuild_transfer",
+                                      "first_step"}
+        assert u["first_step_after"] > u["last_step_before"]
+    lost = [1] if event == "worker-crash" else None
+    assert lost is None or u["lost_ranks"] == t["lost_ranks"] == lost
+    # The same job: every step both systems committed has the same loss, bit for bit.
+    same = rep["losses_understudy_vs_torchrun"]
+    assert same["compared"] >= cfg["steps"] and same["identical"] == same["compared"]
+
+    s = data["summary"][event]
+    for system in ("understudy", "torchrun"):
+        for fig in ("downtime_s", "steps_redone", "time_to_full_strength_s", "time_lost_s"):
+            assert {"median", "min", "max", "spread", "n"} <= set(s[system][fig])
+    r = s["ratio_torchrun_over_understudy"]
+    assert r["downtime"] == pytest.approx(
+        s["torchrun"]["downtime_s"]["median"] / s["understudy"]["downtime_s"]["median"],
+        rel=1e-3)
+    assert r["time_lost"] > 0 and s["losses_identical"] is True
+
+
+@pytest.mark.timeout(240)
+def test_overhead_smoke(tmp_path: Path) -> None:
+    if shutil.which("etcd") is None:
+        pytest.fail("etcd is not installed: the test command installs it (scripts/test)")
+    out_file = tmp_path / "overhead.json"
+    res = run_benchmark("overhead.py", "--smoke", "--out", str(out_file), timeout=200)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "understudy vs torchrun, median step" in res.stdout
+
+    data = json.loads(out_file.read_text())
+    assert {"benchmark", "command", "machine", "config", "summary", "repeats"} <= set(data)
+    assert "--smoke" in data["command"]
+    cfg = data["config"]
+    assert cfg["smoke"] is True and cfg["repeats"] == 1 and len(data["repeats"]) == 1
+    systems = ("understudy", "torchrun", "torchrun+dcp")
+    rep = data["repeats"][0]
+    for system in systems:
+        r = rep[system]
+        assert r["steps"] == cfg["steps"] - cfg["warmup"] - 1
+        # A step sleeps step_sleep, then computes; the window's mean is no shorter than the
+        # median by more than the spread of steps allows.
+        assert cfg["step_sleep"] < r["median_s"] <= r["p90_s"] <= r["max_s"] < 2
+        assert r["mean_s"] > cfg["step_sleep"]
+    assert rep["understudy"]["daemon_log_tracebacks"] == 0
+    assert rep["torchrun"]["checkpoints"] == 0 and rep["torchrun"]["checkpoint_save_s"] is None
+    assert rep["torchrun+dcp"]["checkpoints"] == (cfg["steps"] - 1) // cfg["ckpt_every"]
+    assert rep["torchrun+dcp"]["checkpoint_save_s"]["median"] > 0
+    s = data["summary"]
+    for key in ("understudy_over_torchrun", "understudy_over_torchrun_dcp"):
+        for k in ("median_step", "mean_step"):
+            assert s[key][k]["of_medians"] == pytest.approx(s[key][k]["per_repeat"]["median"],
+                                                            abs=1e-5)
+    assert s["understudy_over_torchrun"]["target"] == 0.02
+    assert s["step_s"]["understudy"]["median_s"]["n"] == 1
+    split = rep["understudy"]["runtime_split_s"]
+    assert set(split) == {"boundary", "compute", "vote", "apply"}
+    assert split["compute"] > cfg["step_sleep"] and all(v >= 0 for v in split.values())

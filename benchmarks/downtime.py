@@ -1,0 +1,575 @@
+"""Downtime benchmark: what one interruption costs under understudy and under torchrun + DCP.
+
+One command, real processes, both systems in the same run. For each event type and each repeat,
+the plain-PyTorch example's job (``examples/plain_torch/train.py``: same model, seed, data,
+TP=2 x DP=2 on gloo) runs once under each system and is hit once, after ``--event-at`` steps:
+
+- **understudy**: a fresh local cluster (embedded etcd; ``node-a`` and ``node-b``, two slots
+  each; two standby nodes, warmed in the sandbox), as ``benchmarks/recovery.py`` sets it up.
+  Planned drain: ``understudy drain node-b`` (its two ranks move live to the standbys). Worker
+  crash: kill -9 of rank 1's worker. Node loss: kill -9 of ``node-b``'s daemon and workers at
+  once (detected when its lease expires). The crash and node-loss scenarios are
+  ``recovery.worker_crash`` and ``recovery.node_loss``.
+- **torchrun**: two elastic agents of two workers each on a c10d rendezvous
+  (``benchmarks/baseline/``), the job checkpointing with ``torch.distributed.checkpoint`` every
+  ``--ckpt-every`` steps, resuming from the newest checkpoint on restart, with a careful team's
+  drain handler. Planned drain: SIGTERM to agent 1 (its ranks and the others save at an agreed
+  step and stop; a replacement agent is started once agent 1 has left). Worker crash: kill -9 of
+  rank 1's worker. Node loss: kill -9 of agent 1 and its workers, a replacement agent started at
+  once.
+
+Every rank logs a line per committed step; from those lines, the same way for both systems
+(``benchmarks/steplog.py``): **downtime** = (first step completed after the interruption) -
+(last step completed before it) - (one normal step), **steps redone**, **time to full
+strength** (until the job completes the step after the last one it had completed before the
+interruption) and **time lost** (that minus a normal step). Per-phase split: understudy's from
+its logs and events (``recovery.analyse``; for the drain ``migration.analyse``: the switch step's
+boundary, phase 1 in the background); torchrun's from its workers' lines (restart and
+rendezvous, imports, process-group init, build + checkpoint load, first step). The ratio
+torchrun / understudy of the medians is reported per event type. The losses both systems logged
+for the same step are compared: the same job trains the same model.
+
+Prints a summary, writes JSON (machine, command, configuration, every sample) and a PNG. Every
+process it starts is stopped on exit, Ctrl-C and SIGTERM included.
+
+    .venv/bin/python benchmarks/downtime.py [--repeats N] [--events E,...] [--smoke] [--out F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import os
+import shlex
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import migration
+import psutil
+import recovery
+import steplog
+from baseline.elastic import ElasticRun, TorchrunConfig, TorchrunError, read_records
+from control_plane import machine, rounded, summarize  # the sibling benchmarks' helpers
+
+from understudy.daemon import config as config_mod
+from understudy.daemon.embedded_etcd import EtcdStartError
+from understudy.daemon.errors import StoreError, UnderstudyError
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO / "benchmarks" / "results" / "downtime.json"
+# Smoke results are throwaway: *.tmp under benchmarks/results is git-ignored.
+SMOKE_OUT = REPO / "benchmarks" / "results" / "downtime.smoke.tmp"
+EVENTS = ("planned-drain", "worker-crash", "node-loss")
+SYSTEMS = ("understudy", "torchrun")
+WORLD = recovery.WORLD
+VICTIM = recovery.VICTIM  # the rank whose worker is killed, under both systems
+LOG_EVERY = recovery.LOG_EVERY
+#: torchrun restarts a group at most this often in one run (a run needs one or two).
+MAX_RESTARTS = 10
+TORCHRUN_PHASES = ("drain_save", "restart_rendezvous", "imports", "init", "build_load",
+                   "first_step")
+UNDERSTUDY_PHASES = {
+    "planned-drain": ("switch_boundary", "switch_step_rest"),
+    "worker-crash": recovery.PHASES,
+    "node-loss": recovery.PHASES,
+}
+
+
+class BenchmarkError(UnderstudyError):
+    """The benchmark could not measure what it set out to."""
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    repeats: int
+    events: tuple[str, ...]
+    steps: int
+    step_sleep: float
+    #: the event comes once every rank has committed this many steps
+    event_at: int
+    ckpt_every: int
+    ckpt_mode: str
+    ttl: int
+    keepalive_interval_s: int
+    keepalive_attempts: int
+    smoke: bool
+
+
+# -- understudy --------------------------------------------------------------------------------
+
+
+def understudy_drain(rcfg: recovery.BenchConfig, base: Path) -> dict[str, Any]:
+    """``understudy drain node-b`` once every rank has committed ``rcfg.crash_at`` steps, on a
+    fresh cluster set up as the recovery benchmark's."""
+    etcd, cluster = recovery.new_cluster(rcfg, base)
+    out = base / "out"
+    load_before = os.getloadavg()[0]
+    t0 = time.monotonic()
+    try:
+        recovery.bring_up(etcd, cluster)
+        recovery.submit(cluster, rcfg, out)
+        _, nodes = recovery.rank_nodes(cluster)
+        for r, n in enumerate(nodes):
+            recovery.wait_log(cluster.daemons[n], f"{rcfg.crash_at} steps committed on rank {r}",
+                              timeout=300)
+        drain_at = time.time()
+        drain = cluster.cli("drain", recovery.LOST_NODE, "--deadline", "300", "--wait",
+                            timeout=360)
+        if drain.returncode != 0:
+            raise BenchmarkError(f"the drain failed: {drain.stdout}{drain.stderr}")
+        cluster.wait_for("the job to finish", lambda s: (j := s.job(recovery.JOB)) is not None
+                         and j.state in ("done", "failed"), timeout=600)
+        job = cluster.status().job(recovery.JOB)
+        if job is None or job.state != "done":
+            raise BenchmarkError(f"the job did not finish: {job.status if job else 'gone'}")
+        seen = recovery.snapshot(cluster)
+    finally:
+        recovery.stop_cluster(etcd, cluster)
+    figures = migration.analyse(out, seen["events"], seen["logs"])
+    return {"wall_s": time.monotonic() - t0, "drain_at": drain_at, **figures,
+            "loadavg_1m_before_after": [load_before, os.getloadavg()[0]],
+            "daemon_log_tracebacks": seen["tracebacks"]}
+
+
+def run_understudy(event: str, cfg: BenchConfig, base: Path) -> dict[str, Any]:
+    rcfg = recovery.BenchConfig(repeats=1, steps=cfg.steps, step_sleep=cfg.step_sleep,
+                                crash_at=cfg.event_at, ttl=cfg.ttl, smoke=cfg.smoke,
+                                sandbox=True, step_log=True)
+    if event == "planned-drain":
+        res = understudy_drain(rcfg, base)
+        event_at = res["drain_at"]
+        survivors = res["survivors"].values()
+        phases = {"switch_boundary": max(s["switch_boundary_s"] for s in survivors),
+                  "switch_step_rest": max(s["switch_step_s"] - s["switch_boundary_s"]
+                                          for s in survivors)}
+        details = {k: res[k] for k in ("switch_step", "downtime_s", "phases_s", "phase1_s",
+                                       "phase1_steps", "transfers", "hand_off_to_switch_s")}
+        details["runtime_downtime_s"] = details.pop("downtime_s")  # the migration benchmark's
+        lost = list(migration.LEAVERS)
+    else:
+        res = (recovery.worker_crash if event == "worker-crash" else recovery.node_loss)(
+            rcfg, base)
+        event_at = res["kill_at"]
+        phases = dict(res["phases_s"])
+        details = {k: res[k] for k in ("end_to_end_s", "milestones_s", "transfers",
+                                       "settled_step", "steps_before_failure", "joiners")}
+        lost = res["lost_ranks"]
+    records = read_records(base / "steps")
+    done = steplog.completions(records, WORLD)
+    normal = steplog.normal_step(done, event_at)
+    # The drain's interruption is the switch: its step is the joiners' first.
+    inside = None
+    if event == "planned-drain":
+        inside = next(c.t for c in done if c.step == res["switch_step"]) - 1e-6
+    figures = steplog.interruption(done, event_at, normal, inside)
+    return {"system": "understudy", "event": event, "event_at": event_at, "lost_ranks": lost,
+            **figures, "phases_s": phases, "details": details, "losses": losses(records),
+            "steps_completed": max(c.step for c in done) + 1, "wall_s": res["wall_s"],
+            "loadavg_1m_before_after": res["loadavg_1m_before_after"],
+            "daemon_log_tracebacks": res["daemon_log_tracebacks"]}
+
+
+# -- torchrun ----------------------------------------------------------------------------------
+
+
+def torchrun_phases(records: list[dict[str, Any]], event_at: float, first_step_at: float,
+                    drain_exit_at: float | None) -> dict[str, float | None]:
+    """The restart's milestones, each the moment the last rank of the new workers reached it
+    (the job waits for the slowest), as consecutive phases from the event."""
+    # Per rank, its newest process started after the event and before the first step: the one
+    # that trained on (a restart that failed again leaves older ones behind).
+    newest: dict[int, dict[str, Any]] = {}
+    for r in sorted(records, key=lambda r: r["t"]):
+        if r.get("kind") == "start" and event_at < r["at"] and r["t"] < first_step_at:
+            newest[r["rank"]] = r
+    new = list(newest.values())
+    pids = {r["pid"] for r in new}
+
+    def last(kind: str) -> float | None:
+        ts = [r["t"] for r in records if r.get("kind") == kind and r["pid"] in pids]
+        return max(ts) if len(ts) == WORLD else None
+
+    marks = [("drain_save", drain_exit_at),
+             ("restart_rendezvous", max(r["at"] for r in new) if len(new) == WORLD else None),
+             ("imports", last("start")), ("init", last("init")),
+             ("build_load", last("restored")), ("first_step", first_step_at)]
+    out: dict[str, float | None] = {}
+    prev = event_at
+    for name, at in marks:
+        if at is None:
+            out[name] = None
+            continue
+        out[name] = at - prev
+        prev = at
+    return out
+
+
+def run_torchrun(event: str, cfg: BenchConfig, base: Path) -> dict[str, Any]:
+    tcfg = TorchrunConfig(steps=cfg.steps, step_sleep=cfg.step_sleep, ckpt_every=cfg.ckpt_every,
+                          ckpt_mode=cfg.ckpt_mode, drain_notice=True,
+                          max_restarts=MAX_RESTARTS,
+                          keepalive_interval_s=cfg.keepalive_interval_s,
+                          keepalive_attempts=cfg.keepalive_attempts)
+    run = ElasticRun(tcfg, base)
+    load_before = os.getloadavg()[0]
+    t0 = time.monotonic()
+    drained_left = None
+    try:
+        run.start()
+        victim = run.agents[1]
+        if event == "worker-crash":
+            run.wait_step(cfg.event_at - 1, timeout=300, ranks=range(VICTIM, VICTIM + 1))
+            lost = [VICTIM]
+            event_at = run.kill_worker(VICTIM)
+        else:
+            run.wait_step(cfg.event_at - 1, timeout=300)
+            lost = run.ranks_of(victim)
+            if event == "planned-drain":
+                event_at, drained_left, _ = run.drain(victim)
+            else:
+                event_at, _ = run.kill_node(victim)
+        codes = run.wait_finished(timeout=600)
+    except TorchrunError as exc:
+        raise BenchmarkError(f"torchrun {event}: {exc}\n{run.agent_log_tail()}") from exc
+    finally:
+        run.stop()
+    hit = {victim.index} if event != "worker-crash" else set()
+    failed = {i: c for i, c in codes.items() if i not in hit and c != 0}
+    if failed:
+        raise BenchmarkError(f"torchrun {event}: agents failed {failed} (logs in {base})")
+    records = run.records()
+    done = steplog.completions(records, WORLD)
+    if not done or max(c.step for c in done) != cfg.steps - 1:
+        raise BenchmarkError(f"torchrun {event}: the job did not reach step {cfg.steps - 1}")
+    normal = steplog.normal_step(done, event_at)
+    inside, drain_exit = None, None
+    if event == "planned-drain":
+        exits = [r["t"] for r in records if r.get("kind") == "exit" and r["reason"] == "drain"]
+        if len(exits) != WORLD:
+            raise BenchmarkError(f"torchrun drain: {len(exits)} ranks stopped for it, not all")
+        inside = drain_exit = max(exits)
+    figures = steplog.interruption(done, event_at, normal, inside)
+    saves = [r for r in records if r.get("kind") == "saved"]
+    restored = sorted({r["step"] for r in records if r.get("kind") == "restored"})
+    return {"system": "torchrun", "event": event, "event_at": event_at, "lost_ranks": lost,
+            **figures,
+            "phases_s": torchrun_phases(records, event_at, figures["at"]["first_step"],
+                                        drain_exit),
+            "details": {"agent_exit_codes": {str(k): v for k, v in codes.items()},
+                        "restored_from_steps": restored,
+                        "drained_agent_left_s": None if drained_left is None
+                        else drained_left - event_at,
+                        "checkpoint_save_s": summarize([r["save_s"] for r in saves])
+                        if saves else None,
+                        "checkpoints": len({r["step"] for r in saves})},
+            "losses": losses(records), "steps_completed": max(c.step for c in done) + 1,
+            "wall_s": time.monotonic() - t0,
+            "loadavg_1m_before_after": [load_before, os.getloadavg()[0]]}
+
+
+# -- the run -----------------------------------------------------------------------------------
+
+
+def losses(records: list[dict[str, Any]]) -> dict[str, float]:
+    """``"rank:step" -> loss`` of the newest commit of each step on each rank."""
+    out: dict[str, tuple[float, float]] = {}
+    for r in steplog.step_records(records):
+        key = f"{r['rank']}:{r['step']}"
+        if r.get("loss") is not None and r["t"] >= out.get(key, (0.0, 0.0))[0]:
+            out[key] = (r["t"], r["loss"])
+    return {k: v for k, (_, v) in out.items()}
+
+
+def compare_losses(a: dict[str, float], b: dict[str, float]) -> dict[str, Any]:
+    common = sorted(set(a) & set(b))
+    same = sum(a[k] == b[k] for k in common)
+    return {"compared": len(common), "identical": same,
+            "first_difference": next((k for k in common if a[k] != b[k]), None)}
+
+
+def run_repeat(i: int, cfg: BenchConfig, base: Path) -> dict[str, Any]:
+    rep: dict[str, Any] = {"repeat": i}
+    for event in cfg.events:
+        rep[event] = {}
+        for system in SYSTEMS:
+            where = base / event / system
+            run = run_understudy if system == "understudy" else run_torchrun
+            rep[event][system] = run(event, cfg, where)
+            r = rep[event][system]
+            print(f"  repeat {i + 1}/{cfg.repeats} {event} {system}: downtime "
+                  f"{r['downtime_s']:.3f}s, {r['steps_redone']} steps redone, full strength "
+                  f"after {r['time_to_full_strength_s']:.2f}s; {r['wall_s']:.0f}s, load "
+                  f"{r['loadavg_1m_before_after'][1]:.1f}", file=sys.stderr, flush=True)
+        u, t = (rep[event][s].pop("losses") for s in SYSTEMS)
+        rep[event]["losses_understudy_vs_torchrun"] = compare_losses(u, t)
+    return rep
+
+
+def ratio(num: float, den: float) -> float | None:
+    return num / den if den > 0 else None
+
+
+def collect(repeats: list[dict[str, Any]], cfg: BenchConfig) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for event in cfg.events:
+        per: dict[str, Any] = {}
+        for system in SYSTEMS:
+            rs = [r[event][system] for r in repeats]
+            names = UNDERSTUDY_PHASES[event] if system == "understudy" else TORCHRUN_PHASES
+            phases = {}
+            for p in names:
+                vals = [x["phases_s"][p] for x in rs if x["phases_s"].get(p) is not None]
+                if vals:
+                    phases[p] = summarize(vals)
+            per[system] = {
+                **{k: summarize([x[k] for x in rs]) for k in (
+                    "downtime_s", "steps_redone", "time_to_full_strength_s", "time_lost_s",
+                    "normal_step_s", "first_step_after_event_s")},
+                "phases_s": phases,
+            }
+        u, t = per["understudy"], per["torchrun"]
+        per["ratio_torchrun_over_understudy"] = {
+            "downtime": ratio(t["downtime_s"]["median"], u["downtime_s"]["median"]),
+            "time_lost": ratio(t["time_lost_s"]["median"], u["time_lost_s"]["median"]),
+            "downtime_per_repeat": summarize(
+                [x for r in repeats
+                 if (x := ratio(r[event]["torchrun"]["downtime_s"],
+                                r[event]["understudy"]["downtime_s"])) is not None] or [0.0]),
+        }
+        per["losses_identical"] = all(
+            r[event]["losses_understudy_vs_torchrun"]["identical"]
+            == r[event]["losses_understudy_vs_torchrun"]["compared"] for r in repeats)
+        out[event] = per
+    return out
+
+
+def print_summary(result: dict[str, Any]) -> None:
+    cfg, m, s = result["config"], result["machine"], result["summary"]
+    print(f"\ndowntime: TP2 x DP2 plain job, {cfg['repeats']} repeat(s) per event and system, "
+          f"{cfg['steps']} steps, event after {cfg['event_at']}; torchrun checkpoints every "
+          f"{cfg['ckpt_every']} steps ({cfg['ckpt_mode']} DCP); on {m['cpus_usable']} CPUs, "
+          f"torch {m['torch']}")
+
+    def row(label: str, v: dict[str, float] | None, unit: str) -> None:
+        if v is None:
+            print(f"  {label:<46}{'(none)':>10}")
+            return
+        print(f"  {label:<46}" + "".join(f"{v[k]:>10.3f}" for k in
+                                          ("median", "min", "max", "spread")) + f"  {unit}"
+              + (f" (n={v['n']})" if v["n"] != cfg["repeats"] else ""))
+
+    print(f"\n  {'':<46}{'median':>10}{'min':>10}{'max':>10}{'spread':>10}")
+    for event in cfg["events"]:
+        e = s[event]
+        for system in SYSTEMS:
+            x = e[system]
+            row(f"{event} {system}: downtime", x["downtime_s"], "s")
+            for p, v in x["phases_s"].items():
+                row(f"    {p}", v, "s")
+            row("  steps redone", x["steps_redone"], "steps")
+            row("  time to full strength", x["time_to_full_strength_s"], "s")
+            row("  time lost (downtime + redone steps)", x["time_lost_s"], "s")
+        r = e["ratio_torchrun_over_understudy"]
+        fmt = (lambda v: "n/a" if v is None else f"{v:.1f}x")  # noqa: E731
+        print(f"  {event}: torchrun / understudy downtime {fmt(r['downtime'])}, time lost "
+              f"{fmt(r['time_lost'])}; same losses in both: {e['losses_identical']}")
+    loads = [x for r in result["repeats"] for ev in cfg["events"] for sys_ in SYSTEMS
+             for x in r[ev][sys_]["loadavg_1m_before_after"]]
+    print(f"  1-minute load average during the run: {min(loads):.1f} to {max(loads):.1f}")
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Median downtime per event and system (whiskers: min and max; log scale), and the
+    per-phase split of each median."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfg, s = result["config"], result["summary"]
+    events = cfg["events"]
+    colors = {"understudy": "#2a7ab0", "torchrun": "#d0702a"}
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(15, 5), gridspec_kw={"width_ratios": [1, 1.5]})
+    width = 0.38
+    for j, system in enumerate(SYSTEMS):
+        med = [max(s[e][system]["downtime_s"]["median"], 1e-3) for e in events]
+        lo = [m - max(s[e][system]["downtime_s"]["min"], 1e-3) for e, m in zip(events, med,
+                                                                                strict=True)]
+        hi = [s[e][system]["downtime_s"]["max"] - m for e, m in zip(events, med, strict=True)]
+        xs = [i + (j - 0.5) * width for i in range(len(events))]
+        ax.bar(xs, med, width, yerr=[lo, hi], capsize=3, color=colors[system], label=system)
+    tops = [max(s[e][x]["downtime_s"]["max"] for x in SYSTEMS) for e in events]
+    for i, e in enumerate(events):
+        r = s[e]["ratio_torchrun_over_understudy"]["downtime"]
+        if r is not None:
+            ax.text(i, tops[i] * 1.4, f"{r:.0f}x", ha="center", fontsize=10)
+    ax.set_yscale("log")
+    ax.set_ylim(top=max(tops) * 6)
+    ax.set_xticks(range(len(events)), events)
+    ax.set_ylabel("downtime per event, s (log)")
+    ax.set_title(f"Downtime, median of {cfg['repeats']} (whiskers: min-max)")
+    ax.legend(loc="upper left")
+
+    labels, y = [], 0
+    cmap = plt.get_cmap("tab20")
+    seen: dict[str, Any] = {}
+    for e in events:
+        for system in SYSTEMS:
+            left = 0.0
+            for p, v in s[e][system]["phases_s"].items():
+                key = f"{system}: {p}"
+                c = seen.setdefault(key, cmap(len(seen) % 20))
+                bx.barh(y, v["median"], left=left, color=c, label=key if key not in labels
+                        else None)
+                if key not in labels:
+                    labels.append(key)
+                left += v["median"]
+            bx.text(left, y, f" {left:.2f}s", va="center", fontsize=8)
+            y += 1
+    bx.set_yticks(range(y), [f"{e}\n{sy}" for e in events for sy in SYSTEMS], fontsize=8)
+    bx.invert_yaxis()
+    bx.set_xlabel("seconds, median of each phase (failures: from the event on; understudy's "
+                  "drain: its switch step)")
+    bx.set_title("Where the time goes")
+    bx.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.suptitle(f"{result['machine']['cpus_usable']} CPUs, TP2 x DP2 plain job, torchrun "
+                 f"checkpoints every {cfg['ckpt_every']} steps ({cfg['ckpt_mode']} DCP)",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, help="runs per event and system (default 5; smoke 1)")
+    p.add_argument("--events", default=",".join(EVENTS),
+                   help=f"comma-separated, of {', '.join(EVENTS)} (default: all)")
+    p.add_argument("--steps", type=int, help="steps of the job (default 300; smoke 120)")
+    p.add_argument("--step-sleep", type=float, default=0.04,
+                   help="seconds of stand-in work per step (default 0.04, as the other "
+                        "benchmarks)")
+    p.add_argument("--event-at", type=int, default=LOG_EVERY,
+                   help=f"the event comes once this many steps are committed, a multiple of "
+                        f"{LOG_EVERY} (default {LOG_EVERY})")
+    p.add_argument("--ckpt-every", type=int, default=20,
+                   help="torchrun's checkpoint cadence in steps (default 20: an event at step "
+                        "50 lands halfway through an interval, the mean loss of a random one)")
+    p.add_argument("--ckpt-mode", choices=("sync", "async"), default="sync",
+                   help="torchrun's DCP save: dcp.save or dcp.async_save (default sync)")
+    p.add_argument("--ttl", type=int, default=config_mod.LeaseConfig().ttl,
+                   help="understudy's lease TTL in seconds (default: the daemon's)")
+    p.add_argument("--rdzv-keepalive", default="5,3",
+                   help="torchrun's rendezvous keep_alive_interval (s) and keep_alive_max_attempt "
+                        "(default 5,3: torchrun's own)")
+    p.add_argument("--smoke", action="store_true", help="one repeat, short runs: for the tests")
+    p.add_argument("--out", type=Path, help=f"JSON results (default {DEFAULT_OUT.relative_to(REPO)}"
+                   f"; smoke {SMOKE_OUT.relative_to(REPO)})")
+    p.add_argument("--png", type=Path, help="the chart (default: next to --out, .png)")
+    p.add_argument("--keep-dir", type=Path, help="keep logs, step lines and checkpoints here")
+    args = p.parse_args(argv)
+
+    def pick(value: Any, full: Any, smoke: Any) -> Any:
+        return value if value is not None else (smoke if args.smoke else full)
+
+    args.repeats = pick(args.repeats, 5, 1)
+    args.steps = pick(args.steps, 300, 120)
+    args.out = pick(args.out, DEFAULT_OUT, SMOKE_OUT)
+    if args.png is None:
+        args.png = (args.out.with_name(args.out.name.removesuffix(".tmp") + ".png.tmp")
+                    if args.out.name.endswith(".tmp") else args.out.with_suffix(".png"))
+    args.events = tuple(e.strip() for e in args.events.split(",") if e.strip())
+    if not args.events or set(args.events) - set(EVENTS):
+        p.error(f"--events must name some of {', '.join(EVENTS)}, got {args.events}")
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
+    if args.event_at < LOG_EVERY or args.event_at % LOG_EVERY:
+        p.error(f"--event-at must be a positive multiple of {LOG_EVERY}, got {args.event_at}")
+    if args.steps < args.event_at + 60:
+        p.error(f"--steps must be at least --event-at + 60 for the interruption to end mid-run "
+                f"(a drain switches after phase 1), got {args.steps}")
+    if args.ckpt_every < 1 or args.step_sleep < 0:
+        p.error("--ckpt-every must be at least 1 and --step-sleep >= 0")
+    if args.ttl < 3:
+        p.error(f"--ttl must be at least 3, got {args.ttl}")
+    try:
+        interval, attempts = (int(x) for x in args.rdzv_keepalive.split(","))
+    except ValueError:
+        p.error(f"--rdzv-keepalive takes two integers, got {args.rdzv_keepalive!r}")
+    if interval < 1 or attempts < 1:
+        p.error(f"--rdzv-keepalive values must be at least 1, got {args.rdzv_keepalive!r}")
+    args.keepalive = (interval, attempts)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cfg = BenchConfig(repeats=args.repeats, events=args.events, steps=args.steps,
+                      step_sleep=args.step_sleep, event_at=args.event_at,
+                      ckpt_every=args.ckpt_every, ckpt_mode=args.ckpt_mode, ttl=args.ttl,
+                      keepalive_interval_s=args.keepalive[0],
+                      keepalive_attempts=args.keepalive[1], smoke=args.smoke)
+    os.environ.update(recovery.ONE_THREAD)  # every process it starts inherits it
+    # SIGTERM takes the Ctrl-C path, so the finally blocks below stop every process.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    base = args.keep_dir or Path(tempfile.mkdtemp(prefix="understudy-bench-down-"))
+    base.mkdir(parents=True, exist_ok=True)
+    started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    repeats: list[dict[str, Any]] = []
+    try:
+        for i in range(cfg.repeats):
+            repeats.append(run_repeat(i, cfg, base / f"repeat{i}"))
+    except (BenchmarkError, recovery.BenchmarkError, migration.BenchmarkError, EtcdStartError,
+            StoreError, OSError, UnderstudyError, ValueError, psutil.Error) as exc:
+        print(f"downtime benchmark failed: {exc} (logs in {base})", file=sys.stderr)
+        args.keep_dir = args.keep_dir or base
+        return 1
+    except KeyboardInterrupt:
+        print("downtime benchmark interrupted; its processes are stopped", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if args.keep_dir is None:
+            shutil.rmtree(base, ignore_errors=True)
+
+    result = {
+        "benchmark": "downtime",
+        "started_at": started,
+        "command": shlex.join(sys.orig_argv),
+        "machine": {**machine(), "torch": importlib.metadata.version("torch")},
+        "config": {**asdict(cfg), "tp": recovery.TP, "dp": WORLD // recovery.TP,
+                   "understudy_standby": 2, "job": "examples/plain_torch/train.py",
+                   "threads_per_process": 1, "victim_rank": VICTIM,
+                   "lost_node": {"understudy": recovery.LOST_NODE, "torchrun": "agent 1"},
+                   "torchrun": {"agents": 2, "workers_per_agent": 2, "rdzv_backend": "c10d",
+                                "max_restarts": MAX_RESTARTS, "monitor_interval_s": 0.1,
+                                "drain_notice": True,
+                                "env": {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}},
+                   "downtime": "first step completed after the interruption - last step "
+                               "completed before it - median step before the event"},
+        "summary": collect(repeats, cfg),
+        "chart": str(args.png),
+        "repeats": repeats,
+    }
+    print_summary(result)
+    out: Path = args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")  # git-ignored should the run die mid-write
+    tmp.write_text(json.dumps(rounded(result), indent=1) + "\n")
+    tmp.replace(out)
+    plot(result, args.png)
+    print(f"\nresults written to {out}, chart to {args.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,346 @@
+"""Steady-state overhead benchmark: the job's step time under understudy against torchrun.
+
+One command, real processes. N times, in turn (so that a change in the machine's load hits
+every system alike), the plain-PyTorch example's job (``examples/plain_torch/train.py``: same
+model, seed, data, TP=2 x DP=2 on gloo) runs ``--steps`` steps, uninterrupted, under:
+
+- **understudy**: ``understudy run`` on a fresh local cluster (embedded etcd, ``node-a`` and
+  ``node-b`` with two slots each, no standby: standbys live on other nodes, and here they would
+  only take CPU from the job). What it pays each step: the vote (one 3-element all-reduce over
+  the world), waits that poll for an abort, the boundary hook asking the daemon about
+  migrations; and the daemons run beside it.
+- **torchrun**: two torchrun elastic agents of two workers each (``benchmarks/baseline/``), no
+  checkpoint: a plain loop of reseed, compute, apply.
+- **torchrun+dcp**: the same with the downtime benchmark's baseline: a
+  ``torch.distributed.checkpoint`` save every ``--ckpt-every`` steps (``--ckpt-mode``) and the
+  drain handler (one rendezvous-store lookup a step).
+
+Each rank logs a line per committed step (``--step-log``); the job's step times are the gaps
+between consecutive job-level completions (every rank committed the step), the first
+``--warmup`` steps left out (``benchmarks/steplog.py``). Per run: the **median** step (a typical
+step) and the **mean** (the window over its steps, checkpoints included). Overhead = understudy /
+torchrun - 1, on the medians and on the means; the checkpoint cadence's cost = torchrun+dcp's
+mean against torchrun's.
+
+Under understudy the runtime's own per-step timings (``--save``) also say where the step goes:
+boundary (the migration hook), compute, vote, apply.
+
+Prints a summary and writes JSON with the machine, the command, the configuration and every
+sample. Every process it starts is stopped on exit, Ctrl-C and SIGTERM included.
+
+    .venv/bin/python benchmarks/overhead.py [--repeats N] [--steps S] [--smoke] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import os
+import shlex
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import migration
+import psutil
+import recovery
+import steplog
+from baseline.elastic import ElasticRun, TorchrunConfig, TorchrunError, read_records
+from control_plane import machine, rounded, summarize  # the sibling benchmarks' helpers
+
+from understudy.daemon.embedded_etcd import EmbeddedEtcd, EtcdStartError
+from understudy.daemon.errors import StoreError, UnderstudyError
+from understudy.daemon.localcluster import LocalCluster
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN = REPO / "examples" / "plain_torch" / "train.py"
+DEFAULT_OUT = REPO / "benchmarks" / "results" / "overhead.json"
+# Smoke results are throwaway: *.tmp under benchmarks/results is git-ignored.
+SMOKE_OUT = REPO / "benchmarks" / "results" / "overhead.smoke.tmp"
+SYSTEMS = ("understudy", "torchrun", "torchrun+dcp")
+JOB = "overhead"
+WORLD, TP = 4, 2
+ACTIVE = ("node-a", "node-b")
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+#: Design target (/work/shared/design.md, "Targets"): against torchrun without checkpoints.
+TARGET_OVERHEAD = 0.02
+
+
+class BenchmarkError(UnderstudyError):
+    """The benchmark could not measure what it set out to."""
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    repeats: int
+    steps: int
+    step_sleep: float
+    warmup: int
+    ckpt_every: int
+    ckpt_mode: str
+    smoke: bool
+
+
+def run_understudy(cfg: BenchConfig, base: Path) -> dict[str, Any]:
+    etcd = EmbeddedEtcd(data_dir=base / "etcd")
+    cluster = LocalCluster(etcd_endpoint="", base_dir=base / "nodes")
+    t0 = time.monotonic()
+    try:
+        etcd.start()
+        cluster.etcd_endpoint = etcd.endpoint
+        for n in ACTIVE:
+            cluster.add(n, "active", extra=["--slots", "2"])
+        for n in ACTIVE:
+            cluster.wait_state(n, "active", timeout=60)
+        cluster.wait_for("a controller", lambda s: s.controller is not None, timeout=60)
+        env = [f"--env={k}={v}" for k, v in ONE_THREAD.items()]
+        run = cluster.cli("run", "--job", JOB, "--tp", str(TP), "--dp", str(WORLD // TP), *env,
+                          "--", sys.executable, str(TRAIN), "--steps", str(cfg.steps),
+                          "--step-sleep", str(cfg.step_sleep), "--step-log", str(base / "steps"),
+                          "--save", str(base / "out"))
+        if run.returncode != 0:
+            raise BenchmarkError(f"understudy run failed: {run.stderr.strip()}")
+        cluster.wait_for("the job to finish", lambda s: (j := s.job(JOB)) is not None
+                         and j.state in ("done", "failed"), timeout=900, interval=0.5)
+        job = cluster.status().job(JOB)
+        if job is None or job.state != "done":
+            raise BenchmarkError(f"the job did not finish: {job.status if job else 'gone'}")
+        tracebacks = sum(d.log_text().count("Traceback") for d in cluster.daemons.values())
+    finally:
+        recovery.stop_cluster(etcd, cluster)
+    return {"wall_s": time.monotonic() - t0, "records": read_records(base / "steps"),
+            "runtime_split_s": runtime_split(base / "out", cfg.warmup),
+            "daemon_log_tracebacks": tracebacks}
+
+
+def runtime_split(out: Path, warmup: int) -> dict[str, float]:
+    """Where an understudy step goes, from the runtime's own per-step timings (``--save``):
+    per part (boundary: the migration hook; compute; vote; apply), the median over the steady
+    steps of each rank, then the median over the ranks.
+
+    Raises:
+        BenchmarkError: a rank saved no timings.
+    """
+    parts = ("boundary", "compute", "vote", "apply")
+    per_rank: dict[str, list[float]] = {k: [] for k in parts}
+    for r in range(WORLD):
+        try:
+            timings = json.loads((out / f"rank{r}.json").read_text())["timings"]
+        except (OSError, json.JSONDecodeError, KeyError) as exc:
+            raise BenchmarkError(f"rank {r} saved no timings: {exc}") from exc
+        steady = [t for t in timings if t["committed"] and t["step"] >= warmup]
+        for k in parts:
+            per_rank[k].append(statistics.median(t[k] for t in steady))
+    return {k: statistics.median(v) for k, v in per_rank.items()}
+
+
+def run_torchrun(cfg: BenchConfig, base: Path, checkpoints: bool) -> dict[str, Any]:
+    tcfg = TorchrunConfig(steps=cfg.steps, step_sleep=cfg.step_sleep,
+                          ckpt_every=cfg.ckpt_every if checkpoints else 0,
+                          ckpt_mode=cfg.ckpt_mode, drain_notice=checkpoints, max_restarts=0)
+    run = ElasticRun(tcfg, base)
+    t0 = time.monotonic()
+    try:
+        run.start()
+        codes = run.wait_finished(timeout=900)
+    except TorchrunError as exc:
+        raise BenchmarkError(f"torchrun: {exc}\n{run.agent_log_tail()}") from exc
+    finally:
+        run.stop()
+    if any(c != 0 for c in codes.values()):
+        raise BenchmarkError(f"torchrun agents failed: {codes} (logs in {base})")
+    records = run.records()
+    saves = [r["save_s"] for r in records if r.get("kind") == "saved"]
+    return {"wall_s": time.monotonic() - t0, "records": records,
+            "checkpoint_save_s": summarize(saves) if saves else None,
+            "checkpoints": len({r["step"] for r in records if r.get("kind") == "saved"})}
+
+
+def measure(system: str, cfg: BenchConfig, base: Path) -> dict[str, Any]:
+    load_before = os.getloadavg()[0]
+    if system == "understudy":
+        res = run_understudy(cfg, base)
+    else:
+        res = run_torchrun(cfg, base, checkpoints=system == "torchrun+dcp")
+    done = steplog.completions(res.pop("records"), WORLD)
+    if not done or done[-1].step != cfg.steps - 1:
+        raise BenchmarkError(f"{system}: the job did not complete step {cfg.steps - 1}")
+    steps = steplog.steady_steps(done, cfg.warmup)
+    return {"system": system, **steps, **res,
+            "loadavg_1m_before_after": [load_before, os.getloadavg()[0]]}
+
+
+def run_repeat(i: int, cfg: BenchConfig, base: Path) -> dict[str, Any]:
+    rep: dict[str, Any] = {"repeat": i}
+    # A different order each repeat: no system always runs right after the same one.
+    order = SYSTEMS[i % len(SYSTEMS):] + SYSTEMS[:i % len(SYSTEMS)]
+    for system in order:
+        r = rep[system] = measure(system, cfg, base / system.replace("+", "-"))
+        print(f"  repeat {i + 1}/{cfg.repeats} {system}: median step {r['median_s'] * 1e3:.2f} "
+              f"ms, mean {r['mean_s'] * 1e3:.2f} ms over {r['steps']} steps; {r['wall_s']:.0f}s, "
+              f"load {r['loadavg_1m_before_after'][1]:.1f}", file=sys.stderr, flush=True)
+    return rep
+
+
+def collect(repeats: list[dict[str, Any]]) -> dict[str, Any]:
+    per = {s: {k: summarize([r[s][k] for r in repeats]) for k in ("median_s", "mean_s", "p90_s")}
+           for s in SYSTEMS}
+
+    def overhead(system: str, base: str, key: str) -> dict[str, Any]:
+        # Per repeat (the runs next to each other), and of the medians over repeats.
+        return {"per_repeat": summarize([r[system][key] / r[base][key] - 1 for r in repeats]),
+                "of_medians": per[system][key]["median"] / per[base][key]["median"] - 1}
+
+    saves = [x for r in repeats if r["torchrun+dcp"]["checkpoint_save_s"] is not None
+             for x in [r["torchrun+dcp"]["checkpoint_save_s"]["median"]]]
+    return {
+        "step_s": per,
+        "understudy_over_torchrun": {"median_step": overhead("understudy", "torchrun",
+                                                             "median_s"),
+                                     "mean_step": overhead("understudy", "torchrun", "mean_s"),
+                                     "target": TARGET_OVERHEAD},
+        "understudy_over_torchrun_dcp": {"median_step": overhead("understudy", "torchrun+dcp",
+                                                                 "median_s"),
+                                         "mean_step": overhead("understudy", "torchrun+dcp",
+                                                               "mean_s")},
+        "dcp_cadence_over_torchrun": {"mean_step": overhead("torchrun+dcp", "torchrun",
+                                                            "mean_s")},
+        "checkpoint_save_s": summarize(saves) if saves else None,
+        "understudy_runtime_split_s": {k: summarize([r["understudy"]["runtime_split_s"][k]
+                                                     for r in repeats])
+                                       for k in repeats[0]["understudy"]["runtime_split_s"]},
+    }
+
+
+def print_summary(result: dict[str, Any]) -> None:
+    cfg, m, s = result["config"], result["machine"], result["summary"]
+    print(f"\noverhead: TP2 x DP2 plain job, {cfg['repeats']} run(s) of {cfg['steps']} steps per "
+          f"system (first {cfg['warmup']} left out), step sleep {cfg['step_sleep']} s; "
+          f"torchrun+dcp saves every {cfg['ckpt_every']} steps ({cfg['ckpt_mode']}); on "
+          f"{m['cpus_usable']} CPUs, torch {m['torch']}")
+
+    def row(label: str, v: dict[str, float] | None, unit: str, scale: float = 1.0) -> None:
+        if v is None:
+            print(f"  {label:<44}{'(none)':>10}")
+            return
+        print(f"  {label:<44}" + "".join(f"{v[k] * scale:>10.3f}" for k in
+                                          ("median", "min", "max", "spread")) + f"  {unit}")
+
+    print(f"\n  {'':<44}{'median':>10}{'min':>10}{'max':>10}{'spread':>10}")
+    for system in SYSTEMS:
+        row(f"{system}: median step", s["step_s"][system]["median_s"], "ms", 1e3)
+        row(f"{system}: mean step", s["step_s"][system]["mean_s"], "ms", 1e3)
+    for key, label in (("understudy_over_torchrun", "understudy vs torchrun"),
+                       ("understudy_over_torchrun_dcp", "understudy vs torchrun+dcp")):
+        for k in ("median_step", "mean_step"):
+            row(f"{label}, {k.replace('_', ' ')}", s[key][k]["per_repeat"], "%", 100)
+    row("torchrun+dcp vs torchrun, mean step", s["dcp_cadence_over_torchrun"]["mean_step"][
+        "per_repeat"], "%", 100)
+    row("one DCP save (median per run)", s["checkpoint_save_s"], "ms", 1e3)
+    for k, v in s["understudy_runtime_split_s"].items():
+        row(f"understudy step, runtime's {k} (median)", v, "ms", 1e3)
+    o = s["understudy_over_torchrun"]["median_step"]["per_repeat"]["median"]
+    print(f"  target: understudy <= {TARGET_OVERHEAD * 100:.0f} % over torchrun without "
+          f"checkpoints; median of the per-run overheads {o * 100:+.2f} %")
+    loads = [x for r in result["repeats"] for sy in SYSTEMS
+             for x in r[sy]["loadavg_1m_before_after"]]
+    print(f"  1-minute load average during the run: {min(loads):.1f} to {max(loads):.1f}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, help="runs per system (default 5; smoke 1)")
+    p.add_argument("--steps", type=int, help="steps per run (default 600; smoke 80)")
+    p.add_argument("--step-sleep", type=float, default=0.04,
+                   help="seconds of stand-in work per step (default 0.04, as the other "
+                        "benchmarks)")
+    p.add_argument("--warmup", type=int, help="first steps left out (default 20; smoke 10)")
+    p.add_argument("--ckpt-every", type=int, default=20,
+                   help="torchrun+dcp's checkpoint cadence in steps (default 20, as "
+                        "benchmarks/downtime.py)")
+    p.add_argument("--ckpt-mode", choices=("sync", "async"), default="sync")
+    p.add_argument("--smoke", action="store_true", help="one short run each: for the tests")
+    p.add_argument("--out", type=Path, help=f"JSON results (default {DEFAULT_OUT.relative_to(REPO)}"
+                   f"; smoke {SMOKE_OUT.relative_to(REPO)})")
+    p.add_argument("--keep-dir", type=Path, help="keep logs and step lines here")
+    args = p.parse_args(argv)
+
+    def pick(value: Any, full: Any, smoke: Any) -> Any:
+        return value if value is not None else (smoke if args.smoke else full)
+
+    args.repeats = pick(args.repeats, 5, 1)
+    args.steps = pick(args.steps, 600, 80)
+    args.warmup = pick(args.warmup, 20, 10)
+    args.out = pick(args.out, DEFAULT_OUT, SMOKE_OUT)
+    if args.repeats < 1 or args.ckpt_every < 1 or args.warmup < 1:
+        p.error("--repeats, --ckpt-every and --warmup must be at least 1")
+    if args.steps < args.warmup + 2 * args.ckpt_every:
+        p.error(f"--steps must be at least --warmup + 2 x --ckpt-every, got {args.steps}")
+    if args.step_sleep < 0:
+        p.error("--step-sleep must be >= 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cfg = BenchConfig(repeats=args.repeats, steps=args.steps, step_sleep=args.step_sleep,
+                      warmup=args.warmup, ckpt_every=args.ckpt_every, ckpt_mode=args.ckpt_mode,
+                      smoke=args.smoke)
+    os.environ.update(ONE_THREAD)  # every process it starts inherits it
+    # SIGTERM takes the Ctrl-C path, so the finally blocks below stop every process.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    base = args.keep_dir or Path(tempfile.mkdtemp(prefix="understudy-bench-ovh-"))
+    base.mkdir(parents=True, exist_ok=True)
+    started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    repeats: list[dict[str, Any]] = []
+    try:
+        for i in range(cfg.repeats):
+            repeats.append(run_repeat(i, cfg, base / f"repeat{i}"))
+    except (BenchmarkError, migration.BenchmarkError, EtcdStartError, StoreError, OSError,
+            UnderstudyError, ValueError, psutil.Error) as exc:
+        print(f"overhead benchmark failed: {exc} (logs in {base})", file=sys.stderr)
+        args.keep_dir = args.keep_dir or base
+        return 1
+    except KeyboardInterrupt:
+        print("overhead benchmark interrupted; its processes are stopped", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if args.keep_dir is None:
+            shutil.rmtree(base, ignore_errors=True)
+
+    result = {
+        "benchmark": "overhead",
+        "started_at": started,
+        "command": shlex.join(sys.orig_argv),
+        "machine": {**machine(), "torch": importlib.metadata.version("torch")},
+        "config": {**asdict(cfg), "tp": TP, "dp": WORLD // TP, "understudy_standby": 0,
+                   "job": "examples/plain_torch/train.py", "threads_per_process": 1,
+                   "torchrun": {"agents": 2, "workers_per_agent": 2, "rdzv_backend": "c10d",
+                                "dcp_variant_drain_notice": True},
+                   "step_time": "gap between consecutive job-level completions (every rank "
+                                "committed the step)"},
+        "summary": collect(repeats),
+        "repeats": repeats,
+    }
+    print_summary(result)
+    out: Path = args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")  # git-ignored should the run die mid-write
+    tmp.write_text(json.dumps(rounded(result), indent=1) + "\n")
+    tmp.replace(out)
+    print(f"\nresults written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
