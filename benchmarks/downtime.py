@@ -40,10 +40,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.metadata
-import json
 import os
 import shlex
-import shutil
 import signal
 import sys
 import tempfile
@@ -57,7 +55,8 @@ import psutil
 import recovery
 import steplog
 from baseline.elastic import ElasticRun, TorchrunConfig, TorchrunError, read_records
-from control_plane import machine, rounded, summarize  # the sibling benchmarks' helpers
+from common import run_repeats, write_results
+from control_plane import machine, summarize  # the sibling benchmarks' helpers
 
 from understudy.daemon import config as config_mod
 from understudy.daemon.embedded_etcd import EtcdStartError
@@ -523,23 +522,14 @@ def main(argv: list[str] | None = None) -> int:
     base = args.keep_dir or Path(tempfile.mkdtemp(prefix="understudy-bench-down-"))
     base.mkdir(parents=True, exist_ok=True)
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    repeats: list[dict[str, Any]] = []
-    try:
-        for i in range(cfg.repeats):
-            repeats.append(run_repeat(i, cfg, base / f"repeat{i}"))
-    except (BenchmarkError, recovery.BenchmarkError, migration.BenchmarkError, EtcdStartError,
-            StoreError, OSError, UnderstudyError, ValueError, psutil.Error) as exc:
-        print(f"downtime benchmark failed: {exc} (logs in {base})", file=sys.stderr)
-        args.keep_dir = args.keep_dir or base
-        return 1
-    except KeyboardInterrupt:
-        print("downtime benchmark interrupted; its processes are stopped", file=sys.stderr)
-        return 130
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if args.keep_dir is None:
-            shutil.rmtree(base, ignore_errors=True)
+    outcome = run_repeats("downtime", cfg.repeats, lambda i, d: run_repeat(i, cfg, d), base,
+                          args.keep_dir is not None,
+                          (BenchmarkError, recovery.BenchmarkError, migration.BenchmarkError,
+                           EtcdStartError, StoreError, OSError, UnderstudyError, ValueError,
+                           psutil.Error))
+    if isinstance(outcome, int):
+        return outcome
+    repeats = outcome
 
     result = {
         "benchmark": "downtime",
@@ -562,10 +552,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print_summary(result)
     out: Path = args.out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")  # git-ignored should the run die mid-write
-    tmp.write_text(json.dumps(rounded(result), indent=1) + "\n")
-    tmp.replace(out)
+    write_results(result, out)
     plot(result, args.png)
     print(f"\nresults written to {out}, chart to {args.png}")
     return 0

@@ -39,7 +39,6 @@ import importlib.metadata
 import json
 import os
 import shlex
-import shutil
 import signal
 import statistics
 import sys
@@ -54,7 +53,8 @@ import psutil
 import recovery
 import steplog
 from baseline.elastic import ElasticRun, TorchrunConfig, TorchrunError, read_records
-from control_plane import machine, rounded, summarize  # the sibling benchmarks' helpers
+from common import run_repeats, write_results
+from control_plane import machine, summarize  # the sibling benchmarks' helpers
 
 from understudy.daemon.embedded_etcd import EmbeddedEtcd, EtcdStartError
 from understudy.daemon.errors import StoreError, UnderstudyError
@@ -300,23 +300,13 @@ def main(argv: list[str] | None = None) -> int:
     base = args.keep_dir or Path(tempfile.mkdtemp(prefix="understudy-bench-ovh-"))
     base.mkdir(parents=True, exist_ok=True)
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    repeats: list[dict[str, Any]] = []
-    try:
-        for i in range(cfg.repeats):
-            repeats.append(run_repeat(i, cfg, base / f"repeat{i}"))
-    except (BenchmarkError, migration.BenchmarkError, EtcdStartError, StoreError, OSError,
-            UnderstudyError, ValueError, psutil.Error) as exc:
-        print(f"overhead benchmark failed: {exc} (logs in {base})", file=sys.stderr)
-        args.keep_dir = args.keep_dir or base
-        return 1
-    except KeyboardInterrupt:
-        print("overhead benchmark interrupted; its processes are stopped", file=sys.stderr)
-        return 130
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if args.keep_dir is None:
-            shutil.rmtree(base, ignore_errors=True)
+    outcome = run_repeats("overhead", cfg.repeats, lambda i, d: run_repeat(i, cfg, d), base,
+                          args.keep_dir is not None,
+                          (BenchmarkError, migration.BenchmarkError, EtcdStartError,
+                           StoreError, OSError, UnderstudyError, ValueError, psutil.Error))
+    if isinstance(outcome, int):
+        return outcome
+    repeats = outcome
 
     result = {
         "benchmark": "overhead",
@@ -334,10 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print_summary(result)
     out: Path = args.out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")  # git-ignored should the run die mid-write
-    tmp.write_text(json.dumps(rounded(result), indent=1) + "\n")
-    tmp.replace(out)
+    write_results(result, out)
     print(f"\nresults written to {out}")
     return 0
 
