@@ -178,6 +178,27 @@ class GroupSet:
                                  f"{rank} of {size}")
             return group
 
+    def stand_in(self, name: str, rank: int, size: int, communicator: Any) -> VersionedGroup:
+        """The stable object of group ``name`` with ``communicator`` as its current version
+        (:meth:`GroupVersion.stand_in`, number 0): a standby's sandbox builds the job on the
+        objects the job will keep, answered by replay groups. :meth:`fence` drops the stand-in
+        and the first :meth:`switch` replaces it; neither touches ``communicator``.
+
+        Raises:
+            ValueError: as :meth:`reserve`, a ``communicator`` of another rank or size, or a
+                group that has a current version already.
+        """
+        if (communicator.rank(), communicator.size()) != (rank, size):
+            raise ValueError(f"the stand-in for {name} is rank {communicator.rank()} of "
+                             f"{communicator.size()}, not {rank} of {size}")
+        group = self.reserve(name, rank, size)
+        with self._lock:
+            if group.version is not None:
+                raise ValueError(f"{name} has a current version already ({group.version!r})")
+            group._install(GroupVersion.stand_in(name, rank, size, communicator))
+        self.log.info("A stand-in answers the group until its first real version.", group=name)
+        return group
+
     def prepare(self, name: str, version: int, members: Sequence[str]) -> GroupVersion:
         """Start building version ``version`` of ``name`` for ``members`` in the background.
 
@@ -345,6 +366,19 @@ class GroupSet:
             old = self._unset(name)
             if old is not None:
                 self.log.warning("Fenced a group version.", group=name, version=old.number)
+
+    def retire_stand_ins(self) -> list[str]:
+        """Retire every stand-in that is still current (the sandbox is over): those groups
+        raise ``NoCurrentVersionError`` until their first real version is switched in. Returns
+        their names."""
+        names = [n for n in self.names() if (v := self._groups[n].version) is not None
+                 and not v._owned]
+        for name in names:
+            self._unset(name)
+        if names:
+            self.log.info("Retired the stand-ins; the groups wait for their first real "
+                          "version.", groups=names)
+        return names
 
     def _unset(self, name: str) -> GroupVersion | None:
         old = self.current(name)._install(None)

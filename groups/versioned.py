@@ -34,6 +34,10 @@ from understudy.groups.errors import GroupBuildError, NoCurrentVersionError, Ret
 #: Builds a torch store for one bootstrap namespace; waits in it stop when the event is set.
 StoreFactory = Callable[[str, threading.Event], dist.Store]
 
+#: Sees a collective on its way: ``tap(method, args, kwargs, issue)`` returns what
+#: ``issue(*args, **kwargs)`` (the current version's method) returns, or stands in for it.
+Tap = Callable[[str, tuple[Any, ...], dict[str, Any], Callable[..., Any]], Any]
+
 #: ``ProcessGroup`` methods that issue communication; the stable group forwards each by name.
 FORWARDED = (
     "allreduce", "allreduce_coalesced", "broadcast", "reduce",
@@ -91,6 +95,22 @@ class GroupVersion:
         self._store: dist.Store | None = None
         self._lock = threading.Lock()
         self._built = threading.Event()
+        #: whether retiring this version releases its communicator (a stand-in's is not ours)
+        self._owned = True
+
+    @classmethod
+    def stand_in(cls, name: str, rank: int, size: int, communicator: Any) -> GroupVersion:
+        """Version 0 of ``name``, current from the start, whose communicator is any object with
+        the ``ProcessGroup`` methods (a sandbox's replay group): the stable group can be handed
+        to a model before the job's real communicators exist. Its members are placeholders,
+        nothing is bootstrapped, and retiring it leaves ``communicator`` to its owner."""
+        v = cls(name, 0, [f"stand-in-{i}" for i in range(size)], rank, f"{name}/stand-in")
+        v._owned = False
+        v._pg = communicator
+        v._set(VersionState.READY)
+        v._set(VersionState.CURRENT)
+        v._built.set()
+        return v
 
     def __repr__(self) -> str:
         return (f"GroupVersion({self.name} v{self.number}, rank {self.rank} of "
@@ -163,7 +183,7 @@ class GroupVersion:
         with self._lock:
             if VersionState.RETIRED in _TRANSITIONS[self.state]:
                 self._set(VersionState.RETIRED)
-            held = [h for h in (self._pg, self._store) if h is not None]
+            held = [h for h in (self._pg, self._store) if h is not None and self._owned]
             self._pg = self._store = None
         return held
 
@@ -173,7 +193,8 @@ class VersionedGroup(dist.ProcessGroup):
 
     Its ``rank()`` and ``size()`` never change: a joiner takes the leaver's slot. Every
     collective goes to the current version; with none (before the first switch, or fenced after
-    an abort) it raises :class:`NoCurrentVersionError`.
+    an abort) it raises :class:`NoCurrentVersionError`. A :data:`Tap` set with :meth:`tap` sees
+    each collective on its way to the version (a recorder), until it is removed.
     """
 
     def __init__(self, name: str, rank: int, size: int) -> None:
@@ -181,6 +202,7 @@ class VersionedGroup(dist.ProcessGroup):
         super().__init__(rank, size)  # type: ignore[call-arg]
         self.logical_name = name
         self._current: GroupVersion | None = None
+        self._tap: Tap | None = None
 
     def __repr__(self) -> str:
         v = self._current
@@ -220,6 +242,12 @@ class VersionedGroup(dist.ProcessGroup):
     def unregister(self) -> None:
         _world.pg_group_ranks.pop(self, None)
 
+    def tap(self, tap: Tap | None) -> None:
+        """From now on every collective is issued as ``tap(method, args, kwargs, issue)``, where
+        ``issue(*args, **kwargs)`` sends it to the current version; None removes the tap (a
+        forwarded call then costs nothing more than before). The model keeps the same object."""
+        self._tap = tap
+
     def _install(self, version: GroupVersion | None) -> GroupVersion | None:
         """Make ``version`` current (None: fence); return the previous one."""
         if version is not None:
@@ -231,7 +259,12 @@ class VersionedGroup(dist.ProcessGroup):
 
 def _forwarder(method: str) -> Callable[..., Any]:
     def forward(self: VersionedGroup, *args: Any, **kwargs: Any) -> Any:
-        return self._live().call(method, *args, **kwargs)
+        tap = self._tap
+        if tap is None:
+            return self._live().call(method, *args, **kwargs)
+        version = self._live()
+        return tap(method, args, kwargs,
+                   lambda *a, **k: version.call(method, *a, **k))
 
     forward.__name__ = forward.__qualname__ = method
     forward.__doc__ = f"Forward ``{method}`` to the current version."

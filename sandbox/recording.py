@@ -1,26 +1,31 @@
 """Recording a rank's collectives during the first iterations of a job.
 
 One rank per role type (:func:`~understudy.sandbox.manifest.recording_ranks`) records. The
-launcher of such a rank wraps the job's groups provider and the runtime's boundary hook::
+launcher of such a rank taps the job's stable groups and wraps the runtime's boundary hook::
 
     recorder = Recorder(recording_dir, job=job, layout=Layout(world, tp), rank=rank,
                         iterations=2, code=CodeVersion.of(script))
-    ctx = JobContext(..., groups=recorder.provider(JobGroups(...)))
-    runtime = Runtime(make_job(), ctx)
+    recorder.tap(JobGroups(...))             # every VersionedGroup of the rank
+    runtime = Runtime(make_job(), JobContext(..., groups=JobGroups(...)))
     runtime.build()                          # collectives of build() are recorded too
     runtime.hook = recorder.hook(MigrationHook(...))
     runtime.run(steps)                       # recording stops by itself after 2 iterations
     recorder.close(timeout=30)               # at the end of the run: bounded join of the writer
 
-While it records, ``ctx.group(name)`` returns a :class:`RecordingGroup`: a Python subclass of
-``torch.distributed.ProcessGroup`` that forwards each collective to the real group and notes
-the op, the shapes and dtypes of its tensors, a digest of its inputs (taken before the call,
-since in-place collectives overwrite them) and, once the work has completed, a copy of its
-outputs. The boundary hook tells the recorder where each iteration starts; the calls of an
-attempt the vote rejected are dropped, so the recording holds what committed steps issued.
+:meth:`Recorder.tap` sets a tap (:meth:`~understudy.groups.versioned.VersionedGroup.tap`) on
+each of the rank's :class:`~understudy.groups.versioned.VersionedGroup` objects, the ones the
+job holds (Megatron's ``parallel_state`` keeps them for the whole run), so the job sees the
+same objects whether or not it is recorded. For each collective the recorder notes the op, the
+shapes and dtypes of its tensors, a digest of its inputs (taken before the call, since
+in-place collectives overwrite them) and, once the work has completed, a copy of its outputs.
+The boundary hook tells the recorder where each iteration starts; the calls of an attempt the
+vote rejected are dropped, so the recording holds what committed steps issued. Once the
+recorder stops (written, or abandoned), the taps are removed: no cost afterwards.
 
-After the last recorded iteration the recorder stops: ``ctx.group(name)`` hands out the real
-group again, and a :class:`RecordingGroup` a job kept forwards without recording. The recording
+Communicators that are not stable groups (a plain ``ProcessGroup``) are recorded through
+:meth:`Recorder.provider` instead: ``ctx.group(name)`` returns a :class:`RecordingGroup`
+wrapper while recording, the real group afterwards, and a wrapper a job kept forwards without
+recording. The recording
 is written on a background thread (``sandbox-recording-writer``), data file first, manifest
 last, each atomically (see :mod:`understudy.sandbox.manifest`). A failure to record never
 fails training: the recorder logs it and gives up (:attr:`RecordState.ABANDONED`).
@@ -42,6 +47,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _world
 
+from understudy.groups.versioned import Tap, VersionedGroup
 from understudy.sandbox import ops
 from understudy.sandbox.errors import RecordingError
 from understudy.sandbox.manifest import (
@@ -136,6 +142,7 @@ class Recorder:
             ranks = layout.group_ranks(name, rank)
             self._groups[name] = [ranks.index(rank), len(ranks)]
         self._writer: threading.Thread | None = None
+        self._tapped: list[VersionedGroup] = []
         self._log = structlog.get_logger("understudy.sandbox").bind(
             job=job, rank=rank, role_type=self.role_type.key)
 
@@ -149,6 +156,10 @@ class Recorder:
         assert to in _TRANSITIONS[self.state], f"a {self.state.value} recording cannot " \
                                                f"become {to.value}"
         self.state = to
+        if to is not RecordState.RECORDING:
+            for group in self._tapped:
+                group.tap(None)
+            self._tapped.clear()
 
     # -- what the launcher wires --------------------------------------------------------------
 
@@ -156,6 +167,33 @@ class Recorder:
         """A groups provider that hands out recording wrappers of ``inner``'s groups while this
         recorder records, and ``inner``'s own groups afterwards."""
         return RecordingGroups(inner, self)
+
+    def tap(self, groups: GroupsProvider) -> None:
+        """Record the collectives of each of this rank's groups (``groups.current(name)`` for
+        every logical group of the layout) in place, while this recorder records.
+
+        Raises:
+            TypeError: a group is not a stable :class:`VersionedGroup` (use :meth:`provider`).
+            ValueError: as ``groups.current``.
+        """
+        found = {name: groups.current(name) for name in self.layout.logical()}
+        for name, group in found.items():
+            if not isinstance(group, VersionedGroup):
+                raise TypeError(f"group {name} is a {type(group).__name__}, not a stable "
+                                "VersionedGroup: record it through Recorder.provider")
+        with self._lock:
+            if self.state is not RecordState.RECORDING:
+                return
+            for name, group in found.items():
+                self._groups[name] = [group.rank(), group.size()]
+                group.tap(self._tap_for(name))
+                self._tapped.append(group)
+
+    def _tap_for(self, name: str) -> Tap:
+        def tap(op: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                issue: Callable[..., Any]) -> Any:
+            return self.issue(name, op, args, kwargs, issue)
+        return tap
 
     def hook(self, inner: BoundaryHook | None = None) -> RecordingHook:
         """A boundary hook that marks iterations for this recorder, then defers to ``inner``."""
@@ -222,11 +260,11 @@ class Recorder:
 
     # -- used by RecordingGroup --------------------------------------------------------------
 
-    def issue(self, group: str, inner: Communicator, op: str, args: Sequence[Any],
-              kwargs: dict[str, Any]) -> Any:
-        """Forward ``inner.<op>(*args, **kwargs)`` and record it (if still recording). The
-        result is the inner work, or a work that completes once the outputs are copied."""
-        method = getattr(inner, op)
+    def issue(self, group: str, op: str, args: Sequence[Any], kwargs: dict[str, Any],
+              method: Callable[..., Any]) -> Any:
+        """Issue ``op`` through ``method(*args, **kwargs)`` (the real group's) and record it
+        (if still recording). The result is the real work, or a work that completes once the
+        outputs are copied."""
         if not self.active:
             return method(*args, **kwargs)
         try:
@@ -404,7 +442,8 @@ class RecordingGroup(dist.ProcessGroup):
 
 def _recording_method(op: str) -> Callable[..., Any]:
     def method(self: RecordingGroup, *args: Any, **kwargs: Any) -> Any:
-        return self.recorder.issue(self.logical_name, self.inner, op, args, kwargs)
+        return self.recorder.issue(self.logical_name, op, args, kwargs,
+                                   getattr(self.inner, op))
 
     method.__name__ = method.__qualname__ = op
     method.__doc__ = f"Forward ``{op}`` to the real group, recording it while recording."

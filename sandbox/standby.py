@@ -7,11 +7,15 @@ filesystem in production), the job's designated ranks record their first iterati
 1. reports ``imports`` warmth, then waits for the recording of the role type it warms as (the
    i-th standby node of the job takes the i-th role type, round robin, so a pool of as many
    standbys as role types covers them all), answering a plan that chooses it meanwhile;
-2. builds the job as that role type's recording rank on replay groups and runs the shadow
-   iterations (:func:`~understudy.sandbox.warmup.warm_up`), then reports ``replay`` warmth
-   (``plain`` if the recording was refused or the replay diverged: the model is built anyway);
-3. parks until chosen. Chosen for the rank it warmed as, it is promoted: the built job is
-   pointed at the real groups and given the real state. Chosen for another rank, it builds that
+2. builds the job as that role type's recording rank on the stable groups that rank will keep
+   (a :class:`~understudy.groups.groupset.GroupSet` with no real version yet), whose replay
+   groups stand in for the real communicators, and runs the shadow iterations
+   (:func:`~understudy.sandbox.warmup.warm_up`); then reports ``replay`` warmth (``plain`` if
+   the recording was refused or the replay diverged: the model is built anyway);
+3. parks until chosen. Chosen for the rank it warmed as, it is promoted: the stand-ins are
+   retired, the joiner switches the real versions into the same group objects the job holds
+   (Megatron's ``parallel_state`` included), and the job is given the real state. Chosen for
+   another rank, it retargets the job if the job can (another pipeline stage), or builds that
    rank's job afresh, with its imports warm.
 """
 
@@ -24,12 +28,13 @@ from pathlib import Path
 
 import structlog
 
+from understudy.groups.groupset import GroupSet
 from understudy.groups.layout import Layout
 from understudy.sandbox.manifest import MANIFEST, RoleType, recording_ranks, role_directory
 from understudy.sandbox.warmup import SandboxTarget, Warmed, WarmupOutcome, warm_up
 from understudy.worker.api import TrainingJob
 from understudy.worker.daemon_client import DaemonClient, DaemonError
-from understudy.worker.migration import Plan, chosen_rank
+from understudy.worker.migration import Plan, chosen_rank, member
 
 #: The job's environment variable naming the recording directory (shared by every node).
 RECORDINGS = "UNDERSTUDY_RECORDINGS"
@@ -41,8 +46,8 @@ POLL_S = 0.1
 
 
 def sandboxed(job: TrainingJob) -> bool:
-    """Whether ``job`` can be built on recording and replay groups (a job that needs the
-    job's own group objects, as Megatron's ``parallel_state`` does, cannot yet)."""
+    """Whether ``job`` takes part in the sandbox (recorded, replayed): unless it sets
+    ``sandboxed = False`` (a job whose collectives cannot be recorded, for example)."""
     return bool(getattr(job, "sandboxed", True))
 
 
@@ -77,7 +82,8 @@ def warm_standby(make_job: Callable[[], TrainingJob], control: DaemonClient, *, 
     target = SandboxTarget(job=job, world_size=layout.world_size, tp=layout.tp, pp=layout.pp,
                            rank=rank, script=script,
                            seed=seed, collective_timeout=timeout, should_abort=should_abort)
-    warmed = warm_up(make_job, target, recordings)
+    groups = GroupSet(job, member(rank, node), timeout=timeout)
+    warmed = warm_up(make_job, target, recordings, groups=groups)
     report = warmed.report
     mode = "replay" if report.outcome is WarmupOutcome.SHADOWED else "plain"
     detail = (f"built as rank {rank}; {report.iterations} shadow iterations replayed in "

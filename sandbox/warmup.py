@@ -3,12 +3,24 @@
 ::
 
     target = SandboxTarget(job="gpt", world_size=4, tp=2, rank=1, script=Path(__file__))
-    warmed = warm_up(make_job, target, recording_dir, iterations=2)
+    groups = GroupSet("gpt", member(1, node))  # the stable groups rank 1 will keep
+    warmed = warm_up(make_job, target, recording_dir, iterations=2, groups=groups)
     log.info(warmed.report.summary())
     ...                                        # parked, warm, until chosen
-    runtime = warmed.promote(real_groups)      # ctx.group() now reaches the real groups
+    runtime = warmed.promote(JobGroups(groups, 1, layout))   # the stand-ins are fenced
+    ...                                        # the joiner prepares and switches the groups
     runtime.load_state(state)                  # shadow results are overwritten here
     runtime.run(steps)
+
+**Groups.** With ``groups`` (a :class:`~understudy.groups.groupset.GroupSet` of the rank the
+standby warms as), each replay group stands in (:meth:`GroupSet.stand_in`) as version 0 of the
+rank's stable :class:`~understudy.groups.versioned.VersionedGroup`, and the job is built on
+those objects: a job that keeps its groups for the whole run (Megatron's ``parallel_state``)
+keeps the ones the real versions are switched into after promotion. :meth:`Warmed.promote`
+fences the stand-ins at once, so no collective reaches a replay group after it, and the groups
+raise ``NoCurrentVersionError`` until the joiner's switch. Without ``groups`` the job is built
+on the replay groups themselves, and ``ctx.group()`` reaches the real ones after promotion (a
+job that looks its groups up at every use).
 
 :func:`warm_up` imports nothing itself and builds the job through the worker
 :class:`~understudy.worker.runtime.Runtime`, so the shadow iterations issue exactly the
@@ -28,6 +40,7 @@ job after promotion (the process, its imports and kernels are still warm).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import time
@@ -39,6 +52,7 @@ from typing import Any
 import structlog
 import torch
 
+from understudy.groups.groupset import GroupSet
 from understudy.groups.layout import Layout
 from understudy.sandbox.errors import RecordingError, RecordingMismatch, ReplayDiverged
 from understudy.sandbox.manifest import CodeVersion, Expectation, RoleType
@@ -50,6 +64,7 @@ from understudy.worker.api import (
     TrainingJob,
     reseeds,
 )
+from understudy.worker.migration import JobGroups
 from understudy.worker.runtime import Runtime
 
 
@@ -94,12 +109,15 @@ class SandboxTarget:
 
 class SandboxGroups:
     """The groups provider a standby's job is built on. In the sandbox it hands out the replay
-    groups (with none, after a fallback, every group is missing: ``ValueError``, as for a
-    group not switched in yet); after :meth:`promote` it defers to the real provider.
-    Promotion is one-way."""
+    groups, or the stable groups they stand in for (``stable``: a provider of this rank's
+    :class:`VersionedGroup` objects, each with its replay group as the current version); with
+    no replay, after a fallback, every group is missing (``ValueError``, as for a group not
+    switched in yet). After :meth:`promote` it defers to the real provider. Promotion is
+    one-way."""
 
-    def __init__(self, replay: ReplayGroups | None) -> None:
+    def __init__(self, replay: ReplayGroups | None, stable: GroupsProvider | None = None) -> None:
         self.replay = replay
+        self.stable = stable if replay is not None else None
         self._real: GroupsProvider | None = None
 
     @property
@@ -114,6 +132,8 @@ class SandboxGroups:
         if self.replay is None:
             raise ValueError(f"group {name!r} does not exist in the sandbox: no recording "
                              "answers it (plain warm start); it exists after promotion")
+        if self.stable is not None:
+            return self.stable.current(name)
         return self.replay.current(name)
 
     def promote(self, real: GroupsProvider) -> None:
@@ -168,23 +188,49 @@ class WarmupReport:
 
 @dataclass
 class Warmed:
-    """A warmed-up standby: the built runtime (parked on :attr:`groups`) and its report."""
+    """A warmed-up standby: the built runtime (parked on :attr:`groups`), its report, and the
+    :class:`GroupSet` whose stable groups the replay groups stand in for (if one was given)."""
 
     runtime: Runtime
     groups: SandboxGroups
     report: WarmupReport
+    stand_ins: GroupSet | None = None
 
     def promote(self, real: GroupsProvider) -> Runtime:
         """Point the job at the real groups and hand back its runtime, to be given the real
-        state with ``load_state`` before its first step.
+        state with ``load_state`` before its first step. The stand-ins are retired first: the
+        stable groups wait for the joiner's switch.
 
         Raises:
             RuntimeError: promoted already.
+            ValueError: the job was built on stable groups and ``real`` hands out others (a
+                job that keeps its groups would never see the real ones).
         """
         if self.groups.promoted:
             raise RuntimeError("this warmed standby was promoted already")
+        stable = self.groups.stable
+        if stable is not None:
+            for name in self.runtime.ctx.layout.logical():
+                try:
+                    same = real.current(name) is stable.current(name)
+                except ValueError:  # a group the job never had in the sandbox either
+                    continue
+                if not same:
+                    raise ValueError(f"the real provider's {name} group is not the stable "
+                                     "group the job was built on: promote onto the GroupSet "
+                                     "the standby was warmed with")
+        if self.stand_ins is not None:
+            self.stand_ins.retire_stand_ins()
         self.groups.promote(real)
         return self.runtime
+
+    def discard(self) -> None:
+        """The standby takes another rank with a new job: retire the stand-ins and close the
+        warmed rank's groups (nothing of them was ever connected)."""
+        if self.stand_ins is not None:
+            self.stand_ins.retire_stand_ins()
+            self.stand_ins.close()
+            self.stand_ins = None
 
     def retarget(self, real: GroupsProvider, rank: int) -> tuple[Runtime, str] | None:
         """Promote the standby to ``rank``, another rank than it was warmed as, if its job can
@@ -202,6 +248,7 @@ class Warmed:
         what = self.runtime.job.retarget(ctx)
         if what is None:
             return None
+        self.discard()
         self.groups.promote(real)
         self.runtime.ctx = ctx
         return self.runtime, what
@@ -251,11 +298,12 @@ class _Shadow(TrainingJob):
 
 def warm_up(make_job: Callable[[], TrainingJob], target: SandboxTarget,
             recording_dir: Path | str, iterations: int | None = None, *,
-            strict_inputs: bool = False,
+            groups: GroupSet | None = None, strict_inputs: bool = False,
             clock: Callable[[], float] = time.perf_counter) -> Warmed:
     """Build the job for ``target`` on the recording of its role type under
     ``recording_dir`` and run up to ``iterations`` shadow iterations (default: all that were
-    recorded). See the module docstring.
+    recorded). With ``groups`` (``target.rank``'s, no version yet) the replay groups stand in
+    for its stable groups. See the module docstring.
 
     Raises:
         ValueError: ``iterations`` is negative.
@@ -278,12 +326,14 @@ def warm_up(make_job: Callable[[], TrainingJob], target: SandboxTarget,
         reason = f"the recording was refused: {exc}"
     t1 = clock()
 
-    runtime, sandbox, shadow = _build(make_job, target, replay)
+    runtime, sandbox, shadow = _build(make_job, target, replay, groups)
     if replay is not None and replay.diverged is not None:
         reason = f"the job's build diverged from the recording: {replay.diverged}"
+        if groups is not None:
+            groups.retire_stand_ins()
         replay.close()
         replay = None
-        runtime, sandbox, shadow = _build(make_job, target, None)
+        runtime, sandbox, shadow = _build(make_job, target, None, groups)
     t2 = clock()
 
     shadow_s: list[float] = []
@@ -311,6 +361,7 @@ def warm_up(make_job: Callable[[], TrainingJob], target: SandboxTarget,
     runtime.job = shadow.job
     runtime.step, runtime.redone = 0, 0
     runtime.timings.clear()
+    shadow.job.forget_shadow_steps()
     outcome = WarmupOutcome.PLAIN if reason is not None else WarmupOutcome.SHADOWED
     warmed = ["imports of the job's modules", "the job's build: model, optimizer, data source"]
     if target.device.type == "cuda":
@@ -331,14 +382,23 @@ def warm_up(make_job: Callable[[], TrainingJob], target: SandboxTarget,
         log.warning(report.summary())
     else:
         log.info(report.summary())
-    return Warmed(runtime, sandbox, report)
+    return Warmed(runtime, sandbox, report, groups)
 
 
 def _build(make_job: Callable[[], TrainingJob], target: SandboxTarget,
-           replay: ReplayGroups | None) -> tuple[Runtime, SandboxGroups, _Shadow]:
-    """A runtime for ``target`` with the job built on ``replay`` (or on no groups). A build
-    that diverges is left half done; the caller checks ``replay.diverged`` and builds anew."""
-    sandbox = SandboxGroups(replay)
+           replay: ReplayGroups | None,
+           groups: GroupSet | None) -> tuple[Runtime, SandboxGroups, _Shadow]:
+    """A runtime for ``target`` with the job built on ``replay`` (through the stable groups of
+    ``groups`` if given) or on no groups. A build that diverges is left half done; the caller
+    checks ``replay.diverged`` and builds anew."""
+    stable = None
+    if replay is not None and groups is not None:
+        for logical, concrete in target.layout.concrete(target.rank).items():
+            with contextlib.suppress(ValueError):  # not recorded: missing in the sandbox too
+                group = replay.current(logical)
+                groups.stand_in(concrete, group.rank(), group.size(), group)
+        stable = JobGroups(groups, target.rank, target.layout)
+    sandbox = SandboxGroups(replay, stable)
     ctx = JobContext(job=target.job, rank=target.rank, world_size=target.world_size,
                      tp=target.tp, pp=target.pp, groups=sandbox, seed=target.seed,
                      device=target.device, collective_timeout=target.collective_timeout,

@@ -349,6 +349,13 @@ class TrainingJob(abc.ABC):
         """
         return None
 
+    def forget_shadow_steps(self) -> None:
+        """The sandbox ran shadow iterations on this job, steps that never happened in the
+        run: forget what the job noted about them beyond its state (logged losses, counters).
+        The state itself is replaced by :meth:`load_state` before the first real step. Default:
+        nothing to forget."""
+        return None
+
     def reseed(self, step: int) -> None:
         """Key this rank's random streams to ``step``: seed the process-global generators (and
         any the job owns whose state differs between data-parallel replicas) from the job's

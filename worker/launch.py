@@ -35,7 +35,6 @@ from understudy.sandbox.recording import Recorder, should_record
 from understudy.sandbox.standby import RECORDED_ITERATIONS, RECORDINGS, sandboxed, warm_standby
 from understudy.worker.api import (
     CollectiveAborted,
-    GroupsProvider,
     JobContext,
     TrainingJob,
 )
@@ -93,8 +92,7 @@ def main(make_job: Callable[[], TrainingJob], steps: int, *, seed: int = 0,
     def should_abort() -> bool:
         return bool(hooks) and (hooks[0].recovery() is not None or hooks[0].paused)
 
-    # Recording for the standbys' sandbox: only where a directory is given and the job can be
-    # built on replay groups.
+    # Recording for the standbys' sandbox: where a directory is given, unless the job opts out.
     recordings = os.environ.get(RECORDINGS)
     snapshots = Path(os.environ[SNAPSHOTS]) if os.environ.get(SNAPSHOTS) else None
     script = Path(sys.argv[0]).resolve()
@@ -119,15 +117,21 @@ def main(make_job: Callable[[], TrainingJob], steps: int, *, seed: int = 0,
             return 0
         plan, rank = found
         log.info(f"Standby chosen to take over rank {rank}.", migration=plan.id)
-        groups = GroupSet(job, member(rank, node), epoch=plan.to_epoch,
-                          timeout=collective_timeout)
+        promoted = warmed is not None and warmed.report.rank == rank
+        if promoted and warmed is not None and warmed.stand_ins is not None:
+            # The job was built on this rank's stable groups: keep them, real versions next.
+            groups = warmed.stand_ins
+            groups.epoch = plan.to_epoch
+        else:
+            groups = GroupSet(job, member(rank, node), epoch=plan.to_epoch,
+                              timeout=collective_timeout)
         # The group objects exist before their first version, so the model is built now,
         # while phase 1 runs, not inside the switch.
         for logical, name in layout.concrete(rank).items():
             ranks = layout.group_ranks(logical, rank)
             groups.reserve(name, ranks.index(rank), len(ranks))
         retargeted = None
-        if warmed is not None and warmed.report.rank == rank:
+        if promoted and warmed is not None:
             runtime = warmed.promote(JobGroups(groups, rank, layout))
             log.info(f"Promoting the standby warmed as rank {rank}: its model is built.")
         elif warmed is not None and (retargeted := warmed.retarget(JobGroups(groups, rank, layout),
@@ -140,6 +144,7 @@ def main(make_job: Callable[[], TrainingJob], steps: int, *, seed: int = 0,
             if warmed is not None:
                 log.info(f"Warmed as rank {warmed.report.rank}, chosen for rank {rank}: "
                          "building that rank's job (imports are warm).")
+                warmed.discard()
             runtime = _runtime(make_job, job, rank, layout, seed, groups,
                                collective_timeout, should_abort)
             runtime.build()
@@ -182,8 +187,10 @@ def main(make_job: Callable[[], TrainingJob], steps: int, *, seed: int = 0,
             assert recordings is not None
             recorder = Recorder(recordings, job=job, layout=layout, rank=rank,
                                 iterations=RECORDED_ITERATIONS, code=CodeVersion.of(script))
+        if recorder is not None:
+            recorder.tap(JobGroups(groups, rank, layout))
         runtime = _runtime(make_job, job, rank, layout, seed, groups, collective_timeout,
-                           should_abort, recorder)
+                           should_abort)
         runtime.build()
         finished = ()
 
@@ -242,12 +249,9 @@ def _train(runtime: Runtime, hook: MigrationHook, steps: int, stop: threading.Ev
 
 
 def _runtime(make_job: Callable[[], TrainingJob], job: str, rank: int, layout: Layout,
-             seed: int, groups: GroupSet, timeout: float, should_abort: Callable[[], bool],
-             recorder: Recorder | None = None) -> Runtime:
-    provider: GroupsProvider = JobGroups(groups, rank, layout)
-    if recorder is not None:
-        provider = recorder.provider(provider)
+             seed: int, groups: GroupSet, timeout: float,
+             should_abort: Callable[[], bool]) -> Runtime:
     ctx = JobContext(job=job, rank=rank, world_size=layout.world_size, tp=layout.tp,
-                     pp=layout.pp, groups=provider, seed=seed, collective_timeout=timeout,
-                     should_abort=should_abort)
+                     pp=layout.pp, groups=JobGroups(groups, rank, layout), seed=seed,
+                     collective_timeout=timeout, should_abort=should_abort)
     return Runtime(make_job(), ctx)

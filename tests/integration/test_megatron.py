@@ -5,16 +5,19 @@
 1. Standalone (four plain processes, groups bootstrapped through a file store): two runs with
    the same seed end bitwise identical, the loss falls, and the parameters Megatron replicates
    over the TP group (layer norms, row-parallel biases) are bitwise equal on both TP ranks.
-2. Under real daemons on a real etcd, with two standby nodes: node-b is drained mid-run, its two
-   ranks move live to the standbys, the job ends ``done`` at epoch 2, and the final state of
+2. Under real daemons on a real etcd, with two standby nodes warmed in the sandbox: node-b is
+   drained mid-run, its two ranks move live to the standbys (warmed as ranks 0 and 1, they
+   build ranks 2 and 3 afresh), the job ends ``done`` at epoch 2, and the final state of
    every rank (parameters, Adam state, schedule, Megatron's TP RNG tracker, process RNGs, step)
    is bitwise equal to the uninterrupted standalone run; so are the losses of every step.
 3. One rank per node: a rank whose TP and DP partners stay is drained, then drained again from
    the standby that took it; then another rank's joiner is killed in the middle of the state
    stream: that migration aborts, the leaver trains on to the end. Bitwise equal again.
-4. Rank 1 killed mid-run (kill -9): a standby rebuilds it from rank 3's state (its data-parallel
-   replica), the aborted step is redone by everyone, and every loss and the final state are the
-   uninterrupted run's.
+4. Rank 1 killed mid-run (kill -9): the standby warmed in the sandbox as rank 1 (model built on
+   the stable groups, replayed shadow iterations) is promoted and takes rank 3's state (its
+   data-parallel replica), the aborted step is redone by everyone, and every loss and the final
+   state are the uninterrupted run's. Then a fresh process with no network at all replays
+   rank 1's recording the same way, opens no socket, and computes the run's first losses.
 
 The states the workers save load as plain tensors and dictionaries, without megatron-core.
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -37,6 +41,7 @@ import torch
 from tests.integration import bitwise
 from tests.integration.bitwise import load_state
 from tests.integration.scenarios import events, start, wait_log, wait_standbys, worker_pid
+from tests.unit.test_sandbox import WORKERS, observe
 from understudy.daemon.embedded_etcd import EmbeddedEtcd
 from understudy.daemon.localcluster import LocalCluster
 
@@ -190,10 +195,13 @@ def cluster(etcd: EmbeddedEtcd, tmp_path: Path) -> Iterator[LocalCluster]:
         c.stop_all(timeout=5)
 
 
-def _start_gpt(cluster: LocalCluster, out: Path) -> None:
+def _start_gpt(cluster: LocalCluster, out: Path, recordings: Path | None = None) -> None:
     """Run the job (TP=2 x DP=2, two standbys; ranks 0-1 on node-a, 2-3 on node-b) and wait
-    until all four ranks have built their models (imports take a while on a loaded machine)."""
-    env = [f"--env={k}={v}" for k, v in ONE_THREAD.items()]
+    until all four ranks have built their models (imports take a while on a loaded machine).
+    With ``recordings``, ranks 0 and 1 record their first iterations there and the standbys
+    warm in the sandbox (node-s1 as rank 0, node-s2 as rank 1)."""
+    extra = {} if recordings is None else {"UNDERSTUDY_RECORDINGS": str(recordings)}
+    env = [f"--env={k}={v}" for k, v in {**ONE_THREAD, **extra}.items()]
     run = cluster.cli("run", "--job", "gpt", "--tp", "2", "--dp", "2", "--standby", "2", *env,
                       "--", sys.executable, *_job_args(out))
     assert run.returncode == 0, run.stderr
@@ -205,11 +213,21 @@ def _start_gpt(cluster: LocalCluster, out: Path) -> None:
         time.sleep(0.5)
 
 
+def _wait_warm(cluster: LocalCluster) -> None:
+    """Until both standbys built the model on their stable groups answered by the replay and
+    ran the shadow iterations."""
+    for node, rank in (("node-s1", 0), ("node-s2", 1)):
+        wait_log(cluster.daemons[node], f"Standby is warm (replay) as rank {rank}", timeout=240)
+    assert "warm: gpt: replay" in cluster.cli("status").stdout
+
+
 def test_drain_moves_megatron_ranks_live_and_the_result_is_bitwise_identical(
         cluster: LocalCluster, reference: Path, tmp_path: Path) -> None:
+    # The standbys warm in the sandbox as ranks 0 and 1; node-b holds ranks 2 and 3, so each
+    # standby builds the new rank's job afresh (its imports warm) and rewires parallel_state.
     out = tmp_path / "out"
-    _start_gpt(cluster, out)
-    time.sleep(2)
+    _start_gpt(cluster, out, tmp_path / "recordings")
+    _wait_warm(cluster)
     drain = cluster.cli("drain", "node-b", "--deadline", "240", "--wait", timeout=300)
     assert drain.returncode == 0, drain.stdout + drain.stderr
     cluster.wait_for("the job to finish", lambda s: s.job("gpt") is not None and
@@ -223,6 +241,9 @@ def test_drain_moves_megatron_ranks_live_and_the_result_is_bitwise_identical(
     a_log = cluster.daemons["node-a"].log_text()
     assert a_log.count("Started rank 0 of job gpt") == 1
     assert a_log.count("Started rank 1 of job gpt") == 1
+    for node, (warm, rank) in (("node-s1", (0, 2)), ("node-s2", (1, 3))):
+        assert (f"Warmed as rank {warm}, chosen for rank {rank}: building that rank's job"
+                in cluster.daemons[node].log_text())
     # The survivors trained through the migration; the joiners took over mid-run.
     for rank in (0, 1):
         assert _summary(out, rank)["losses"] == _summary(reference, rank)["losses"]
@@ -293,20 +314,23 @@ def test_a_killed_megatron_rank_is_rebuilt_from_its_replica_bitwise(
     # Rank 1 dies by kill -9 mid-run; its TP partner (rank 0) and the other TP group abort
     # their step; a standby builds the model for rank 1 and takes rank 3's state (same TP
     # index: the same shards, Adam state and TP RNG tracker); the step is redone by everyone.
+    # node-s2 warmed as rank 1 in the sandbox: it is promoted with its model built on the
+    # stable groups, which the real versions are switched into.
     out = tmp_path / "out"
-    _start_gpt(cluster, out)
+    _start_gpt(cluster, out, tmp_path / "recordings")
     a = cluster.daemons["node-a"]
-    wait_standbys(cluster, ("node-s1", "node-s2"), timeout=240)
-    time.sleep(3)
+    _wait_warm(cluster)
     os.kill(worker_pid(a, "gpt.r1"), 9)
     cluster.wait_for("the job to finish", lambda s: s.job("gpt") is not None and
                      s.job("gpt").state in ("done", "failed"), timeout=300)
     job = cluster.status().job("gpt")
     assert job is not None and job.state == "done", job.status
     assert job.assignment is not None and job.assignment.epoch == 2
-    assert job.assignment.ranks == ("node-a", "node-s1", "node-b", "node-b")
+    assert job.assignment.ranks == ("node-a", "node-s2", "node-b", "node-b")
     planned = next(e for e in events(cluster) if e["kind"] == "migration-planned")
-    assert "recovery: rank 1 -> node-s1 (state from rank 3)" in planned["message"]
+    assert "recovery: rank 1 -> node-s2 (state from rank 3)" in planned["message"]
+    assert ("Promoting the standby warmed as rank 1: its model is built."
+            in cluster.daemons["node-s2"].log_text())
     assert a.log_text().count("Started rank 0 of job gpt") == 1
     # Every step's loss, the redone one included, is the uninterrupted run's.
     for rank in (0, 2, 3):
@@ -317,3 +341,34 @@ def test_a_killed_megatron_rank_is_rebuilt_from_its_replica_bitwise(
     expected = _summary(reference, 1)["losses"]
     assert summary["losses"] == {s: v for s, v in expected.items() if int(s) >= took_over}
     assert_bitwise_equal(reference, out)
+    _replay_without_a_network(tmp_path / "recordings", reference, tmp_path / "replay")
+
+
+def _replay_without_a_network(recordings: Path, reference: Path, out: Path) -> None:
+    """A fresh process in a network namespace of its own (only a loopback, down), watched from
+    outside, warms up as rank 1 from the recording the run made, as the standby did: the
+    Megatron model built on the stable groups, the replay standing in. It opens no socket, and
+    its shadow iterations compute the uninterrupted run's losses of those steps."""
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.skip("needs unshare(1) and root for a network namespace")
+    out.mkdir()
+    proc = subprocess.Popen(
+        ["unshare", "--net", sys.executable, str(WORKERS / "sandbox_replay.py"), "--megatron",
+         "--job", "gpt", "--recordings", str(recordings), "--rank", "1", "--world-size", "4",
+         "--tp", "2", "--out", str(out), "--linger", "0.3"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, **ONE_THREAD})
+    try:
+        connections, sockets = observe(proc)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err.decode()[-3000:]
+    assert connections == [] and sockets == set()
+    replay = json.loads((out / "replay.json").read_text())
+    report = replay["report"]
+    assert report["outcome"] == "shadow-iterations", report["fallback_reason"]
+    assert report["calls_answered"] > 0 and report["inputs_differed"] == 0
+    assert replay["sockets_in_compute"] == [[], []] and replay["sockets_after"] == []
+    expected = _summary(reference, 1)["losses"]
+    assert report["losses"] == [expected["0"], expected["1"]]

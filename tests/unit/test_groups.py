@@ -491,3 +491,83 @@ def test_a_reserved_group_exists_before_its_first_version() -> None:
     with pytest.raises(ValueError, match="rank 0 of 2"):
         gs.reserve("tp-0", 1, 2)
     gs.close()
+
+
+def test_a_stand_in_answers_a_stable_group_until_its_first_real_version(
+        shared_store: dist.Store) -> None:
+    # The sandbox's use: a model is built on the stable object while someone else's
+    # communicator (here a real one-rank gloo group) answers; the real version replaces it.
+    gs = make_set(shared_store, "a")
+    other = gloo_pair("stand-in", size=1)[0]
+    g = gs.stand_in("solo", 0, 1, other)
+    t = torch.full((1,), 3.0)
+    dist.all_reduce(t, group=g)
+    assert t.item() == 3.0 and g.version is not None and g.version.number == 0
+    with pytest.raises(ValueError, match="current version already"):
+        gs.stand_in("solo", 0, 1, other)
+    with pytest.raises(ValueError, match="rank 0 of 1, not 1 of 2"):
+        gs.stand_in("duo", 1, 2, other)
+    assert gs.retire_stand_ins() == ["solo"] and gs.retire_stand_ins() == []
+    with pytest.raises(NoCurrentVersionError):
+        dist.all_reduce(torch.ones(1), group=g)
+    gs.prepare("solo", 1, ["a"])
+    gs.switch(["solo"])
+    dist.all_reduce(t, group=g)
+    assert gs.current("solo") is g and g.version is not None and g.version.number == 1
+    assert g.version.ops == 1
+    # A switch straight over a stand-in retires it too; neither touched the communicator.
+    g2 = gs.stand_in("solo2", 0, 1, other)
+    gs.prepare("solo2", 1, ["a"])
+    gs.switch(["solo2"])
+    assert g2.version is not None and g2.version.number == 1
+    dist.all_reduce(t, group=other)
+    gs.close()
+
+
+def test_a_tap_sees_each_collective_on_its_way_until_it_is_removed(
+        shared_store: dist.Store) -> None:
+    gs = make_set(shared_store, "a")
+    g = gs.create("solo", ["a"])
+    seen: list[str] = []
+
+    def tap(op: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+            issue: Callable[..., Any]) -> Any:
+        seen.append(op)
+        return issue(*args, **kwargs)
+
+    g.tap(tap)
+    t = torch.full((1,), 2.0)
+    dist.all_reduce(t, group=g)
+    dist.barrier(group=g)
+    assert seen == ["allreduce", "barrier"] and t.item() == 2.0
+    g.tap(None)
+    dist.all_reduce(t, group=g)
+    assert seen == ["allreduce", "barrier"]
+    assert g.version is not None and g.version.ops == 3
+    gs.close()
+
+
+def test_a_lone_group_answers_every_collective_of_one_member_without_a_backend() -> None:
+    from understudy.groups.lone import LoneGroup
+
+    g = LoneGroup(global_rank=5)
+    assert (g.rank(), g.size()) == (0, 1) and dist.get_global_rank(g, 0) == 5
+    t = torch.arange(4.0)
+    dist.all_reduce(t, group=g)
+    dist.broadcast(t, group=g, group_src=0)
+    dist.barrier(group=g)
+    assert torch.equal(t, torch.arange(4.0))
+    out = torch.zeros(4)
+    with deprecated_gather_scatter():
+        dist.all_gather_into_tensor(out, t, group=g)
+    assert torch.equal(out, t)
+    gathered = [torch.zeros(4)]
+    dist.all_gather(gathered, t, group=g)
+    assert torch.equal(gathered[0], t)
+    out = torch.zeros(4)
+    with deprecated_gather_scatter():
+        dist.reduce_scatter_tensor(out, t, group=g)
+    assert torch.equal(out, t)
+    with pytest.raises(RuntimeError, match="no peer"):
+        g.send([t], 0, 0)
+    g.unregister()

@@ -29,7 +29,9 @@ import torch
 import torch.distributed as dist
 
 from tests.unit import test_groups as _groups_tests
-from understudy.groups.versioned import FORWARDED
+from understudy.groups.errors import NoCurrentVersionError
+from understudy.groups.groupset import GroupSet
+from understudy.groups.versioned import FORWARDED, VersionedGroup
 from understudy.sandbox import ops
 from understudy.sandbox.errors import RecordingError, RecordingMismatch, ReplayDiverged
 from understudy.sandbox.manifest import (
@@ -48,6 +50,7 @@ from understudy.sandbox.recording import Recorder, RecordingGroup, RecordState
 from understudy.sandbox.replay import Recording, ReplayGroups
 from understudy.sandbox.warmup import SandboxTarget, WarmupOutcome, warm_up
 from understudy.worker.api import JobContext, allreduce_options
+from understudy.worker.migration import JobGroups
 from understudy.worker.runtime import Runtime, StaticGroups
 
 pytestmark = pytest.mark.timeout(60)
@@ -396,6 +399,36 @@ def test_promotion_points_the_warmed_job_at_the_real_groups(recorded: Recorded) 
     assert runtime.ctx.group("dp") is sentinel
     with pytest.raises(RuntimeError, match="promoted already"):
         warmed.promote(Real())
+
+
+def test_on_stable_groups_the_replay_stands_in_and_promotion_keeps_the_objects(
+        recorded: Recorded) -> None:
+    # What a standby's launcher does: the job is built on the stable groups of the rank it
+    # warms as (Megatron keeps them), the replay answering as their version 0.
+    groups = GroupSet(JOB, "r0-sandbox", store_factory=lambda ns, cancel: dist.HashStore())
+    job = LossJob(**THREAD_JOB)
+    with own_rng():
+        warmed = warm_up(lambda: job, target(0), recorded.directory, groups=groups)
+    assert warmed.report.outcome is WarmupOutcome.SHADOWED, warmed.report.fallback_reason
+    assert warmed.report.calls_answered == 8
+    assert_same_state(job.state(), recorded.states[0])
+    dp = warmed.runtime.ctx.group("dp")
+    assert isinstance(dp, VersionedGroup) and dp.version is not None and dp.version.number == 0
+    layout = target(0).layout
+
+    class Elsewhere:
+        def current(self, name: str) -> Any:
+            return VersionedGroup(name, 0, 2)
+
+    with pytest.raises(ValueError, match="not the stable group the job was built on"):
+        warmed.promote(Elsewhere())
+    runtime = warmed.promote(JobGroups(groups, 0, layout))
+    # The same objects, no stand-in left: nothing reaches the replay after promotion, and the
+    # groups wait for the joiner's switch.
+    assert runtime.ctx.group("dp") is dp and dp.version is None
+    with pytest.raises(NoCurrentVersionError):
+        dp.allreduce([torch.zeros(1)], allreduce_options(dist.ReduceOp.SUM))
+    groups.close()
 
 
 def test_a_diverging_job_falls_back_to_a_plain_warm_start(recorded: Recorded) -> None:

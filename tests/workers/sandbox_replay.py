@@ -1,5 +1,9 @@
-"""A standby's warmup of the plain-torch example job, in a process of its own: replays the
-recording of its role type, then lingers so that an observer can look at its sockets.
+"""A standby's warmup of an example job, in a process of its own: replays the recording of its
+role type, then lingers so that an observer can look at its sockets.
+
+The plain-torch job by default, built on the replay groups; with ``--megatron``, the Megatron
+GPT job of a run under ``understudy run`` (``--job``, seed 0), built as the launcher builds it:
+on the rank's stable groups, the replay groups standing in for their communicators.
 
 Writes ``OUT/replay.json`` (the report, and the sockets this process held at each compute of
 the shadow iterations and after them) and ``OUT/replay-state.pt`` (the job's state after the
@@ -17,9 +21,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from sandbox_common import JOB, SCRIPT, SEED, plain_example
+import torch.distributed as dist
+from sandbox_common import JOB, MEGATRON_SCRIPT, SCRIPT, SEED, megatron_example, plain_example
 
+from understudy.groups.groupset import GroupSet
 from understudy.sandbox.warmup import SandboxTarget, warm_up
+from understudy.worker.api import TrainingJob
 
 
 def sockets() -> list[str]:
@@ -36,15 +43,18 @@ def sockets() -> list[str]:
     return found
 
 
-class WatchedJob(plain_example().PlainJob):  # type: ignore[misc]
+def watched(base: type[TrainingJob]) -> TrainingJob:
     """The example job, noting the sockets held in the middle of every shadow iteration."""
 
-    seen: list[list[str]]
+    class Watched(base):
+        seen: list[list[str]]
 
-    def compute(self, step: int) -> float:
-        loss = super().compute(step)
-        self.seen = [*getattr(self, "seen", []), sockets()]
-        return loss
+        def compute(self, step: int) -> float | None:
+            loss = super().compute(step)
+            self.seen = [*getattr(self, "seen", []), sockets()]
+            return loss
+
+    return Watched()
 
 
 def main() -> int:
@@ -55,11 +65,21 @@ def main() -> int:
     p.add_argument("--tp", type=int, required=True)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--linger", type=float, default=0.0)
+    p.add_argument("--megatron", action="store_true")
+    p.add_argument("--job", default=JOB)
     args = p.parse_args()
-    target = SandboxTarget(job=JOB, world_size=args.world_size, tp=args.tp, rank=args.rank,
-                           script=SCRIPT, seed=SEED)
-    job = WatchedJob()
-    warmed = warm_up(lambda: job, target, args.recordings)
+    groups = None
+    if args.megatron:
+        target = SandboxTarget(job=args.job, world_size=args.world_size, tp=args.tp,
+                               rank=args.rank, script=MEGATRON_SCRIPT, seed=0)
+        job = watched(megatron_example().GPTJob)
+        groups = GroupSet(args.job, f"r{args.rank}-sandbox",
+                          store_factory=lambda ns, cancel: dist.HashStore())
+    else:
+        target = SandboxTarget(job=args.job, world_size=args.world_size, tp=args.tp,
+                               rank=args.rank, script=SCRIPT, seed=SEED)
+        job = watched(plain_example().PlainJob)
+    warmed = warm_up(lambda: job, target, args.recordings, groups=groups)
     report = asdict(warmed.report)
     report["outcome"] = warmed.report.outcome.value
     torch.save(job.state(), args.out / "replay-state.pt")

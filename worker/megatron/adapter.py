@@ -20,7 +20,8 @@ process group and builds every group itself through ``new_group``). For PP = CP 
   same object because a versioned group has a gloo backend for CPU tensors (beside NCCL);
 - the job's **world** group as ``_TENSOR_AND_DATA_PARALLEL_GROUP`` (and ``_WITH_CP``) and
   ``_INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP``;
-- a **one-rank gloo group** of this process (no peer, so nothing to migrate) as
+- a **one-member group** of this process (:class:`~understudy.groups.lone.LoneGroup`: no
+  peer, so nothing to migrate, and no backend, so no socket even in a sandbox) as
   ``_PIPELINE_MODEL_PARALLEL_GROUP``, ``_CONTEXT_PARALLEL_GROUP``, ``_EMBEDDING_GROUP``,
   ``_POSITION_EMBEDDING_GROUP`` and ``_EXPERT_MODEL_PARALLEL_GROUP``;
 - the job-wide ranks of each: ``_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS``,
@@ -52,7 +53,6 @@ import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import structlog
@@ -66,7 +66,8 @@ from torch.distributed import distributed_c10d as c10d
 
 from understudy.groups.groupset import GroupSet
 from understudy.groups.layout import Layout as JobLayout
-from understudy.groups.versioned import VersionedGroup, build_process_group
+from understudy.groups.lone import LoneGroup
+from understudy.groups.versioned import VersionedGroup
 from understudy.worker import rng
 from understudy.worker.api import (
     JobContext,
@@ -93,14 +94,6 @@ class Layout:
     def ranks(self, name: str) -> list[int]:
         """Job-wide ranks of this rank's group ``name`` (``tp``, ``dp``, ``world``)."""
         return list(JobLayout(self.world_size, self.tp).group_ranks(name, self.rank))
-
-
-def _self_group(rank: int) -> dist.ProcessGroup:
-    """A one-member gloo group of this process, for the parallel dimensions of size one."""
-    pg = build_process_group(dist.HashStore(), 0, 1, timedelta(seconds=60), {"cpu": "gloo"},
-                             None)
-    c10d._world.pg_group_ranks[pg] = {rank: 0}
-    return pg
 
 
 def wire_parallel_state(tp: VersionedGroup, dp: VersionedGroup, world: VersionedGroup,
@@ -138,7 +131,7 @@ def wire_parallel_state(tp: VersionedGroup, dp: VersionedGroup, world: Versioned
     # group), and a new_group() attempt fails at once instead of waiting for peers.
     c10d._world.pg_map[world] = (backend, None)  # type: ignore[assignment]
     c10d._world.pg_names[world] = world.logical_name
-    own = _self_group(layout.rank)
+    own = LoneGroup(layout.rank)
     tp_ranks, dp_ranks = layout.ranks("tp"), layout.ranks("dp")
     values: dict[str, Any] = {
         "_TENSOR_MODEL_PARALLEL_GROUP": tp, "_MODEL_PARALLEL_GROUP": tp,
@@ -234,16 +227,14 @@ class MegatronJob(TrainingJob):
       streams (attention dropout, one per TP rank) are saved here and rewound by
       :meth:`discard`.
 
-    On a joiner the groups do not exist yet when :meth:`build` runs (the launcher switches them
-    in with the leaver's state); the model is then built in :meth:`load_state`, which puts the
-    build (a few hundred ms here) into phase 2. Building issues no collective, so a launcher
-    that handed out the stable group objects before their first version would let a standby
-    build its model while warm.
+    **Standbys.** In the sandbox the job is built on the stable groups of the rank the standby
+    warms as, answered by replay groups standing in as their version 0
+    (:mod:`understudy.sandbox.warmup`), so ``parallel_state`` is wired once, to the objects the
+    real versions are switched into after promotion. A joiner the launcher built without a
+    sandbox gets the stable objects reserved before their first version (building issues no
+    collective). Where no group exists at all when :meth:`build` runs (a sandbox whose
+    recording was refused), the model is built in :meth:`load_state`.
     """
-
-    #: Megatron's ``parallel_state`` takes the job's own group objects, which a standby's
-    #: replay groups are not yet: its standbys warm their imports only.
-    sandboxed = False
 
     def __init__(self, shape: GPTShape | None = None) -> None:
         self.shape = shape or GPTShape()
@@ -277,6 +268,12 @@ class MegatronJob(TrainingJob):
     def _materialize(self, groups: Sequence[Any]) -> None:
         ctx, shape = self.ctx, self.shape
         tp, dp, world = groups
+        if ps.model_parallel_is_initialized():
+            # A standby warmed as one rank and chosen for another builds a new job in the same
+            # process: the new rank's groups replace the warmed rank's (which are closed).
+            log.info("replacing the parallel_state wiring of the job built before in this "
+                     "process", rank=ctx.rank)
+            ps.destroy_model_parallel()
         wire_parallel_state(tp, dp, world, Layout(ctx.rank, ctx.world_size, ctx.tp))
         self.tracker = cpu.install()
         cpu.model_parallel_cpu_manual_seed(self.tracker, ctx.seed, tp_rank=ctx.tp_index)
@@ -311,6 +308,10 @@ class MegatronJob(TrainingJob):
         rng.seed_all(ctx.seed * 1_000_003 + ctx.dp_index)
         log.info("built the Megatron GPT model", rank=ctx.rank, tp=ctx.tp, dp=ctx.dp,
                  parameters=sum(p.numel() for p in self.params))
+
+    def forget_shadow_steps(self) -> None:
+        """The sandbox's shadow iterations logged losses of steps this rank never ran."""
+        self.losses.clear()
 
     def reseed(self, step: int) -> None:
         """The process-global streams follow ``(seed, dp_index, step)``; the TP tracker's
