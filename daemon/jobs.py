@@ -73,6 +73,8 @@ class JobRunner:
         self.resync_interval = resync_interval
         self.log = logs.get(node=self.node)
         self._changed = asyncio.Event()
+        #: set (and replaced) each time the jobs' view is read afresh: see next_view()
+        self._published = asyncio.Event()
         self._bad_seen: set[tuple[str, int]] = set()
         #: (job, rank, epoch) whose process ended here, even if etcd has not heard yet: never
         #: started again under that epoch (after a fence, the old epoch's rank stays dead).
@@ -149,6 +151,9 @@ class JobRunner:
     async def _reconcile(self) -> None:
         jobs = await self._read_jobs()
         self._jobs = jobs
+        # Workers waiting for their job's view to change (localsock's job watch) look again.
+        published, self._published = self._published, asyncio.Event()
+        published.set()
         children = self.supervisor.children
         running = {n for n, c in children.items() if c.state == ChildState.RUNNING}
         promotions = self._promotions(jobs)
@@ -316,6 +321,11 @@ class JobRunner:
         if j is None or j.assignment is None or epoch >= j.assignment.epoch:
             return None
         return f"job {j.assignment.job} is at epoch {j.assignment.epoch}"
+
+    def next_view(self) -> asyncio.Event:
+        """An event set the next time the jobs' view (what :meth:`job_info` answers from) is
+        read afresh from etcd."""
+        return self._published
 
     def job_info(self, job: str) -> dict[str, Any] | None:
         """What a worker of ``job`` may know about it, from the last reconcile."""

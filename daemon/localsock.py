@@ -17,6 +17,7 @@ import asyncio
 import base64
 import contextlib
 import enum
+import hashlib
 import json
 import re
 from collections.abc import Callable
@@ -58,6 +59,10 @@ class RequestError(ValueError):
 
 EpochCheck = Callable[[str, int], str | None]
 JobInfo = Callable[[str], dict[str, Any] | None]
+#: an event set the next time the jobs' view may have changed
+NextView = Callable[[], asyncio.Event]
+#: the longest a worker may wait for its job's view to change, in seconds
+MAX_JOB_WAIT_S = 60.0
 #: (job, warmth or None for a sign of life) from a standby worker's connection
 StandbyReport = Callable[[str, dict[str, Any] | None], None]
 
@@ -68,6 +73,12 @@ def _accept_all(namespace: str, epoch: int) -> str | None:
 
 def _no_jobs(job: str) -> dict[str, Any] | None:
     return None
+
+
+def job_token(info: dict[str, Any] | None) -> str:
+    """A short digest of a job's view: a worker that holds it asks to hear only of changes."""
+    text = json.dumps(info, sort_keys=True, separators=(",", ":"))
+    return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
 
 
 def _ignore_standby(job: str, warmth: dict[str, Any] | None) -> None:
@@ -100,10 +111,13 @@ def _warmth(req: dict[str, Any]) -> dict[str, Any]:
 class LocalServer:
     def __init__(self, path: Path, store: EtcdStore, keys: Keys, node: str,
                  epoch_check: EpochCheck = _accept_all, job_info: JobInfo = _no_jobs,
-                 standby_report: StandbyReport = _ignore_standby) -> None:
+                 standby_report: StandbyReport = _ignore_standby,
+                 next_view: NextView | None = None) -> None:
         self.path, self.store, self.keys = path, store, keys
         self.epoch_check = epoch_check
         self.job_info = job_info
+        quiet = asyncio.Event()  # no jobs' view: nothing ever changes
+        self.next_view: NextView = next_view or (lambda: quiet)
         self.standby_report = standby_report
         self.log = logs.get(node=node)
         self._server: asyncio.AbstractServer | None = None
@@ -161,8 +175,7 @@ class LocalServer:
                         self.standby_report(standby_of, _warmth(req))
                         reply = {}
                     elif op == Op.JOB:
-                        job = namespace.split("/", 1)[0]
-                        reply = {"job": self.job_info(job)}
+                        reply = await self._job(namespace.split("/", 1)[0], req)
                     else:
                         reply = await self._handle(op, req, self.keys.kv(namespace))
                     if standby_of is not None and op != Op.WARMTH:
@@ -184,6 +197,29 @@ class LocalServer:
             writer.close()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(writer.wait_closed(), 1)
+
+    async def _job(self, job: str, req: dict[str, Any]) -> dict[str, Any]:
+        """The job's view and its token; with ``unless`` (a token) and ``timeout`` (seconds),
+        answer only once the view's token differs from ``unless``, or when ``timeout`` is over
+        (a long poll: a worker hears of a plan as soon as this daemon reads it, and asks
+        nothing in between)."""
+        unless, wait = req.get("unless"), req.get("timeout", 0)
+        if unless is not None and (not isinstance(unless, str) or len(unless) > 64):
+            raise RequestError("job: unless must be a token (a string of at most 64 characters)")
+        if not isinstance(wait, int | float) or isinstance(wait, bool) \
+                or not 0 <= wait <= MAX_JOB_WAIT_S:
+            raise RequestError(f"job: timeout must be 0 to {MAX_JOB_WAIT_S:g} seconds")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + float(wait)
+        while True:
+            changed = self.next_view()  # taken before the read: no change slips in between
+            info = self.job_info(job)
+            token = job_token(info)
+            remaining = deadline - loop.time()
+            if unless is None or token != unless or remaining <= 0:
+                return {"job": info, "token": token}
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), remaining)
 
     def _hello(self, req: dict[str, Any]) -> str:
         ns, epoch = req.get("namespace"), req.get("epoch", 0)

@@ -95,7 +95,7 @@ class Daemon:
         self.agent.before_stop = self.jobs.ranks_moved
         self.local = LocalServer(cfg.socket_path, self.store, Keys(cfg.etcd.prefix), cfg.node,
                                  epoch_check=self.jobs.epoch_check,
-                                 job_info=self.jobs.job_info,
+                                 job_info=self.jobs.job_info, next_view=self.jobs.next_view,
                                  standby_report=self.jobs.standby_report)
         self.notifier = Notifier.from_env()
         self.log = logs.get(node=cfg.node)

@@ -11,9 +11,15 @@ import itertools
 import json
 import os
 import socket
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 from understudy.daemon import env
+
+#: How long one long poll of the job's view waits for a change before it asks again.
+JOB_POLL_WAIT_S = 5.0
 
 
 class DaemonError(RuntimeError):
@@ -27,6 +33,8 @@ class DaemonClient:
         if not path:
             raise DaemonError(f"no daemon socket: {env.CHILD_SOCKET} is not set")
         self.timeout = timeout
+        self.namespace, self.path = namespace, path
+        self._view: _JobView | None = None
         self._ids = itertools.count(1)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout)
@@ -43,6 +51,9 @@ class DaemonClient:
             raise
 
     def close(self) -> None:
+        if self._view is not None:
+            self._view.close()
+            self._view = None
         self._file.close()
         self._sock.close()
 
@@ -108,9 +119,79 @@ class DaemonClient:
 
     def job(self) -> dict[str, Any] | None:
         """The job's assignment, status and migration records (JSON objects) as the daemon
-        last saw them, or None if the daemon does not know the job."""
-        info: dict[str, Any] | None = self._call("job")["job"]
-        return info
+        last saw them, or None if the daemon does not know the job. After :meth:`follow_job`,
+        from the view its background long poll keeps (no round trip), unless that poll is
+        broken: then asked directly."""
+        view = self._view
+        if view is not None:
+            fresh, info = view.current()
+            if fresh:
+                return info
+        return self.job_changed(None, 0.0)[0]
+
+    def job_changed(self, unless: str | None,
+                    timeout: float) -> tuple[dict[str, Any] | None, str]:
+        """The job's view and its token, once the token differs from ``unless`` or after
+        ``timeout`` seconds (the daemon's long poll; None or 0: at once)."""
+        args: dict[str, Any] = {} if unless is None else {"unless": unless, "timeout": timeout}
+        reply = self._call("job", wait=timeout if unless is not None else 0.0, **args)
+        return reply["job"], str(reply.get("token", ""))
+
+    def follow_job(self, epoch: Callable[[], int], wait: float = JOB_POLL_WAIT_S) -> None:
+        """From now on keep the job's view current on a thread of its own, with a connection
+        of its own that long-polls the daemon (``epoch()``: the worker's epoch, for a
+        reconnection's hello), so that :meth:`job` costs no round trip: the boundary hook asks
+        at every step."""
+        if self._view is None:
+            self._view = _JobView(self.namespace, self.path, epoch, wait)
 
     def num_keys(self) -> int:
         return int(self._call("num_keys")["count"])
+
+
+class _JobView:
+    """The job's view, kept by a daemon thread that long-polls the daemon on a connection of
+    its own (see :meth:`DaemonClient.follow_job`). :meth:`current` says whether the view is
+    fresh: the poll answered within its wait (plus a margin) and its connection is up."""
+
+    def __init__(self, namespace: str, path: str | None, epoch: Callable[[], int],
+                 wait: float) -> None:
+        self.namespace, self.path, self.epoch, self.wait = namespace, path, epoch, wait
+        self._info: dict[str, Any] | None = None
+        self._at: float | None = None  # monotonic time of the last answer; None: broken
+        self._stop = threading.Event()
+        self._client: DaemonClient | None = None
+        self._thread = threading.Thread(target=self._run, name="job-view", daemon=True)
+        self._thread.start()
+
+    def current(self) -> tuple[bool, dict[str, Any] | None]:
+        at = self._at
+        fresh = at is not None and time.monotonic() - at < self.wait + 2.0
+        return fresh, self._info
+
+    def close(self) -> None:
+        self._stop.set()
+        client = self._client
+        if client is not None:
+            client._sock.close()  # ends a long poll in flight; the thread then leaves
+
+    def _run(self) -> None:
+        token: str | None = None
+        while not self._stop.is_set():
+            try:
+                if self._client is None:
+                    self._client = DaemonClient(self.namespace, epoch=self.epoch(),
+                                                path=self.path, timeout=10.0)
+                    token = None
+                info, token = self._client.job_changed(token, self.wait)
+                self._info, self._at = info, time.monotonic()
+            except (DaemonError, OSError, ValueError):
+                self._at = None
+                client, self._client = self._client, None
+                if client is not None:
+                    client._file.close()
+                    client._sock.close()
+                self._stop.wait(0.2)
+        if self._client is not None:
+            self._client._file.close()
+            self._client._sock.close()

@@ -194,6 +194,8 @@ def main(make_job: Callable[[], TrainingJob], steps: int, *, seed: int = 0,
         runtime.build()
         finished = ()
 
+    # The boundary hook reads the job's view at every step: keep it current in the background.
+    control.follow_job(lambda: groups.epoch)
     hook = MigrationHook(control, groups, job=job, rank=rank, node=node, layout=layout,
                          nodes=nodes, transfer_timeout=collective_timeout,
                          finished=finished, stop=stop)

@@ -126,6 +126,58 @@ def test_workers_see_their_job_and_a_stale_epoch_is_refused(cluster: LocalCluste
         DaemonClient("j3/tp/v1", epoch=0, path=sock, timeout=5)
 
 
+def test_a_worker_hears_of_its_job_changing_by_a_long_poll(cluster: LocalCluster) -> None:
+    """The job's view is pushed: a long poll holding the current token answers when the job
+    appears (not before, not at its timeout), and a client that follows its job answers from
+    the view that poll keeps, the same as a direct question. Bad requests are refused and
+    leave the connection usable."""
+    import threading
+
+    from understudy.worker.daemon_client import DaemonClient, DaemonError
+
+    sock = str(cluster.daemons["node-a"].run_dir / "understudyd.sock")
+    with DaemonClient("j5/control", epoch=0, path=sock, timeout=5) as c:
+        info, token = c.job_changed(None, 0.0)
+        assert info is None and token
+        with pytest.raises(DaemonError, match="unless must be a token"):
+            c._call("job", unless=5, timeout=1)
+        with pytest.raises(DaemonError, match="timeout must be 0 to 60 seconds"):
+            c._call("job", wait=1, unless=token, timeout=3600)
+        assert c.job_changed(token, 0.2) == (None, token)  # nothing changed: the timeout
+        answered: list[tuple[float, Any]] = []
+
+        def poll() -> None:
+            answered.append((time.monotonic(), c.job_changed(token, 30.0)))
+
+        waiter = threading.Thread(target=poll)
+        waiter.start()
+        time.sleep(1.0)
+        assert not answered, "the long poll answered with nothing changed"
+        submitted = time.monotonic()
+        out = cluster.cli("run", "--job", "j5", "--tp", "1", "--dp", "1", "--env",
+                          "PROBE_SLEEP=30", "--", sys.executable, PROBE)
+        assert out.returncode == 0, out.stderr
+        waiter.join(30)
+        assert answered, "the long poll did not answer when the job appeared"
+        at, (info, new_token) = answered[0]
+        assert info is not None and info["assignment"]["epoch"] == 1 and new_token != token
+        assert at - submitted < 20, "answered at its timeout, not at the change"
+    with DaemonClient("j5/control", epoch=1, path=sock, timeout=5) as follower:
+        follower.follow_job(lambda: 1, wait=1.0)
+        deadline = time.monotonic() + 10
+        while follower._view is not None and not follower._view.current()[0]:
+            assert time.monotonic() < deadline, "the view never became fresh"
+            time.sleep(0.05)
+        with DaemonClient("j5/control", epoch=1, path=sock, timeout=5) as direct:
+            cluster.wait_for("j5 running", lambda s: s.job("j5") is not None
+                             and s.job("j5").state == "running")  # type: ignore[union-attr]
+            deadline = time.monotonic() + 10
+            while follower.job() != direct.job():
+                assert time.monotonic() < deadline, "the followed view never caught up"
+                time.sleep(0.05)
+            assert follower.job()["status"]["state"] == "running"  # type: ignore[index]
+
+
 def test_a_standby_reports_its_warmth_and_a_silent_one_is_replaced(cluster: LocalCluster,
                                                                     tmp_path: Path) -> None:
     train = str(Path(__file__).parents[2] / "examples" / "plain_torch" / "train.py")
