@@ -416,6 +416,10 @@ def run_system(system: str, events: list[volatile.Event], cfg: BenchConfig,
             if rec.get(k) is not None:
                 rec[f"{k.removesuffix('_at')}_s"] = rec.pop(k) - start
     timeline = [[round(c.t - start, 3), c.step] for c in done]
+    figures["step_split"] = volatile.step_split(
+        [(c.t - start, c.step) for c in done], 0.0, cfg.duration,
+        busy=[(e["served_s"], e["capacity_back_s"]) for e in fired if "capacity_back_s" in e],
+        down=[(e["fired_s"], e["served_s"]) for e in fired if "served_s" in e])
     return {"system": system, **figures, "events_scheduled": len(events), "events": fired,
             "losses": losses(records), "wall_s": time.monotonic() - t0, "load": machine_load,
             **extra, "timeline": timeline}
@@ -520,6 +524,10 @@ def print_summary(result: dict[str, Any]) -> None:
         row("  total downtime", x["total_downtime_s"], "s")
         row("  total time lost (downtime + redone)", x["total_time_lost_s"], "s")
         row("  other loss (slower steps)", x["other_loss_s"], "s")
+        for part, label in (("while_busy", "fresh standbys warming"), ("elsewhere", "elsewhere")):
+            v = [r[system]["step_split"][part] for r in result["repeats"]]
+            if all(v):
+                row(f"  mean step, {label}", summarize([p["mean_s"] for p in v]), "ms", 1e3)
         row("  events served", x["events_served"], "events")
         for kind, k in x["per_kind"].items():
             row(f"  {kind}: downtime per event", k["downtime_s"], "s")

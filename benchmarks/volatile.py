@@ -155,3 +155,22 @@ def goodput(done: list[steplog.Completion], start: float, end: float,
                 - normal) for e in measured),
         "events": per_event,
     }
+
+
+def step_split(points: list[tuple[float, int]], start: float, end: float,
+               busy: list[tuple[float, float]], down: list[tuple[float, float]]
+               ) -> dict[str, dict[str, float] | None]:
+    """Where the window's slower steps were: the gaps between consecutive completions of
+    consecutive steps (``points``: (time, step), in time order) inside ``(start, end]``, split by
+    whether the gap began inside one of the ``busy`` spans (under understudy: an event served,
+    its fresh standbys still warming up on the same machine) or not; gaps that end inside a
+    ``down`` span (an event until it was served: its downtime, counted there) are left out.
+    Per part: the number of steps and their mean, or None when there are none."""
+    parts: dict[str, list[float]] = {"while_busy": [], "elsewhere": []}
+    for (t0, s0), (t1, s1) in itertools.pairwise(points):
+        if s1 != s0 + 1 or t0 <= start or t1 > end or any(a < t1 <= b for a, b in down):
+            continue
+        part = "while_busy" if any(a <= t0 < b for a, b in busy) else "elsewhere"
+        parts[part].append(t1 - t0)
+    return {k: {"steps": len(v), "mean_s": statistics.fmean(v)} if v else None
+            for k, v in parts.items()}

@@ -441,6 +441,7 @@ def test_goodput_smoke(tmp_path: Path) -> None:
         assert r["total_downtime_s"] == pytest.approx(sum(e["downtime_s"] for e in r["events"]),
                                                       abs=1e-5)
         assert r["load"]["loadavg_1m"]["n"] >= 1
+        assert r["step_split"]["elsewhere"]["steps"] > 0
         assert r["timeline"] and r["timeline"][-1][0] >= cfg["duration"]
     u = rep["understudy"]
     assert u["events_fired"] == 2
