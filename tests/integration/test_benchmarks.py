@@ -350,3 +350,110 @@ def test_overhead_smoke(tmp_path: Path) -> None:
     split = rep["understudy"]["runtime_split_s"]
     assert set(split) == {"boundary", "compute", "vote", "apply"}
     assert split["compute"] > cfg["step_sleep"] and all(v >= 0 for v in split.values())
+
+
+def volatile_module():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import volatile
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    return volatile
+
+
+def test_volatile_schedule_is_seeded_and_mixed() -> None:
+    volatile = volatile_module()
+    a = volatile.schedule(1, 600, 45, 0.5, 4)
+    assert a == volatile.schedule(1, 600, 45, 0.5, 4) != volatile.schedule(2, 600, 45, 0.5, 4)
+    # An interruption every 45 s on average over 10 minutes, no gap outside [0.5, 1.5] x 45.
+    assert 9 <= len(a) <= 20 and a[-1].at < 600
+    gaps = [y.at - x.at for x, y in zip([volatile.Event(-1, 0.0, "crash"), *a], a, strict=False)]
+    assert all(22.5 <= g <= 67.5 for g in gaps)
+    assert {e.kind for e in a} == {"drain", "crash"}
+    assert all((e.rank == -1) == (e.kind == "drain") and e.rank < 4 for e in a)
+    assert len(volatile.schedule(1, 600, 45, 0.5, 4, max_events=2)) == 2
+    assert {e.kind for e in volatile.schedule(1, 600, 45, 1.0, 4)} == {"drain"}
+    with pytest.raises(ValueError, match="drain_fraction"):
+        volatile.schedule(1, 600, 45, 1.5, 4)
+
+
+def test_volatile_goodput_of_a_restart() -> None:
+    """Four ranks step every 0.1 s from t=0; a crash at t=10.05 after step 99 (rank 1 alone
+    committed it); all four restart from step 90 at t=20. Window (0, 30]."""
+    steplog, volatile = steplog_module(), volatile_module()
+    recs = [{"step": s, "t": s * 0.1 + r * 0.001, "rank": r} for s in range(100) for r in range(4)
+            if s < 99 or r == 1]
+    recs += [{"step": s, "t": 20 + (s - 90) * 0.1 + r * 0.001, "rank": r}
+             for s in range(90, 200) for r in range(4)]
+    done = steplog.completions(recs, 4)
+    g = volatile.goodput(done, 0.0, 30.0, [{"index": 0, "kind": "crash", "fired_at": 10.05,
+                                           "served_at": 20.5}])
+    assert g["normal_step_s"] == pytest.approx(0.1)
+    # Steps 1..189 last completed inside the window (step 0 at t=0.003 too); 90..98 count
+    # once, at their redo.
+    assert g["useful_steps"] == 190 and g["steps_redone"] == 9
+    assert g["goodput"] == pytest.approx(190 * 0.1 / 30)
+    (ev,) = g["events"]
+    assert ev["downtime_s"] == pytest.approx(20.003 - 9.803 - 0.1)
+    assert ev["steps_redone"] == 9 and g["events_served"] == 1
+    assert g["total_downtime_s"] == pytest.approx(ev["downtime_s"])
+    # Nothing else was lost: the window is the useful steps, the event and rounding.
+    assert abs(g["other_loss_s"]) < 0.3
+    # A step completed inside the window but redone after it does not count.
+    late = volatile.goodput(done, 0.0, 15.0, [])
+    assert late["useful_steps"] == 90  # steps 0..89: 90..98 are redone after t=15
+
+
+@pytest.mark.timeout(420)
+def test_goodput_smoke(tmp_path: Path) -> None:
+    if shutil.which("etcd") is None:
+        pytest.fail("etcd is not installed: the test command installs it (scripts/test)")
+    out_file = tmp_path / "goodput.json"
+    res = run_benchmark("goodput.py", "--smoke", "--out", str(out_file), timeout=360)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "understudy / torchrun goodput" in res.stdout
+
+    data = json.loads(out_file.read_text())
+    assert {"benchmark", "command", "machine", "config", "schedule", "summary", "repeats",
+            "chart"} <= set(data)
+    assert {"platform", "cpu_count", "python", "etcd_version", "torch"} <= set(data["machine"])
+    assert "--smoke" in data["command"]
+    cfg = data["config"]
+    assert cfg["smoke"] is True and cfg["repeats"] == 1 and len(data["repeats"]) == 1
+    assert [e["kind"] for e in data["schedule"]] == ["crash", "drain"]
+    assert Path(data["chart"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    rep = data["repeats"][0]
+    for system in ("understudy", "torchrun"):
+        r = rep[system]
+        assert 0 < r["goodput"] <= 1.0 and r["window_s"] == cfg["duration"]
+        assert r["useful_steps"] > 0 and 0 < r["normal_step_s"] < 1
+        assert r["useful_steps"] * r["normal_step_s"] == pytest.approx(
+            r["goodput"] * r["window_s"], rel=1e-3)
+        # The events fired inside the window were served, each measured (torchrun may serve
+        # the first so late on a busy machine that the window is over before the second).
+        assert r["events_served"] == r["events_fired"] == len(r["events"]) >= 1
+        assert r["events_scheduled"] == 2
+        for e in r["events"]:
+            assert e["fired_s"] < cfg["duration"] and e["late_s"] >= 0
+            assert e["fired_s"] < e["served_s"] and e["downtime_s"] >= 0
+            assert e["steps_redone"] >= 0
+        assert r["total_downtime_s"] == pytest.approx(sum(e["downtime_s"] for e in r["events"]),
+                                                      abs=1e-5)
+        assert r["load"]["loadavg_1m"]["n"] >= 1
+        assert r["step_split"]["elsewhere"]["steps"] > 0
+        assert r["timeline"] and r["timeline"][-1][0] >= cfg["duration"]
+    u = rep["understudy"]
+    assert u["events_fired"] == 2
+    # understudy redoes nothing and gets its standby capacity back after each event.
+    assert u["steps_redone"] == 0 and u["daemon_log_tracebacks"] == 0
+    assert [e["migration_kind"] for e in u["events"]] == ["recovery", "planned"]
+    assert len(u["standbys_joined"]) == 3  # one for the crash, two for the drained node-b
+    assert "node-b" in u["nodes_left"]
+    t = rep["torchrun"]
+    assert t["agents_started"] == 2 + (t["events_fired"] == 2)  # a drained agent is replaced
+    same = rep["losses_understudy_vs_torchrun"]
+    assert same["compared"] > 0 and same["identical"] == same["compared"]
+    s = data["summary"]
+    assert s["ratio"]["goodput_understudy_over_torchrun"] == pytest.approx(
+        s["understudy"]["goodput"]["median"] / s["torchrun"]["goodput"]["median"], rel=1e-3)
