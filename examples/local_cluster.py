@@ -2,8 +2,9 @@
 
 Starts one etcd member on loopback and four real ``understudyd`` daemons (two active nodes with
 two slots each, two standby nodes), runs a TP=2 x DP=2 training job on them with
-``understudy run``, drains one active node while the job trains (its two ranks move live to the
-standbys; the other ranks never stop), then prints the downtime of the switch and checks the
+``understudy run``, waits until the standbys are warm in their sandbox (they replayed the first
+iterations the job recorded), drains one active node while the job trains (its two ranks move
+live to the standbys; the other ranks never stop), then prints the downtime of the switch and checks the
 final state bit for bit against an uninterrupted run of the same job and seed.
 
 Run it with ``scripts/demo`` (which sets the machine up first).
@@ -60,10 +61,10 @@ def wait_for_standbys(cluster: LocalCluster, nodes: tuple[str, ...],
                       timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if all("waiting to be chosen" in cluster.daemons[n].log_text() for n in nodes):
+        if all("Standby is warm" in cluster.daemons[n].log_text() for n in nodes):
             return
         time.sleep(0.2)
-    raise SystemExit("the standby workers did not come up")
+    raise SystemExit("the standby workers did not warm up")
 
 
 def reference_run(base: Path, job_args: list[str]) -> Path:
@@ -109,7 +110,7 @@ def identical(a_dir: Path, b_dir: Path) -> bool:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keep-dir", help="keep logs and data here instead of a temp dir")
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=600)
     args = parser.parse_args()
     base = Path(args.keep_dir or tempfile.mkdtemp(prefix="understudy-demo-"))
     base.mkdir(parents=True, exist_ok=True)
@@ -128,13 +129,17 @@ def main() -> int:
                 cluster.wait_state(name, state)
             cluster.wait_for("a controller", lambda s: s.controller is not None)
             show("the cluster", cluster, "status")
-            env = [f"--env={k}={v}" for k, v in ONE_THREAD.items()]
+            # Ranks 0 and 1 record their first iterations there; the standbys replay them in
+            # their sandbox (docs/sandbox.md), so they are warm before anything happens.
+            recordings = {"UNDERSTUDY_RECORDINGS": str(base / "recordings")}
+            env = [f"--env={k}={v}" for k, v in {**ONE_THREAD, **recordings}.items()]
             show("start a TP=2 x DP=2 job with two standbys", cluster, "run", "--job", "demo",
                  "--tp", "2", "--dp", "2", "--standby", "2", *env, "--", sys.executable,
                  TRAIN, *job_args, "--save", str(base / "run"))
             cluster.wait_for("every rank to start", lambda s: all(
                 n.workers >= 1 for n in s.nodes), timeout=120)
             wait_for_standbys(cluster, ("node-s1", "node-s2"))
+            show("the standbys, warm in their sandbox", cluster, "status")
             show("drain node-b while the job trains: its ranks move live", cluster, "drain",
                  "node-b", "--wait", "--deadline", "120", "--reason", "demo maintenance",
                  timeout=200)
