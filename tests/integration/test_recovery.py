@@ -160,11 +160,15 @@ def test_an_exhausted_pool_pauses_the_job_until_a_standby_joins(
         assert_bitwise_equal(reference, out, world=4)
 
 
+@pytest.mark.parametrize("victim", ["stayer", "leaver"])
 def test_a_rank_crashing_during_a_drain_aborts_it_recovers_then_the_drain_completes(
-        etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:  # noqa: F811
+        etcd: EmbeddedEtcd, reference: Path, tmp_path: Path,  # noqa: F811
+        victim: str) -> None:
     # The drain's joiners (node-s1, node-s2) hold phase 1 open for 8 s once their groups are
-    # up (a failpoint; each fresh standby process again), so that rank 0, a stayer, dies with
-    # phase 1 under way. Slow steps leave the retried drain time to finish before the job.
+    # up (a failpoint; each fresh standby process again), so that a rank dies with phase 1
+    # under way: rank 0, a stayer, or rank 2, one of the drained node's leavers. Slow steps
+    # leave the retried drain time to finish before the job.
+    node, child, rank = ("node-a", "mig.r0", 0) if victim == "stayer" else ("node-b", "mig.r2", 2)
     hold = {"UNDERSTUDY_FAILPOINTS": "joiner.prepared=sleep(8)"}
     with training(etcd, tmp_path, {"node-a": 2, "node-b": 2}, (*STANDBYS, "node-s3"),
                   armed={"node-s1": hold, "node-s2": hold}, standby=3,
@@ -174,14 +178,14 @@ def test_a_rank_crashing_during_a_drain_aborts_it_recovers_then_the_drain_comple
         assert c.cli("drain", "node-b", "--deadline", "240").returncode == 0
         wait_log(c.daemons["node-s1"], "failpoint joiner.prepared fired", timeout=60)
         wait_log(a, "Phase 1 of migration", timeout=30)
-        os.kill(worker_pid(a, "mig.r0"), signal.SIGKILL)  # a stayer, in phase 1
+        os.kill(worker_pid(c.daemons[node], child), signal.SIGKILL)  # in phase 1
         c.wait_for("the drain to be called off", lambda s: any(
             e["kind"] == "migration-aborted" for e in events(c)), timeout=60)
         aborted = next(e for e in events(c) if e["kind"] == "migration-aborted")
-        assert "rank 0 failed" in aborted["message"], aborted
+        assert f"rank {rank} failed" in aborted["message"], aborted
         job = _finish(c)
         planned = [e["message"] for e in events(c) if e["kind"] == "migration-planned"]
-        assert any("recovery: rank 0 ->" in m for m in planned), planned
+        assert any(f"recovery: rank {rank} ->" in m for m in planned), planned
         # Recovery (epoch 2), then the drain again (epoch 3): node-b holds nothing.
         assert job.assignment.epoch == 3
         assert "node-b" not in job.assignment.ranks
