@@ -465,8 +465,10 @@ async def failover(i: int, fleet: Fleet, observer: Observer, store: EtcdStore,
         and len(e.get("standbys", [])) >= args.job_standbys, timeout,
         f"{job}'s standby pool to be refilled", since)
     await fleet.restart(victim)
+    # A former standby that took a rank rejoins in its configured role, like a restarted daemon.
+    role = fleet.nodes[victim].agent.cfg.role
     await observer.wait(lambda e: e.get("key") == keys.registry_entry(victim)
-                        and e.get("state") == "active", timeout, f"{victim} to rejoin", since)
+                        and e.get("state") == role, timeout, f"{victim} to rejoin", since)
     m2 = await asyncio.to_thread(meters.read)
     return {
         "repeat": i, "job": job, "victim": victim, "ranks": ranks,
