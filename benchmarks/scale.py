@@ -312,7 +312,19 @@ async def run_size(n: int, args: argparse.Namespace, base: Path, rng: random.Ran
         join_s = time.monotonic() - t0
         log(f"{n} simulated nodes joined in {join_s:.1f}s; placing {lay['jobs']} jobs")
         t0 = time.monotonic()
-        jobs = await submit_jobs(probe.store, observer, lay["jobs"], args)
+        try:
+            jobs = await submit_jobs(probe.store, observer, lay["jobs"], args)
+        except BenchmarkError as exc:
+            # Placement is part of what may break at a size: record it, go on to the next.
+            log(f"broke while placing jobs: {exc}")
+            return {"nodes": n, "layout": lay, "join_s": join_s, "failovers": [],
+                    "broke": f"while placing jobs: {exc}",
+                    "expired_keepalive_acks": fleet.expired_acks,
+                    "keepalive_sender_late_s": fleet.keepalives.late_s,
+                    "unexpected_failed_nodes": sorted(
+                        {e["key"].rsplit("/", 1)[-1] for e in observer.events
+                         if e.get("state") == "failed"}),
+                    "controller_fenced": daemon.log_text().count("Node fenced itself")}
         place_s = time.monotonic() - t0
         log(f"{lay['jobs']} jobs placed in {place_s:.1f}s; settling {args.settle_seconds:.0f}s")
         await asyncio.sleep(args.settle_seconds)
