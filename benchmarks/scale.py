@@ -180,6 +180,7 @@ class Meters:
         self.etcd = etcd
         self.procs = {"controller": psutil.Process(controller_pid),
                       "etcd": psutil.Process(etcd.proc.pid), "simulator": psutil.Process()}
+        self.senders = [psutil.Process(pid) for pid in fleet.keepalives.pids]
         self.fleet = fleet
 
     def read(self) -> dict[str, Any]:
@@ -189,7 +190,8 @@ class Meters:
             "handled": by_label(m, "grpc_server_handled_total", "grpc_method"),
             "received": by_label(m, "grpc_server_msg_received_total", "grpc_method"),
             "sent": by_label(m, "grpc_server_msg_sent_total", "grpc_method"),
-            "cpu": {k: cpu_seconds(p) for k, p in self.procs.items()},
+            "cpu": {**{k: cpu_seconds(p) for k, p in self.procs.items()},
+                    "keepalive_senders": sum(cpu_seconds(p) for p in self.senders)},
             "machine": psutil.cpu_times(),
             "keepalives": self.fleet.keepalives.sent,
         }
@@ -218,6 +220,16 @@ class Meters:
 
     def rss_mib(self) -> dict[str, float]:
         return {k: p.memory_info().rss / MIB for k, p in self.procs.items()}
+
+    async def phase(self, a: dict[str, Any]) -> dict[str, Any]:
+        """The window since ``a`` with the simulator's own health in it: its event loop's
+        lag and its keep-alive senders' (``KeepAlives.stats``)."""
+        b = await asyncio.to_thread(self.read)
+        w = self.window(a, b)
+        w["simulator_loop_lag_max_s"] = self.fleet.loop_lag.take()
+        w["keepalive_senders"] = self.fleet.keepalives.window(a["t"], b["t"])
+        w["loadavg_1m_after"] = os.getloadavg()[0]
+        return w
 
 
 async def time_controller_code(endpoint: str, reps: int) -> dict[str, Any]:
@@ -303,36 +315,47 @@ async def run_size(n: int, args: argparse.Namespace, base: Path, rng: random.Ran
         await observer.start(etcd.endpoint)
         fleet = Fleet(etcd.endpoint, PREFIX, args.ttl, args.keepalive_interval,
                       channels=args.channels, keepalive_streams=args.keepalive_streams,
+                      keepalive_procs=args.keepalive_procs,
                       daemon_traffic=args.daemon_traffic, seed=args.seed)
         await fleet.start()
+        meters = Meters(etcd, daemon.pid, fleet)
         names = [(f"sim-{i:05d}", "active" if i < lay["active"] else "standby",
                   SLOTS if i < lay["active"] else 1) for i in range(n)]
-        t0 = time.monotonic()
+        m0 = await asyncio.to_thread(meters.read)
+        fleet.loop_lag.take()
         await fleet.add(names)
-        join_s = time.monotonic() - t0
-        log(f"{n} simulated nodes joined in {join_s:.1f}s; placing {lay['jobs']} jobs")
-        t0 = time.monotonic()
+        join = await meters.phase(m0)
+        join_s = join["seconds"]
+        log(f"{n} simulated nodes joined in {join_s:.1f}s; {health(join)}; placing "
+            f"{lay['jobs']} jobs")
+        m0 = await asyncio.to_thread(meters.read)
         try:
             jobs = await submit_jobs(probe.store, observer, lay["jobs"], args)
         except BenchmarkError as exc:
             # Placement is part of what may break at a size: record it, go on to the next.
-            log(f"broke while placing jobs: {exc}")
+            place = await meters.phase(m0)
+            log(f"broke while placing jobs: {exc}; {health(place)}")
             return {"nodes": n, "layout": lay, "join_s": join_s, "failovers": [],
                     "broke": f"while placing jobs: {exc}",
+                    "phases": {"join": join, "place_jobs": place},
                     "expired_keepalive_acks": fleet.expired_acks,
                     "keepalive_sender_late_s": fleet.keepalives.late_s,
                     "unexpected_failed_nodes": sorted(
                         {e["key"].rsplit("/", 1)[-1] for e in observer.events
                          if e.get("state") == "failed"}),
                     "controller_fenced": daemon.log_text().count("Node fenced itself")}
-        place_s = time.monotonic() - t0
-        log(f"{lay['jobs']} jobs placed in {place_s:.1f}s; settling {args.settle_seconds:.0f}s")
+        place = await meters.phase(m0)
+        place_s = place["seconds"]
+        log(f"{lay['jobs']} jobs placed in {place_s:.1f}s; {health(place)}; settling "
+            f"{args.settle_seconds:.0f}s")
+        m0 = await asyncio.to_thread(meters.read)
         await asyncio.sleep(args.settle_seconds)
-        meters = Meters(etcd, daemon.pid, fleet)
+        settle = await meters.phase(m0)
         out: dict[str, Any] = {
             "nodes": n, "layout": {**lay, "job_nodes": args.job_nodes,
                                    "job_standbys": args.job_standbys, "slots": SLOTS},
-            "join_s": join_s, "place_jobs_s": place_s, "failovers": [], "broke": None}
+            "join_s": join_s, "place_jobs_s": place_s, "failovers": [], "broke": None,
+            "phases": {"join": join, "place_jobs": place, "settle": settle}}
         try:
             await measure(out, n, meters, fleet, observer, probe.store, jobs, etcd, args, rng,
                           log)
@@ -361,6 +384,18 @@ async def run_size(n: int, args: argparse.Namespace, base: Path, rng: random.Ran
         etcd.stop()
 
 
+def health(w: dict[str, Any]) -> str:
+    """One line on the simulator's health in a window (``Meters.phase``)."""
+    ka = w["keepalive_senders"]
+    cpu = w["cpu_percent_of_one_core"]
+    return (f"keep-alive gap max {ka.get('send_gap_s', 0):.2f}s, oldest ack "
+            f"{ka.get('oldest_ack_s', 0):.2f}s, reply max {ka.get('reply_s', 0):.2f}s, sender "
+            f"loop lag {ka.get('loop_lag_s', 0) * 1e3:.0f} ms, simulator loop lag "
+            f"{w['simulator_loop_lag_max_s'] * 1e3:.0f} ms; CPU% ctl {cpu['controller']:.0f} "
+            f"etcd {cpu['etcd']:.0f} sim {cpu['simulator']:.0f} senders "
+            f"{cpu['keepalive_senders']:.0f}, machine {w['machine_busy_percent']:.0f}% busy")
+
+
 def keys_registry(node: str) -> str:
     return Keys(PREFIX).registry_entry(node)
 
@@ -373,8 +408,7 @@ async def measure(out: dict[str, Any], n: int, meters: Meters, fleet: Fleet,
                              f"(keep-alive sender {fleet.keepalives.late_s:.1f}s late)")
     a = await asyncio.to_thread(meters.read)
     await asyncio.sleep(args.steady_seconds)
-    b = await asyncio.to_thread(meters.read)
-    steady = meters.window(a, b)
+    steady = await meters.phase(a)
     steady["rss_mib"] = meters.rss_mib()
     steady["keepalive_sender_late_s"] = fleet.keepalives.late_s
     steady["loadavg_1m_after"] = os.getloadavg()[0]
@@ -385,7 +419,7 @@ async def measure(out: dict[str, Any], n: int, meters: Meters, fleet: Fleet,
         f"{steady['rss_mib']['controller']:.0f} MiB; etcd "
         f"{steady['cpu_percent_of_one_core']['etcd']:.0f}%, simulator "
         f"{steady['cpu_percent_of_one_core']['simulator']:.0f}%, machine "
-        f"{steady['machine_busy_percent']:.0f}% busy")
+        f"{steady['machine_busy_percent']:.0f}% busy; {health(steady)}")
     code = await time_controller_code(etcd.endpoint, args.code_reps)
     out["controller_code"] = code
     log(f"controller code: relist {code['relist_s']['median'] * 1e3:.0f} ms, plan "
@@ -442,10 +476,9 @@ async def failover(i: int, fleet: Fleet, observer: Observer, store: EtcdStore,
     await asyncio.sleep(rng.uniform(0, args.keepalive_interval))
     m0 = await asyncio.to_thread(meters.read)
     since = len(observer.events)
-    last_ack = fleet.nodes[victim].last_ack
     t_stop_wall = time.time()
-    t_stop = fleet.crash(victim)
-    ack_age = t_stop - last_ack
+    t_stop, last_ack = await fleet.crash(victim)
+    ack_age = t_stop - last_ack if last_ack is not None else None
     timeout = args.ttl + 30
     gone = await observer.wait(lambda e: e.get("key") == keys.node(victim)
                                and e.get("kind") == "delete", timeout,
@@ -494,6 +527,7 @@ async def failover(i: int, fleet: Fleet, observer: Observer, store: EtcdStore,
         "plan_to_done_s": done["t"] - planned["t"],
         "window_stop_to_plan": meters.window(m0, m1),
         "window_plan_to_rejoined": meters.window(m1, m2),
+        "keepalive_senders": fleet.keepalives.window(m0["t"], m2["t"]),
     }
 
 
@@ -647,7 +681,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "watches (scale_sim.py)")
     p.add_argument("--channels", type=int, default=4, help="etcd connections of the simulator")
     p.add_argument("--keepalive-streams", type=int, default=4,
-                   help="LeaseKeepAlive streams of the simulator")
+                   help="LeaseKeepAlive streams of each keep-alive sender")
+    p.add_argument("--keepalive-procs", type=int, default=2,
+                   help="keep-alive sender processes (default 2; 0: on the simulator's own "
+                        "event loop, as the first 4,096-node run did)")
     p.add_argument("--code-reps", type=int, default=5,
                    help="timed runs of the controller's re-list and planning round")
     p.add_argument("--seed", type=int, default=1)
@@ -728,6 +765,7 @@ def main(argv: list[str] | None = None) -> int:
                    "settle_seconds": args.settle_seconds, "job_nodes": args.job_nodes,
                    "job_standbys": args.job_standbys, "daemon_traffic": args.daemon_traffic,
                    "channels": args.channels, "keepalive_streams": args.keepalive_streams,
+                   "keepalive_procs": args.keepalive_procs,
                    "seed": args.seed, "smoke": args.smoke},
         "loadavg_before": list(load_before),
         "loadavg_after": list(os.getloadavg()),
