@@ -323,11 +323,14 @@ async def run_size(n: int, args: argparse.Namespace, base: Path, rng: random.Ran
                   SLOTS if i < lay["active"] else 1) for i in range(n)]
         m0 = await asyncio.to_thread(meters.read)
         fleet.loop_lag.take()
-        await fleet.add(names)
+        await fleet.add(names, concurrency=args.join_concurrency)
         join = await meters.phase(m0)
+        join["register_s"] = {**summarize(fleet.register_s),
+                              "p99": percentile(fleet.register_s, 99)}
         join_s = join["seconds"]
-        log(f"{n} simulated nodes joined in {join_s:.1f}s; {health(join)}; placing "
-            f"{lay['jobs']} jobs")
+        log(f"{n} simulated nodes joined in {join_s:.1f}s (registration p99 "
+            f"{join['register_s']['p99']:.2f}s, max {join['register_s']['max']:.2f}s); "
+            f"{health(join)}; placing {lay['jobs']} jobs")
         m0 = await asyncio.to_thread(meters.read)
         try:
             jobs = await submit_jobs(probe.store, observer, lay["jobs"], args)
@@ -679,9 +682,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--daemon-traffic", action="store_true",
                    help="simulated nodes also send a daemon's periodic reads, campaigns and "
                         "watches (scale_sim.py)")
-    p.add_argument("--channels", type=int, default=4, help="etcd connections of the simulator")
-    p.add_argument("--keepalive-streams", type=int, default=4,
-                   help="LeaseKeepAlive streams of each keep-alive sender")
+    p.add_argument("--channels", type=int, default=16,
+                   help="etcd connections of the simulator (default 16: a request that times "
+                        "out resets its connection and cuts off the others on it)")
+    p.add_argument("--join-concurrency", type=int, default=16,
+                   help="simulated nodes registering at once (default 16)")
+    p.add_argument("--keepalive-streams", type=int, default=64,
+                   help="LeaseKeepAlive streams of each keep-alive sender (default 64: a "
+                        "stream stalls while etcd revokes one of its leases; scale_sim.py)")
     p.add_argument("--keepalive-procs", type=int, default=2,
                    help="keep-alive sender processes (default 2; 0: on the simulator's own "
                         "event loop, as the first 4,096-node run did)")
@@ -766,6 +774,7 @@ def main(argv: list[str] | None = None) -> int:
                    "job_standbys": args.job_standbys, "daemon_traffic": args.daemon_traffic,
                    "channels": args.channels, "keepalive_streams": args.keepalive_streams,
                    "keepalive_procs": args.keepalive_procs,
+                   "join_concurrency": args.join_concurrency,
                    "seed": args.seed, "smoke": args.smoke},
         "loadavg_before": list(load_before),
         "loadavg_after": list(os.getloadavg()),

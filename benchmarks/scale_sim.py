@@ -104,14 +104,21 @@ class KeepAlives:
     ``streams`` long-lived bidirectional ``LeaseKeepAlive`` streams; a lease's first one is
     sent as soon as it is added, as the daemon's keep-alive loop does right after it registers.
 
+    A lease not acknowledged for a full ``ttl`` has expired at etcd (etcd renewed it before
+    it answered), and no keep-alive is sent for it again: etcd 3.4 answers a keep-alive of an
+    expired lease only once the lease's revocation is applied, and its stream answers nothing
+    else meanwhile, so one expired lease would stall every lease sharing its stream. A real
+    daemon has a stream of its own (aetcd opens one per keep-alive): hence many streams here,
+    each carrying few leases.
+
     Instrumented, per window between two ``stats`` calls: the longest gap between two
     keep-alives of one lease (what etcd sees; above the TTL the lease expires), the longest
     wait of a stream write and the longest keep-alive -> reply time per stream, the longest
     round, the oldest unanswered lease, and the event loop's lag."""
 
-    def __init__(self, endpoint: str, interval: float, streams: int,
+    def __init__(self, endpoint: str, interval: float, streams: int, ttl: float,
                  on_expired: Callable[[int], None]) -> None:
-        self.endpoint, self.interval, self.nstreams = endpoint, interval, streams
+        self.endpoint, self.interval, self.nstreams, self.ttl = endpoint, interval, streams, ttl
         self.on_expired = on_expired
         self.leases: dict[int, float] = {}  # lease -> when etcd last acknowledged it
         self.last_sent: dict[int, float] = {}
@@ -120,6 +127,7 @@ class KeepAlives:
         self.late_s = 0.0  # how far behind schedule a round fell, at most
         self.lag = LoopLag()
         self._inflight: list[collections.deque[float]] = []
+        self._locks: list[asyncio.Lock] = []  # a gRPC stream takes one write at a time
         self._w: dict[str, float] = {}
         self._w_stream: list[dict[str, float]] = []
         self._channels: list[Any] = []
@@ -135,6 +143,7 @@ class KeepAlives:
             call = rpc.LeaseStub(ch).LeaseKeepAlive()
             self._calls.append(call)
             self._inflight.append(collections.deque())
+            self._locks.append(asyncio.Lock())
             self._w_stream.append({"write_wait_s": 0.0, "reply_s": 0.0})
             self._tasks.append(asyncio.create_task(self._read(s, call), name="keepalive-read"))
         self._tasks.append(asyncio.create_task(self._send(), name="keepalive-send"))
@@ -163,8 +172,9 @@ class KeepAlives:
         if prev is not None:
             self._wmax("send_gap_s", now - prev)
         self.last_sent[lease] = now
-        self._inflight[s].append(now)
-        await self._calls[s].write(rpc.LeaseKeepAliveRequest(ID=lease))
+        async with self._locks[s]:
+            self._inflight[s].append(time.monotonic())
+            await self._calls[s].write(rpc.LeaseKeepAliveRequest(ID=lease))
         w = time.monotonic() - now
         if w > self._w_stream[s]["write_wait_s"]:
             self._w_stream[s]["write_wait_s"] = w
@@ -204,9 +214,15 @@ class KeepAlives:
             while i < len(order):
                 due = min(len(order), math.ceil(len(order) * (time.monotonic() - t0 + tick)
                                                 / self.interval))
+                now = time.monotonic()
                 for lease in order[i:due]:
                     if lease not in self.leases:
                         continue  # stopped meanwhile: a crashed node sends nothing
+                    if now - self.leases[lease] > self.ttl:
+                        self.leases.pop(lease)
+                        self.last_sent.pop(lease, None)
+                        self.on_expired(lease)
+                        continue
                     try:
                         await self._write(lease)
                     except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
@@ -252,7 +268,8 @@ class KeepAlives:
 STATS_EVERY_S = 0.5
 
 
-async def keepalive_process(endpoint: str, interval: float, streams: int) -> None:
+async def keepalive_process(endpoint: str, interval: float, streams: int, ttl: float
+                            ) -> None:
     """``--keepalive-child``: a ``KeepAlives`` of its own, so no other simulated work shares
     its event loop. Reads ``+<lease>`` (start) and ``-<lease>`` (stop) lines on stdin; writes
     JSON lines: ``{"expired": lease}``, ``{"removed": lease, "t": .., "last_ack": ..}`` and,
@@ -266,7 +283,7 @@ async def keepalive_process(endpoint: str, interval: float, streams: int) -> Non
         sys.stdout.write(json.dumps(obj) + "\n")
         sys.stdout.flush()
 
-    ka = KeepAlives(endpoint, interval, streams, lambda lease: emit({"expired": lease}))
+    ka = KeepAlives(endpoint, interval, streams, ttl, lambda lease: emit({"expired": lease}))
     await ka.start()
 
     async def report() -> None:
@@ -294,10 +311,11 @@ class KeepAliveSender:
     them). Either way ``stats_log`` collects each sender's ``KeepAlives.stats`` every
     ``STATS_EVERY_S``."""
 
-    def __init__(self, endpoint: str, interval: float, streams: int, procs: int,
+    def __init__(self, endpoint: str, interval: float, streams: int, procs: int, ttl: float,
                  on_expired: Callable[[int], None]) -> None:
         self.endpoint, self.interval, self.streams, self.nprocs = (endpoint, interval,
                                                                    streams, procs)
+        self.ttl = ttl
         self.on_expired = on_expired
         self.stats_log: list[dict[str, Any]] = []  # each with "sender": its index
         self.procs: list[asyncio.subprocess.Process] = []
@@ -320,7 +338,7 @@ class KeepAliveSender:
 
     async def start(self) -> None:
         if self.nprocs == 0:
-            self._local = KeepAlives(self.endpoint, self.interval, self.streams,
+            self._local = KeepAlives(self.endpoint, self.interval, self.streams, self.ttl,
                                      self.on_expired)
             await self._local.start()
             self._tasks.append(asyncio.create_task(self._local_stats(), name="ka-stats"))
@@ -328,7 +346,7 @@ class KeepAliveSender:
         for i in range(self.nprocs):
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, str(Path(__file__).resolve()), "--keepalive-child",
-                self.endpoint, str(self.interval), str(self.streams),
+                self.endpoint, str(self.interval), str(self.streams), str(self.ttl),
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, limit=MIB,
                 start_new_session=True)
             self.procs.append(proc)
@@ -417,9 +435,10 @@ class Fleet:
         self.nodes: dict[str, SimNode] = {}
         self.stop = asyncio.Event()
         self.keepalives = KeepAliveSender(endpoint, keepalive_interval, keepalive_streams,
-                                          keepalive_procs, self._expired)
+                                          keepalive_procs, ttl, self._expired)
         self.by_lease: dict[int, SimNode] = {}
         self.expired_acks = 0
+        self.register_s: list[float] = []
         self.loop_lag = LoopLag()  # of this process's event loop: registrations, placement
         self._lag_task: asyncio.Task[None] | None = None
 
@@ -454,7 +473,11 @@ class Fleet:
                                   self.stop)
                 node = SimNode(name, role, agent)
                 self.nodes[name] = node
+                t0 = time.monotonic()
                 await asyncio.wait_for(agent.register(), 60)
+                # From before the lease is granted to its first keep-alive: a real daemon's
+                # registration takes this long too before its keep-alive loop starts.
+                self.register_s.append(time.monotonic() - t0)
                 assert agent.lease is not None
                 self.by_lease[agent.lease] = node
                 await self.keepalives.add(agent.lease)
@@ -615,9 +638,10 @@ class Fleet:
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description="a keep-alive sender process of scale.py")
-    p.add_argument("--keepalive-child", nargs=3, metavar=("ENDPOINT", "INTERVAL", "STREAMS"),
-                   required=True)
+    p.add_argument("--keepalive-child", nargs=4,
+                   metavar=("ENDPOINT", "INTERVAL", "STREAMS", "TTL"), required=True)
     a = p.parse_args()
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(keepalive_process(a.keepalive_child[0], float(a.keepalive_child[1]),
-                                      int(a.keepalive_child[2])))
+                                      int(a.keepalive_child[2]),
+                                      float(a.keepalive_child[3])))
