@@ -362,8 +362,10 @@ async def run_size(n: int, args: argparse.Namespace, base: Path, rng: random.Ran
         try:
             await measure(out, n, meters, fleet, observer, probe.store, jobs, etcd, args, rng,
                           log)
-        except BenchmarkError as exc:
-            # A size the machine cannot hold is a result: say where and how it broke.
+        except (BenchmarkError, StoreError) as exc:
+            # A size the machine cannot hold is a result: say where and how it broke (a request
+            # of this process's own that times out is a way of breaking too: its event loop
+            # serves the simulated nodes).
             out["broke"] = str(exc)
             log(f"broke: {exc}")
         victims = {keys_registry(f["victim"]) for f in out["failovers"]}
