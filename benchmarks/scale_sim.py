@@ -4,10 +4,11 @@ exactly like a real ``understudyd``.
 Each simulated node is the daemon's own :class:`NodeAgent` (its records, its registration
 transaction, its registry compare-and-swap, its events and its state changes), with a real etcd
 lease. What is simulated is only the process around it: no workers, no local socket, and the
-keep-alives, which are sent for all nodes of the fleet on a few long-lived ``LeaseKeepAlive``
-streams (one message per lease per interval, as etcd's Go client multiplexes its leases)
-instead of one stream per keep-alive as aetcd does; N streams per interval would cost this one
-process more CPU than the two-core machine has. A node "crashes" when its keep-alives stop: its
+keep-alives, which keep-alive processes of their own (``KeepAliveSender``, so the nodes'
+registrations cannot delay them) send for all nodes of the fleet on long-lived
+``LeaseKeepAlive`` streams (one message per lease per interval, as etcd's Go client multiplexes
+its leases) instead of one stream per keep-alive as aetcd does; N streams per interval would
+cost more CPU than the two-core machine has. A node "crashes" when its keep-alives stop: its
 lease expires at etcd a TTL after the last one, the way a kill -9 or a partition looks.
 
 With ``daemon_traffic``, each node also sends the periodic reads and holds the watches a real
