@@ -287,15 +287,21 @@ class Controller:
                 entry, rev = self._registry[action.node]
                 failed = dataclasses.replace(entry, state=NodeState.FAILED, reason=action.reason,
                                              updated_at=self.wall())
-                if await self.store.cas(self.keys.registry_entry(action.node), failed.encode(),
-                                        action.mod_revision):
+                # Only while the node record is really gone: a joining node writes its record
+                # and its entry in one transaction, but they reach us through two watches, and
+                # a round can run between them. Losing this compare needs no re-plan: the
+                # change that made it fail arrives through a watch.
+                if await self.store.txn(
+                        compare=[("mod", self.keys.registry_entry(action.node),
+                                  action.mod_revision),
+                                 ("create", self.keys.node(action.node), 0)],
+                        success=[("put", self.keys.registry_entry(action.node),
+                                  failed.encode(), None)]):
                     self._registry[action.node] = (failed, rev)
                     self.log.warning(f"Node {action.node} failed: {action.reason}.")
                     await self.events.emit("node-failed",
                                            f"Node {action.node} failed: {action.reason}.",
                                            node=action.node, previous_state=str(entry.state))
-                else:
-                    self._changed.set()  # lost the race: re-plan from fresh state
             else:
                 for key in action.keys:
                     await self.store.delete(key)

@@ -4,8 +4,8 @@ Starts one etcd member on loopback and four real ``understudyd`` daemons (two ac
 two slots each, two standby nodes), runs a TP=2 x DP=2 training job on them with
 ``understudy run``, waits until the standbys are warm in their sandbox (they replayed the first
 iterations the job recorded), drains one active node while the job trains (its two ranks move
-live to the standbys; the other ranks never stop), then prints the downtime of the switch and checks the
-final state bit for bit against an uninterrupted run of the same job and seed.
+live to the standbys; the other ranks never stop), then prints the downtime of the switch and
+checks the final state bit for bit against an uninterrupted run of the same job and seed.
 
 Run it with ``scripts/demo`` (which sets the machine up first).
 """

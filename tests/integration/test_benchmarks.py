@@ -457,3 +457,45 @@ def test_goodput_smoke(tmp_path: Path) -> None:
     s = data["summary"]
     assert s["ratio"]["goodput_understudy_over_torchrun"] == pytest.approx(
         s["understudy"]["goodput"]["median"] / s["torchrun"]["goodput"]["median"], rel=1e-3)
+
+
+@pytest.mark.timeout(180)
+def test_scale_smoke(tmp_path: Path) -> None:
+    if shutil.which("etcd") is None:
+        pytest.fail("etcd is not installed: the test command installs it (scripts/test)")
+    out_file = tmp_path / "scale.json"
+    res = run_benchmark("scale.py", "--smoke", "--out", str(out_file), timeout=150)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "gone->plan p50" in res.stdout
+
+    data = json.loads(out_file.read_text())
+    assert {"benchmark", "command", "machine", "config", "sizes", "loadavg_before",
+            "chart"} <= set(data)
+    assert "--smoke" in data["command"]
+    assert Path(data["chart"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    cfg = data["config"]
+    assert cfg["smoke"] is True and cfg["nodes"] == [24] and cfg["repeats"] == 2
+    (size,) = data["sizes"]
+    assert size["broke"] is None and size["unexpected_failed_nodes"] == []
+    assert size["controller_log_tracebacks"] == 0 and size["controller_fenced"] == 0
+    assert size["layout"]["jobs"] >= 1
+    st = size["steady"]
+    # Every simulated node keeps its lease alive on the shared streams, and etcd sees it.
+    assert st["etcd_messages_per_s_by_method"]["LeaseKeepAlive"] > 0.5 * 24 / cfg[
+        "keepalive_interval"]
+    assert st["rss_mib"]["controller"] > 1 and st["cpu_percent_of_one_core"]["controller"] >= 0
+    code = size["controller_code"]
+    assert code["prefix_sizes"]["nodes"]["keys"] == 25  # the simulated nodes and the controller
+    assert code["relist_s"]["median"] > 0 and code["plan_s"]["median"] > 0
+    assert len(size["failovers"]) == cfg["repeats"]
+    for f in size["failovers"]:
+        # The lease ends about a TTL after the crash; the plan follows the lease, the recovery
+        # is committed after the plan.
+        assert cfg["ttl"] - 1.5 < f["stop_to_lease_gone_s"] < cfg["ttl"] + 2
+        assert f["lease_gone_to_failed_s"] >= 0 and 0 <= f["lease_gone_to_plan_s"] < 5
+        assert f["stop_to_plan_s"] == pytest.approx(
+            f["stop_to_lease_gone_s"] + f["lease_gone_to_plan_s"], abs=1e-4)
+        assert f["plan_to_done_s"] > 0 and f["victim"] not in f["joiners"]
+    fo = size["failover_summary"]
+    assert fo["lease_gone_to_plan_s"]["p50"] <= fo["lease_gone_to_plan_s"]["p99"]
+    assert fo["target_p99_s"] == 0.5
