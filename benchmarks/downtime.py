@@ -328,6 +328,26 @@ def torchft_phases(records: list[dict[str, Any]], event_at: float, first_step_at
     return out
 
 
+def healed_steps(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Commit lines for the steps a healed rank took over in its state instead of computing.
+
+    The replica groups commit each on its own: a group that lost a rank after the DP
+    all-reduce of step ``s`` but before its commit leaves the other group committing ``s``, and
+    the restarted group heals to ``s + 1``. Its ranks hold step ``s`` from the moment they
+    healed, so they complete it then (``healed``: true); without these lines the job would
+    never complete ``s`` at all."""
+    commits = steplog.step_records(records)
+    out = []
+    for h in records:
+        if h.get("kind") != "healed":
+            continue
+        mine = [r["step"] for r in commits if r["rank"] == h["rank"] and r["t"] < h["t"]]
+        out += [{"kind": "step", "step": step, "t": h["t"], "rank": h["rank"], "pid": h["pid"],
+                 "loss": None, "healed": True}
+                for step in range(max(mine, default=-1) + 1, h["step"])]
+    return out
+
+
 def run_torchft(event: str, cfg: BenchConfig, base: Path) -> dict[str, Any]:
     fcfg = TorchftConfig(steps=cfg.steps, step_sleep=cfg.step_sleep, drain_notice=True,
                          max_restarts=MAX_RESTARTS,
@@ -360,7 +380,8 @@ def run_torchft(event: str, cfg: BenchConfig, base: Path) -> dict[str, Any]:
     if failed:
         raise BenchmarkError(f"torchft {event}: agents failed {failed} (logs in {base})")
     records = run.records()
-    done = steplog.completions(records, WORLD)
+    healed_over = healed_steps(records)
+    done = steplog.completions(records + healed_over, WORLD)
     if not done or max(c.step for c in done) != cfg.steps - 1:
         raise BenchmarkError(f"torchft {event}: the job did not reach step {cfg.steps - 1}")
     normal = steplog.normal_step(done, event_at)
@@ -384,6 +405,7 @@ def run_torchft(event: str, cfg: BenchConfig, base: Path) -> dict[str, Any]:
             "details": {"agent_exit_codes": {str(k): v for k, v in codes.items()},
                         "healed_to_steps": sorted({r["step"] for r in healed}),
                         "healed_ranks": sorted({r["rank"] for r in healed}),
+                        "steps_healed_over": sorted({r["step"] for r in healed_over}),
                         "discarded_steps": sorted({r["step"] for r in records
                                                    if r.get("kind") == "discarded"})},
             "losses": losses(records), "steps_completed": max(c.step for c in done) + 1,
