@@ -314,45 +314,6 @@ def test_downtime_smoke(tmp_path: Path, event: str) -> None:
     assert r["time_lost"] > 0 and s["losses_identical"] is True
 
 
-@pytest.mark.timeout(240)
-def test_overhead_smoke(tmp_path: Path) -> None:
-    if shutil.which("etcd") is None:
-        pytest.fail("etcd is not installed: the test command installs it (scripts/test)")
-    out_file = tmp_path / "overhead.json"
-    res = run_benchmark("overhead.py", "--smoke", "--out", str(out_file), timeout=200)
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert "understudy vs torchrun, median step" in res.stdout
-
-    data = json.loads(out_file.read_text())
-    assert {"benchmark", "command", "machine", "config", "summary", "repeats"} <= set(data)
-    assert "--smoke" in data["command"]
-    cfg = data["config"]
-    assert cfg["smoke"] is True and cfg["repeats"] == 1 and len(data["repeats"]) == 1
-    systems = ("understudy", "torchrun", "torchrun+dcp")
-    rep = data["repeats"][0]
-    for system in systems:
-        r = rep[system]
-        assert r["steps"] == cfg["steps"] - cfg["warmup"] - 1
-        # A step sleeps step_sleep, then computes; the window's mean is no shorter than the
-        # median by more than the spread of steps allows.
-        assert cfg["step_sleep"] < r["median_s"] <= r["p90_s"] <= r["max_s"] < 2
-        assert r["mean_s"] > cfg["step_sleep"]
-    assert rep["understudy"]["daemon_log_tracebacks"] == 0
-    assert rep["torchrun"]["checkpoints"] == 0 and rep["torchrun"]["checkpoint_save_s"] is None
-    assert rep["torchrun+dcp"]["checkpoints"] == (cfg["steps"] - 1) // cfg["ckpt_every"]
-    assert rep["torchrun+dcp"]["checkpoint_save_s"]["median"] > 0
-    s = data["summary"]
-    for key in ("understudy_over_torchrun", "understudy_over_torchrun_dcp"):
-        for k in ("median_step", "mean_step"):
-            assert s[key][k]["of_medians"] == pytest.approx(s[key][k]["per_repeat"]["median"],
-                                                            abs=1e-5)
-    assert s["understudy_over_torchrun"]["target"] == 0.02
-    assert s["step_s"]["understudy"]["median_s"]["n"] == 1
-    split = rep["understudy"]["runtime_split_s"]
-    assert set(split) == {"boundary", "compute", "vote", "apply"}
-    assert split["compute"] > cfg["step_sleep"] and all(v >= 0 for v in split.values())
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("event", ["planned-drain", "worker-crash", "node-loss"])
 def test_downtime_torchft_smoke(tmp_path: Path, event: str) -> None:
@@ -405,3 +366,43 @@ def test_downtime_torchft_smoke(tmp_path: Path, event: str) -> None:
         s["torchft"]["downtime_s"]["median"] / s["understudy"]["downtime_s"]["median"],
         rel=1e-3)
     assert "ratio_torchrun_over_understudy" not in s and s["losses_identical"] is True
+
+
+@pytest.mark.timeout(240)
+def test_overhead_smoke(tmp_path: Path) -> None:
+    if shutil.which("etcd") is None:
+        pytest.fail("etcd is not installed: the test command installs it (scripts/test)")
+    out_file = tmp_path / "overhead.json"
+    res = run_benchmark("overhead.py", "--smoke", "--out", str(out_file), timeout=200)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "understudy vs torchrun, median step" in res.stdout
+
+    data = json.loads(out_file.read_text())
+    assert {"benchmark", "command", "machine", "config", "summary", "repeats"} <= set(data)
+    assert "--smoke" in data["command"]
+    cfg = data["config"]
+    assert cfg["smoke"] is True and cfg["repeats"] == 1 and len(data["repeats"]) == 1
+    systems = ("understudy", "torchrun", "torchrun+dcp")
+    rep = data["repeats"][0]
+    for system in systems:
+        r = rep[system]
+        assert r["steps"] == cfg["steps"] - cfg["warmup"] - 1
+        # A step sleeps step_sleep, then computes; the window's mean is no shorter than the
+        # median by more than the spread of steps allows.
+        assert cfg["step_sleep"] < r["median_s"] <= r["p90_s"] <= r["max_s"] < 2
+        assert r["mean_s"] > cfg["step_sleep"]
+    assert rep["understudy"]["daemon_log_tracebacks"] == 0
+    assert rep["torchrun"]["checkpoints"] == 0 and rep["torchrun"]["checkpoint_save_s"] is None
+    assert rep["torchrun+dcp"]["checkpoints"] == (cfg["steps"] - 1) // cfg["ckpt_every"]
+    assert rep["torchrun+dcp"]["checkpoint_save_s"]["median"] > 0
+    s = data["summary"]
+    for key in ("understudy_over_torchrun", "understudy_over_torchrun_dcp"):
+        for k in ("median_step", "mean_step"):
+            assert s[key][k]["of_medians"] == pytest.approx(s[key][k]["per_repeat"]["median"],
+                                                            abs=1e-5)
+    assert s["understudy_over_torchrun"]["target"] == 0.02
+    assert s["step_s"]["understudy"]["median_s"]["n"] == 1
+    split = rep["understudy"]["runtime_split_s"]
+    assert set(split) == {"boundary", "compute", "vote", "apply"}
+    assert split["compute"] > cfg["step_sleep"] and all(v >= 0 for v in split.values())
+
