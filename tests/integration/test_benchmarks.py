@@ -405,4 +405,3 @@ def test_overhead_smoke(tmp_path: Path) -> None:
     split = rep["understudy"]["runtime_split_s"]
     assert set(split) == {"boundary", "compute", "vote", "apply"}
     assert split["compute"] > cfg["step_sleep"] and all(v >= 0 for v in split.values())
-
