@@ -1,8 +1,9 @@
-"""Downtime benchmark: what one interruption costs under understudy and under torchrun + DCP.
+"""Downtime benchmark: what one interruption costs under understudy, torchrun + DCP and torchft.
 
-One command, real processes, both systems in the same run. For each event type and each repeat,
-the plain-PyTorch example's job (``examples/plain_torch/train.py``: same model, seed, data,
-TP=2 x DP=2 on gloo) runs once under each system and is hit once, after ``--event-at`` steps:
+One command, real processes, every system in the same run (``--systems`` picks some). For each
+event type and each repeat, the plain-PyTorch example's job (``examples/plain_torch/train.py``:
+same model, seed, data, TP=2 x DP=2 on gloo) runs once under each system and is hit once, after
+``--event-at`` steps:
 
 - **understudy**: a fresh local cluster (embedded etcd; ``node-a`` and ``node-b``, two slots
   each; two standby nodes, warmed in the sandbox), as ``benchmarks/recovery.py`` sets it up.
@@ -17,22 +18,31 @@ TP=2 x DP=2 on gloo) runs once under each system and is hit once, after ``--even
   step and stop; a replacement agent is started once agent 1 has left). Worker crash: kill -9 of
   rank 1's worker. Node loss: kill -9 of agent 1 and its workers, a replacement agent started at
   once.
+- **torchft**: each DP replica (two TP ranks) is one torchft replica group under its own
+  torchrun, with a ``Manager`` and a ``Lighthouse`` (``benchmarks/baseline/torchft_run.py``):
+  gradients all-reduced across the groups through torchft, a lost group restarted and healed
+  live from the other, no checkpoints. Worker crash: kill -9 of rank 1 (its group restarts).
+  Node loss: kill -9 of the group of ranks 2 and 3, a replacement started at once. Planned
+  drain: torchft has no planned-migration path; the group stops gracefully at an agreed step
+  and a replacement is started once it has left.
 
-Every rank logs a line per committed step; from those lines, the same way for both systems
+Every rank logs a line per committed step; from those lines, the same way for every system
 (``benchmarks/steplog.py``): **downtime** = (first step completed after the interruption) -
 (last step completed before it) - (one normal step), **steps redone**, **time to full
 strength** (until the job completes the step after the last one it had completed before the
 interruption) and **time lost** (that minus a normal step). Per-phase split: understudy's from
 its logs and events (``recovery.analyse``; for the drain ``migration.analyse``: the switch step's
 boundary, phase 1 in the background); torchrun's from its workers' lines (restart and
-rendezvous, imports, process-group init, build + checkpoint load, first step). The ratio
-torchrun / understudy of the medians is reported per event type. The losses both systems logged
-for the same step are compared: the same job trains the same model.
+rendezvous, imports, process-group init, build + checkpoint load, first step); torchft's from
+its workers' lines (stop, restart, imports, init, quorum + heal, first step). The ratios
+torchrun / understudy and torchft / understudy of the medians are reported per event type. The
+losses every system logged for the same step are compared: the same job trains the same model.
 
 Prints a summary, writes JSON (machine, command, configuration, every sample) and a PNG. Every
 process it starts is stopped on exit, Ctrl-C and SIGTERM included.
 
-    .venv/bin/python benchmarks/downtime.py [--repeats N] [--events E,...] [--smoke] [--out F]
+    .venv/bin/python benchmarks/downtime.py [--repeats N] [--events E,...] [--systems S,...]
+                                            [--smoke] [--out F]
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.metadata
+import importlib.util
 import os
 import shlex
 import signal
@@ -55,6 +66,7 @@ import psutil
 import recovery
 import steplog
 from baseline.elastic import ElasticRun, TorchrunConfig, TorchrunError, read_records
+from baseline.torchft_run import TorchftConfig, TorchftRun
 from common import run_repeats, write_results
 from control_plane import machine, summarize  # the sibling benchmarks' helpers
 
@@ -67,7 +79,9 @@ DEFAULT_OUT = REPO / "benchmarks" / "results" / "downtime.json"
 # Smoke results are throwaway: *.tmp under benchmarks/results is git-ignored.
 SMOKE_OUT = REPO / "benchmarks" / "results" / "downtime.smoke.tmp"
 EVENTS = ("planned-drain", "worker-crash", "node-loss")
-SYSTEMS = ("understudy", "torchrun")
+SYSTEMS = ("understudy", "torchrun", "torchft")
+#: The baselines whose downtime is divided by understudy's, per event type.
+BASELINES = ("torchrun", "torchft")
 WORLD = recovery.WORLD
 VICTIM = recovery.VICTIM  # the rank whose worker is killed, under both systems
 LOG_EVERY = recovery.LOG_EVERY
@@ -75,6 +89,7 @@ LOG_EVERY = recovery.LOG_EVERY
 MAX_RESTARTS = 10
 TORCHRUN_PHASES = ("drain_save", "restart_rendezvous", "imports", "init", "build_load",
                    "first_step")
+TORCHFT_PHASES = ("drain_stop", "restart", "imports", "init", "quorum_heal", "first_step")
 UNDERSTUDY_PHASES = {
     "planned-drain": ("switch_boundary", "switch_step_rest"),
     "worker-crash": recovery.PHASES,
@@ -100,6 +115,9 @@ class BenchConfig:
     keepalive_interval_s: int
     keepalive_attempts: int
     smoke: bool
+    systems: tuple[str, ...] = SYSTEMS
+    #: the torchft Lighthouse's heartbeat timeout (torchft's default: 5000 ms)
+    torchft_heartbeat_ms: int = 5000
 
 
 # -- understudy --------------------------------------------------------------------------------
@@ -274,6 +292,131 @@ def run_torchrun(event: str, cfg: BenchConfig, base: Path) -> dict[str, Any]:
             "loadavg_1m_before_after": [load_before, os.getloadavg()[0]]}
 
 
+# -- torchft -----------------------------------------------------------------------------------
+
+
+def torchft_phases(records: list[dict[str, Any]], event_at: float, first_step_at: float,
+                   drain_exit_at: float | None) -> dict[str, float | None]:
+    """The restarted replica group's milestones, each the moment the last of its new workers
+    reached it, as consecutive phases from the event: the drained group's stop, the
+    replacement's or restarted workers' interpreters up (agent start or restart), imports
+    (torch, torchft, the job), init (gloo group, manager, model), the quorum that healed them
+    from the other group, the first step."""
+    newest: dict[int, dict[str, Any]] = {}
+    for r in sorted(records, key=lambda r: r["t"]):
+        if r.get("kind") == "start" and event_at < r["at"] and r["t"] < first_step_at:
+            newest[r["rank"]] = r
+    new = list(newest.values())
+    pids = {r["pid"] for r in new}
+
+    def last(kind: str) -> float | None:
+        ts = [r["t"] for r in records if r.get("kind") == kind and r["pid"] in pids]
+        return max(ts) if new and len(ts) == len(new) else None
+
+    marks = [("drain_stop", drain_exit_at),
+             ("restart", max(r["at"] for r in new) if new else None),
+             ("imports", last("start")), ("init", last("init")),
+             ("quorum_heal", last("healed")), ("first_step", first_step_at)]
+    out: dict[str, float | None] = {}
+    prev = event_at
+    for name, at in marks:
+        if at is None:
+            out[name] = None
+            continue
+        out[name] = at - prev
+        prev = at
+    return out
+
+
+def healed_steps(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Commit lines for the steps a healed rank took over in its state instead of computing.
+
+    The replica groups commit each on its own: a group that lost a rank after the DP
+    all-reduce of step ``s`` but before its commit leaves the other group committing ``s``, and
+    the restarted group heals to ``s + 1``. Its ranks hold step ``s`` from the moment they
+    healed, so they complete it then (``healed``: true); without these lines the job would
+    never complete ``s`` at all."""
+    commits = steplog.step_records(records)
+    out = []
+    for h in records:
+        if h.get("kind") != "healed":
+            continue
+        mine = [r["step"] for r in commits if r["rank"] == h["rank"] and r["t"] < h["t"]]
+        out += [{"kind": "step", "step": step, "t": h["t"], "rank": h["rank"], "pid": h["pid"],
+                 "loss": None, "healed": True}
+                for step in range(max(mine, default=-1) + 1, h["step"])]
+    return out
+
+
+def run_torchft(event: str, cfg: BenchConfig, base: Path) -> dict[str, Any]:
+    # The drain handler only for the drain: with it, a rank whose TP peer was killed, blocked
+    # in torchft's should_commit, would ignore its agent's SIGTERM and be killed 30 s later
+    # (seen here); without it the default SIGTERM ends it at once.
+    fcfg = TorchftConfig(steps=cfg.steps, step_sleep=cfg.step_sleep,
+                         drain_notice=event == "planned-drain",
+                         max_restarts=MAX_RESTARTS,
+                         heartbeat_timeout_ms=cfg.torchft_heartbeat_ms)
+    run = TorchftRun(fcfg, base)
+    load_before = os.getloadavg()[0]
+    t0 = time.monotonic()
+    victim = WORLD // recovery.TP - 1  # the replica group of ranks 2 and 3
+    try:
+        run.start()
+        # Every rank, not only the victim: the replica groups commit each on its own, and a
+        # kill before the other group's commit would land in the step before.
+        run.wait_step(cfg.event_at - 1, timeout=300)
+        if event == "worker-crash":
+            lost = [VICTIM]
+            event_at = run.kill_worker(VICTIM)
+        else:
+            lost = run.ranks_of(victim)
+            if event == "planned-drain":
+                event_at, _, _ = run.drain(victim)
+            else:
+                event_at, _ = run.kill_node(victim)
+        codes = run.wait_finished(timeout=600)
+    except TorchrunError as exc:
+        raise BenchmarkError(f"torchft {event}: {exc}\n{run.log_tail()}") from exc
+    finally:
+        run.stop()
+    current = {a.index for a in run.groups.values()}
+    failed = {i: c for i, c in codes.items() if i in current and c != 0}
+    if failed:
+        raise BenchmarkError(f"torchft {event}: agents failed {failed} (logs in {base})")
+    records = run.records()
+    healed_over = healed_steps(records)
+    done = steplog.completions(records + healed_over, WORLD)
+    if not done or max(c.step for c in done) != cfg.steps - 1:
+        raise BenchmarkError(f"torchft {event}: the job did not reach step {cfg.steps - 1}")
+    normal = steplog.normal_step(done, event_at)
+    inside, drain_exit = None, None
+    if event == "planned-drain":
+        exits = [r for r in records if r.get("kind") == "exit" and r["reason"] == "drain"]
+        if len(exits) != len(lost):
+            raise BenchmarkError(f"torchft drain: {len(exits)} ranks stopped for it, not "
+                                 f"{len(lost)}")
+        drain_exit = max(r["t"] for r in exits)
+        # The other group completes the last step before the stop a moment after the drained
+        # one left (each group commits on its own): the interruption follows that completion.
+        stop = exits[0]["step"]
+        inside = next(c.t for c in done if c.step == stop - 1 and c.k == 1) + 1e-6
+    figures = steplog.interruption(done, event_at, normal, inside)
+    healed = [r for r in records if r.get("kind") == "healed"]
+    return {"system": "torchft", "event": event, "event_at": event_at, "lost_ranks": lost,
+            **figures,
+            "phases_s": torchft_phases(records, event_at, figures["at"]["first_step"],
+                                       drain_exit),
+            "details": {"agent_exit_codes": {str(k): v for k, v in codes.items()},
+                        "healed_to_steps": sorted({r["step"] for r in healed}),
+                        "healed_ranks": sorted({r["rank"] for r in healed}),
+                        "steps_healed_over": sorted({r["step"] for r in healed_over}),
+                        "discarded_steps": sorted({r["step"] for r in records
+                                                   if r.get("kind") == "discarded"})},
+            "losses": losses(records), "steps_completed": max(c.step for c in done) + 1,
+            "wall_s": time.monotonic() - t0,
+            "loadavg_1m_before_after": [load_before, os.getloadavg()[0]]}
+
+
 # -- the run -----------------------------------------------------------------------------------
 
 
@@ -298,18 +441,29 @@ def run_repeat(i: int, cfg: BenchConfig, base: Path) -> dict[str, Any]:
     rep: dict[str, Any] = {"repeat": i}
     for event in cfg.events:
         rep[event] = {}
-        for system in SYSTEMS:
+        for system in cfg.systems:
             where = base / event / system
-            run = run_understudy if system == "understudy" else run_torchrun
+            run = {"understudy": run_understudy, "torchrun": run_torchrun,
+                   "torchft": run_torchft}[system]
             rep[event][system] = run(event, cfg, where)
             r = rep[event][system]
             print(f"  repeat {i + 1}/{cfg.repeats} {event} {system}: downtime "
                   f"{r['downtime_s']:.3f}s, {r['steps_redone']} steps redone, full strength "
                   f"after {r['time_to_full_strength_s']:.2f}s; {r['wall_s']:.0f}s, load "
                   f"{r['loadavg_1m_before_after'][1]:.1f}", file=sys.stderr, flush=True)
-        u, t = (rep[event][s].pop("losses") for s in SYSTEMS)
-        rep[event]["losses_understudy_vs_torchrun"] = compare_losses(u, t)
+        # Every system's losses against the first's (understudy's unless left out).
+        ref, *others = cfg.systems
+        logged = {s: rep[event][s].pop("losses") for s in cfg.systems}
+        for other in others:
+            rep[event][f"losses_{ref}_vs_{other}"] = compare_losses(logged[ref], logged[other])
     return rep
+
+
+def _version(dist_name: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist_name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def ratio(num: float, den: float) -> float | None:
@@ -320,9 +474,10 @@ def collect(repeats: list[dict[str, Any]], cfg: BenchConfig) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for event in cfg.events:
         per: dict[str, Any] = {}
-        for system in SYSTEMS:
+        for system in cfg.systems:
             rs = [r[event][system] for r in repeats]
-            names = UNDERSTUDY_PHASES[event] if system == "understudy" else TORCHRUN_PHASES
+            names = {"understudy": UNDERSTUDY_PHASES[event], "torchrun": TORCHRUN_PHASES,
+                     "torchft": TORCHFT_PHASES}[system]
             phases = {}
             for p in names:
                 vals = [x["phases_s"][p] for x in rs if x["phases_s"].get(p) is not None]
@@ -334,28 +489,33 @@ def collect(repeats: list[dict[str, Any]], cfg: BenchConfig) -> dict[str, Any]:
                     "normal_step_s", "first_step_after_event_s")},
                 "phases_s": phases,
             }
-        u, t = per["understudy"], per["torchrun"]
-        per["ratio_torchrun_over_understudy"] = {
-            "downtime": ratio(t["downtime_s"]["median"], u["downtime_s"]["median"]),
-            "time_lost": ratio(t["time_lost_s"]["median"], u["time_lost_s"]["median"]),
-            "downtime_per_repeat": summarize(
-                [x for r in repeats
-                 if (x := ratio(r[event]["torchrun"]["downtime_s"],
-                                r[event]["understudy"]["downtime_s"])) is not None] or [0.0]),
-        }
+        for base in BASELINES:
+            if base not in cfg.systems or "understudy" not in cfg.systems:
+                continue
+            u, t = per["understudy"], per[base]
+            per[f"ratio_{base}_over_understudy"] = {
+                "downtime": ratio(t["downtime_s"]["median"], u["downtime_s"]["median"]),
+                "time_lost": ratio(t["time_lost_s"]["median"], u["time_lost_s"]["median"]),
+                "downtime_per_repeat": summarize(
+                    [x for r in repeats
+                     if (x := ratio(r[event][base]["downtime_s"],
+                                    r[event]["understudy"]["downtime_s"])) is not None]
+                    or [0.0]),
+            }
         per["losses_identical"] = all(
-            r[event]["losses_understudy_vs_torchrun"]["identical"]
-            == r[event]["losses_understudy_vs_torchrun"]["compared"] for r in repeats)
+            v["identical"] == v["compared"] for r in repeats for k, v in r[event].items()
+            if k.startswith("losses_"))
         out[event] = per
     return out
 
 
 def print_summary(result: dict[str, Any]) -> None:
     cfg, m, s = result["config"], result["machine"], result["summary"]
-    print(f"\ndowntime: TP2 x DP2 plain job, {cfg['repeats']} repeat(s) per event and system, "
-          f"{cfg['steps']} steps, event after {cfg['event_at']}; torchrun checkpoints every "
-          f"{cfg['ckpt_every']} steps ({cfg['ckpt_mode']} DCP); on {m['cpus_usable']} CPUs, "
-          f"torch {m['torch']}")
+    systems = cfg["systems"]
+    print(f"\ndowntime: TP2 x DP2 plain job, {cfg['repeats']} repeat(s) per event and system "
+          f"({', '.join(systems)}), {cfg['steps']} steps, event after {cfg['event_at']}; "
+          f"torchrun checkpoints every {cfg['ckpt_every']} steps ({cfg['ckpt_mode']} DCP); "
+          f"on {m['cpus_usable']} CPUs, torch {m['torch']}")
 
     def row(label: str, v: dict[str, float] | None, unit: str) -> None:
         if v is None:
@@ -368,7 +528,7 @@ def print_summary(result: dict[str, Any]) -> None:
     print(f"\n  {'':<46}{'median':>10}{'min':>10}{'max':>10}{'spread':>10}")
     for event in cfg["events"]:
         e = s[event]
-        for system in SYSTEMS:
+        for system in systems:
             x = e[system]
             row(f"{event} {system}: downtime", x["downtime_s"], "s")
             for p, v in x["phases_s"].items():
@@ -376,11 +536,13 @@ def print_summary(result: dict[str, Any]) -> None:
             row("  steps redone", x["steps_redone"], "steps")
             row("  time to full strength", x["time_to_full_strength_s"], "s")
             row("  time lost (downtime + redone steps)", x["time_lost_s"], "s")
-        r = e["ratio_torchrun_over_understudy"]
         fmt = (lambda v: "n/a" if v is None else f"{v:.1f}x")  # noqa: E731
-        print(f"  {event}: torchrun / understudy downtime {fmt(r['downtime'])}, time lost "
-              f"{fmt(r['time_lost'])}; same losses in both: {e['losses_identical']}")
-    loads = [x for r in result["repeats"] for ev in cfg["events"] for sys_ in SYSTEMS
+        for base in BASELINES:
+            if (r := e.get(f"ratio_{base}_over_understudy")) is not None:
+                print(f"  {event}: {base} / understudy downtime {fmt(r['downtime'])}, time lost "
+                      f"{fmt(r['time_lost'])}")
+        print(f"  {event}: same losses in all systems: {e['losses_identical']}")
+    loads = [x for r in result["repeats"] for ev in cfg["events"] for sys_ in systems
              for x in r[ev][sys_]["loadavg_1m_before_after"]]
     print(f"  1-minute load average during the run: {min(loads):.1f} to {max(loads):.1f}")
 
@@ -394,22 +556,25 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     cfg, s = result["config"], result["summary"]
-    events = cfg["events"]
-    colors = {"understudy": "#2a7ab0", "torchrun": "#d0702a"}
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(15, 5), gridspec_kw={"width_ratios": [1, 1.5]})
-    width = 0.38
-    for j, system in enumerate(SYSTEMS):
+    events, systems = cfg["events"], cfg["systems"]
+    colors = {"understudy": "#2a7ab0", "torchrun": "#d0702a", "torchft": "#5a9a3a"}
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(15, 5 + len(systems) - 2),
+                                 gridspec_kw={"width_ratios": [1, 1.5]})
+    width = 0.8 / len(systems)
+    for j, system in enumerate(systems):
         med = [max(s[e][system]["downtime_s"]["median"], 1e-3) for e in events]
         lo = [m - max(s[e][system]["downtime_s"]["min"], 1e-3) for e, m in zip(events, med,
                                                                                 strict=True)]
         hi = [s[e][system]["downtime_s"]["max"] - m for e, m in zip(events, med, strict=True)]
-        xs = [i + (j - 0.5) * width for i in range(len(events))]
+        xs = [i + (j - (len(systems) - 1) / 2) * width for i in range(len(events))]
         ax.bar(xs, med, width, yerr=[lo, hi], capsize=3, color=colors[system], label=system)
-    tops = [max(s[e][x]["downtime_s"]["max"] for x in SYSTEMS) for e in events]
+    tops = [max(s[e][x]["downtime_s"]["max"] for x in systems) for e in events]
     for i, e in enumerate(events):
-        r = s[e]["ratio_torchrun_over_understudy"]["downtime"]
-        if r is not None:
-            ax.text(i, tops[i] * 1.4, f"{r:.0f}x", ha="center", fontsize=10)
+        said = [f"{base}: {r:.0f}x" for base in BASELINES
+                if (r := s[e].get(f"ratio_{base}_over_understudy", {}).get("downtime"))
+                is not None]
+        if said:
+            ax.text(i, tops[i] * 1.4, "\n".join(said), ha="center", fontsize=8)
     ax.set_yscale("log")
     ax.set_ylim(top=max(tops) * 6)
     ax.set_xticks(range(len(events)), events)
@@ -421,7 +586,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     cmap = plt.get_cmap("tab20")
     seen: dict[str, Any] = {}
     for e in events:
-        for system in SYSTEMS:
+        for system in systems:
             left = 0.0
             for p, v in s[e][system]["phases_s"].items():
                 key = f"{system}: {p}"
@@ -433,14 +598,16 @@ def plot(result: dict[str, Any], path: Path) -> None:
                 left += v["median"]
             bx.text(left, y, f" {left:.2f}s", va="center", fontsize=8)
             y += 1
-    bx.set_yticks(range(y), [f"{e}\n{sy}" for e in events for sy in SYSTEMS], fontsize=8)
+    bx.set_yticks(range(y), [f"{e}\n{sy}" for e in events for sy in systems], fontsize=8)
     bx.invert_yaxis()
     bx.set_xlabel("seconds, median of each phase (failures: from the event on; understudy's "
                   "drain: its switch step)")
     bx.set_title("Where the time goes")
     bx.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.suptitle(f"{result['machine']['cpus_usable']} CPUs, TP2 x DP2 plain job, torchrun "
-                 f"checkpoints every {cfg['ckpt_every']} steps ({cfg['ckpt_mode']} DCP)",
+                 f"checkpoints every {cfg['ckpt_every']} steps ({cfg['ckpt_mode']} DCP)"
+                 + (f"; torchft: live recovery, Lighthouse heartbeat timeout "
+                    f"{cfg['torchft_heartbeat_ms']} ms" if "torchft" in systems else ""),
                  fontsize=9)
     fig.tight_layout()
     fig.savefig(path, format="png", dpi=110)
@@ -452,6 +619,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, help="runs per event and system (default 5; smoke 1)")
     p.add_argument("--events", default=",".join(EVENTS),
                    help=f"comma-separated, of {', '.join(EVENTS)} (default: all)")
+    p.add_argument("--systems", default=",".join(SYSTEMS),
+                   help=f"comma-separated, of {', '.join(SYSTEMS)} (default: all; the ratios "
+                        "need understudy)")
     p.add_argument("--steps", type=int, help="steps of the job (default 300; smoke 120)")
     p.add_argument("--step-sleep", type=float, default=0.04,
                    help="seconds of stand-in work per step (default 0.04, as the other "
@@ -469,6 +639,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rdzv-keepalive", default="5,3",
                    help="torchrun's rendezvous keep_alive_interval (s) and keep_alive_max_attempt "
                         "(default 5,3: torchrun's own)")
+    p.add_argument("--torchft-heartbeat-ms", type=int, default=5000,
+                   help="torchft's Lighthouse heartbeat timeout (default 5000: torchft's own)")
     p.add_argument("--smoke", action="store_true", help="one repeat, short runs: for the tests")
     p.add_argument("--out", type=Path, help=f"JSON results (default {DEFAULT_OUT.relative_to(REPO)}"
                    f"; smoke {SMOKE_OUT.relative_to(REPO)})")
@@ -488,6 +660,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.events = tuple(e.strip() for e in args.events.split(",") if e.strip())
     if not args.events or set(args.events) - set(EVENTS):
         p.error(f"--events must name some of {', '.join(EVENTS)}, got {args.events}")
+    # In SYSTEMS order, so that understudy, when there, is the reference for losses and ratios.
+    named = {x.strip() for x in args.systems.split(",") if x.strip()}
+    if not named or named - set(SYSTEMS):
+        p.error(f"--systems must name some of {', '.join(SYSTEMS)}, got {args.systems!r}")
+    args.systems = tuple(x for x in SYSTEMS if x in named)
+    if "torchft" in args.systems and importlib.util.find_spec("torchft") is None:
+        p.error("torchft is not installed in this environment: install it with "
+                "`pip install -c constraints.txt torchft` (scripts/setup does), or leave it out "
+                "with --systems understudy,torchrun")
+    if args.torchft_heartbeat_ms < 100:
+        p.error(f"--torchft-heartbeat-ms must be at least 100, got {args.torchft_heartbeat_ms}")
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
     if args.event_at < LOG_EVERY or args.event_at % LOG_EVERY:
@@ -515,7 +698,8 @@ def main(argv: list[str] | None = None) -> int:
                       step_sleep=args.step_sleep, event_at=args.event_at,
                       ckpt_every=args.ckpt_every, ckpt_mode=args.ckpt_mode, ttl=args.ttl,
                       keepalive_interval_s=args.keepalive[0],
-                      keepalive_attempts=args.keepalive[1], smoke=args.smoke)
+                      keepalive_attempts=args.keepalive[1], smoke=args.smoke,
+                      systems=args.systems, torchft_heartbeat_ms=args.torchft_heartbeat_ms)
     os.environ.update(recovery.ONE_THREAD)  # every process it starts inherits it
     # SIGTERM takes the Ctrl-C path, so the finally blocks below stop every process.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -539,11 +723,23 @@ def main(argv: list[str] | None = None) -> int:
         "config": {**asdict(cfg), "tp": recovery.TP, "dp": WORLD // recovery.TP,
                    "understudy_standby": 2, "job": "examples/plain_torch/train.py",
                    "threads_per_process": 1, "victim_rank": VICTIM,
-                   "lost_node": {"understudy": recovery.LOST_NODE, "torchrun": "agent 1"},
+                   "lost_node": {"understudy": recovery.LOST_NODE, "torchrun": "agent 1",
+                                 "torchft": "replica group 1 (ranks 2, 3)"},
                    "torchrun": {"agents": 2, "workers_per_agent": 2, "rdzv_backend": "c10d",
                                 "max_restarts": MAX_RESTARTS, "monitor_interval_s": 0.1,
                                 "drain_notice": True,
                                 "env": {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}},
+                   "torchft": {"version": _version("torchft"), "replica_groups": 2,
+                               "ranks_per_group": recovery.TP, "min_replica_size": 2,
+                               "use_async_quorum": False, "checkpoint_transport": "http",
+                               "lighthouse_heartbeat_timeout_ms": cfg.torchft_heartbeat_ms,
+                               "lighthouse_join_timeout_ms": 60000,
+                               "tp_inside_group": "gloo default group of the replica group's "
+                                                  "torchrun (not managed by torchft)",
+                               "agents": "one torchrun --standalone per replica group",
+                               "max_restarts": MAX_RESTARTS,
+                               "drain_notice": "planned-drain only"}
+                   if "torchft" in cfg.systems else None,
                    "downtime": "first step completed after the interruption - last step "
                                "completed before it - median step before the event"},
         "summary": collect(repeats, cfg),

@@ -6,6 +6,7 @@ reported by the full runs (docs/benchmarks.md), never asserted here.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import signal
@@ -257,8 +258,8 @@ def test_downtime_smoke(tmp_path: Path, event: str) -> None:
     if shutil.which("etcd") is None:
         pytest.fail("etcd is not installed: the test command installs it (scripts/test)")
     out_file = tmp_path / "downtime.json"
-    res = run_benchmark("downtime.py", "--smoke", "--events", event, "--out", str(out_file),
-                        timeout=240)
+    res = run_benchmark("downtime.py", "--smoke", "--events", event, "--systems",
+                        "understudy,torchrun", "--out", str(out_file), timeout=240)
     assert res.returncode == 0, res.stdout + res.stderr
     assert f"{event}: torchrun / understudy downtime" in res.stdout
 
@@ -311,6 +312,60 @@ def test_downtime_smoke(tmp_path: Path, event: str) -> None:
         s["torchrun"]["downtime_s"]["median"] / s["understudy"]["downtime_s"]["median"],
         rel=1e-3)
     assert r["time_lost"] > 0 and s["losses_identical"] is True
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("event", ["planned-drain", "worker-crash", "node-loss"])
+def test_downtime_torchft_smoke(tmp_path: Path, event: str) -> None:
+    """torchft as the second baseline: live recovery of a replica group from the other."""
+    if importlib.util.find_spec("torchft") is None:
+        pytest.skip("torchft is not installed (pip install -c constraints.txt torchft; "
+                    "scripts/setup installs it with the dev extra)")
+    if shutil.which("etcd") is None:
+        pytest.fail("etcd is not installed: the test command installs it (scripts/test)")
+    out_file = tmp_path / "downtime.json"
+    res = run_benchmark("downtime.py", "--smoke", "--events", event, "--systems",
+                        "understudy,torchft", "--out", str(out_file), timeout=240)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"{event}: torchft / understudy downtime" in res.stdout
+
+    data = json.loads(out_file.read_text())
+    cfg = data["config"]
+    assert cfg["systems"] == ["understudy", "torchft"] and cfg["torchft"]["version"]
+    assert Path(data["chart"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rep = data["repeats"][0][event]
+    assert "torchrun" not in rep
+    u, f = rep["understudy"], rep["torchft"]
+    check_downtime_side(u, "understudy", event, cfg)
+    check_downtime_side(f, "torchft", event, cfg)
+    # Live recovery on both: nothing redone. torchft's lost group restarts cold (imports and
+    # all) and heals from the other group to the step the job was at.
+    assert u["steps_redone"] == 0 and f["steps_redone"] == 0
+    assert f["first_step_after"] == f["last_step_before"] + 1
+    lost = [1] if event == "worker-crash" else [2, 3]
+    assert f["lost_ranks"] == lost
+    # The whole replica group of the lost ranks healed (a crash restarts both of its ranks).
+    group = [0, 1] if event == "worker-crash" else [2, 3]
+    assert f["details"]["healed_ranks"] == group
+    # To the step after the last one completed, or one beyond when the other group committed
+    # the interrupted step alone (the healed ranks then complete it by healing).
+    healed_to = f["details"]["healed_to_steps"]
+    assert len(healed_to) == 1
+    assert healed_to[0] == f["first_step_after"] + len(f["details"]["steps_healed_over"])
+    assert sum(v for v in f["phases_s"].values() if v is not None) == pytest.approx(
+        f["first_step_after_event_s"], abs=1e-4)
+    assert all(f["phases_s"][p] > 0 for p in ("restart", "imports", "init", "quorum_heal"))
+    assert (f["phases_s"]["drain_stop"] is not None) == (event == "planned-drain")
+    # The same job: every step both systems committed has the same loss, bit for bit.
+    same = rep["losses_understudy_vs_torchft"]
+    assert same["compared"] >= cfg["steps"] and same["identical"] == same["compared"]
+
+    s = data["summary"][event]
+    r = s["ratio_torchft_over_understudy"]
+    assert r["downtime"] == pytest.approx(
+        s["torchft"]["downtime_s"]["median"] / s["understudy"]["downtime_s"]["median"],
+        rel=1e-3)
+    assert "ratio_torchrun_over_understudy" not in s and s["losses_identical"] is True
 
 
 @pytest.mark.timeout(240)
