@@ -644,6 +644,30 @@ def observe(proc: subprocess.Popen[bytes], every: float = 0.005) -> tuple[list[A
     return connections, sockets
 
 
+def replay_without_a_network(args: list[str], env: dict[str, str],
+                             timeout: float) -> dict[str, Any]:
+    """Run ``tests/workers/sandbox_replay.py ARGS`` in a network namespace of its own (only a
+    loopback, down), watched from outside; check that it shadowed the recording and that no
+    socket was seen, from outside or inside, and return what it wrote (``replay.json``)."""
+    out = Path(args[args.index("--out") + 1])
+    proc = subprocess.Popen(
+        ["unshare", "--net", sys.executable, str(WORKERS / "sandbox_replay.py"), *args,
+         "--linger", "0.3"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    try:
+        connections, sockets = observe(proc)
+        _, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err.decode()[-3000:]
+    assert connections == [] and sockets == set()
+    replay: dict[str, Any] = json.loads((out / "replay.json").read_text())
+    report = replay["report"]
+    assert report["outcome"] == "shadow-iterations", report["fallback_reason"]
+    assert replay["sockets_in_compute"] == [[], []] and replay["sockets_after"] == []
+    return replay
+
+
 @pytest.mark.slow
 @pytest.mark.root
 def test_processes_record_and_a_fresh_process_replays_with_no_network(tmp_path: Path) -> None:
@@ -672,24 +696,11 @@ def test_processes_record_and_a_fresh_process_replays_with_no_network(tmp_path: 
     assert recorder["state"] == "written" and recorder["real_group_after"]
     assert recorder["calls_on_disk_at_close"] == recorder["manifest_calls"] == 8
 
-    proc = subprocess.Popen(
-        ["unshare", "--net", sys.executable, str(WORKERS / "sandbox_replay.py"),
-         "--recordings", str(recordings), "--rank", "0", "--world-size", "2", "--tp", "1",
-         "--out", str(out), "--linger", "0.3"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-    try:
-        connections, sockets = observe(proc)
-        _, err = proc.communicate(timeout=50)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, err.decode()[-3000:]
-    assert connections == [] and sockets == set()
-    replay = json.loads((out / "replay.json").read_text())
+    replay = replay_without_a_network(
+        ["--recordings", str(recordings), "--rank", "0", "--world-size", "2", "--tp", "1",
+         "--out", str(out)], env, timeout=50)
     report = replay["report"]
-    assert report["outcome"] == "shadow-iterations", report["fallback_reason"]
     assert report["inputs_differed"] == 0 and report["calls_answered"] == 8
-    assert replay["sockets_in_compute"] == [[], []] and replay["sockets_after"] == []
     assert report["losses"] == [recorder["losses"][str(s)] for s in range(2)]
     assert_same_state(torch.load(out / "replay-state.pt", weights_only=True),
                       torch.load(out / "rank0-after2.pt", weights_only=True))
