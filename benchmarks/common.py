@@ -4,6 +4,7 @@ the results file."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import signal
@@ -45,3 +46,20 @@ def write_results(result: dict[str, Any], out: Path) -> None:
     tmp = out.with_name(out.name + ".tmp")  # git-ignored should the run die mid-write
     tmp.write_text(json.dumps(rounded(result), indent=1) + "\n")
     tmp.replace(out)
+
+
+def check_side_by_side(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The options every side-by-side run shares (the baseline's checkpoint cadence and
+    rendezvous keep-alive, the job's step sleep, understudy's lease TTL): exit 2 with a
+    sentence on a bad one; ``args.keepalive`` becomes ``(interval, attempts)``."""
+    if args.ckpt_every < 1 or args.step_sleep < 0:
+        p.error("--ckpt-every must be at least 1 and --step-sleep >= 0")
+    if args.ttl < 3:
+        p.error(f"--ttl must be at least 3, got {args.ttl}")
+    try:
+        interval, attempts = (int(x) for x in args.rdzv_keepalive.split(","))
+    except ValueError:
+        p.error(f"--rdzv-keepalive takes two integers, got {args.rdzv_keepalive!r}")
+    if interval < 1 or attempts < 1:
+        p.error(f"--rdzv-keepalive values must be at least 1, got {args.rdzv_keepalive!r}")
+    args.keepalive = (interval, attempts)

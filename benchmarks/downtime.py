@@ -67,7 +67,7 @@ import recovery
 import steplog
 from baseline.elastic import ElasticRun, TorchrunConfig, TorchrunError, read_records
 from baseline.torchft_run import TorchftConfig, TorchftRun
-from common import run_repeats, write_results
+from common import check_side_by_side, run_repeats, write_results
 from control_plane import machine, summarize  # the sibling benchmarks' helpers
 
 from understudy.daemon import config as config_mod
@@ -678,17 +678,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.steps < args.event_at + 60:
         p.error(f"--steps must be at least --event-at + 60 for the interruption to end mid-run "
                 f"(a drain switches after phase 1), got {args.steps}")
-    if args.ckpt_every < 1 or args.step_sleep < 0:
-        p.error("--ckpt-every must be at least 1 and --step-sleep >= 0")
-    if args.ttl < 3:
-        p.error(f"--ttl must be at least 3, got {args.ttl}")
-    try:
-        interval, attempts = (int(x) for x in args.rdzv_keepalive.split(","))
-    except ValueError:
-        p.error(f"--rdzv-keepalive takes two integers, got {args.rdzv_keepalive!r}")
-    if interval < 1 or attempts < 1:
-        p.error(f"--rdzv-keepalive values must be at least 1, got {args.rdzv_keepalive!r}")
-    args.keepalive = (interval, attempts)
+    check_side_by_side(p, args)
     return args
 
 

@@ -57,7 +57,7 @@ import recovery
 import steplog
 import volatile
 from baseline.elastic import ElasticRun, RecordTail, TorchrunConfig, TorchrunError
-from common import run_repeats, write_results
+from common import check_side_by_side, run_repeats, write_results
 from control_plane import machine, summarize
 from downtime import compare_losses, losses
 
@@ -648,17 +648,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--duration must hold a few events, got {args.duration}")
     if not 0 <= args.drain_fraction <= 1:
         p.error(f"--drain-fraction must be within [0, 1], got {args.drain_fraction}")
-    if args.ckpt_every < 1 or args.step_sleep < 0:
-        p.error("--ckpt-every must be at least 1 and --step-sleep >= 0")
-    if args.ttl < 3:
-        p.error(f"--ttl must be at least 3, got {args.ttl}")
-    try:
-        interval, attempts = (int(x) for x in args.rdzv_keepalive.split(","))
-    except ValueError:
-        p.error(f"--rdzv-keepalive takes two integers, got {args.rdzv_keepalive!r}")
-    if interval < 1 or attempts < 1:
-        p.error(f"--rdzv-keepalive values must be at least 1, got {args.rdzv_keepalive!r}")
-    args.keepalive = (interval, attempts)
+    check_side_by_side(p, args)
     return args
 
 
