@@ -183,9 +183,10 @@ def run_understudy(event: str, cfg: BenchConfig, base: Path) -> dict[str, Any]:
     done = steplog.completions(records, WORLD)
     normal = steplog.normal_step(done, event_at)
     # The drain's interruption is the switch: its step is the joiners' first.
-    inside = None
     if event == "planned-drain":
         inside = next(c.t for c in done if c.step == res["switch_step"]) - 1e-6
+    else:
+        inside = steplog.failure_inside(records, event_at, lost)
     figures = steplog.interruption(done, event_at, normal, inside)
     return {"system": "understudy", "event": event, "event_at": event_at, "lost_ranks": lost,
             **figures, "phases_s": phases, "details": details, "losses": losses(records),
@@ -267,7 +268,7 @@ def run_torchrun(event: str, cfg: BenchConfig, base: Path) -> dict[str, Any]:
     if not done or max(c.step for c in done) != cfg.steps - 1:
         raise BenchmarkError(f"torchrun {event}: the job did not reach step {cfg.steps - 1}")
     normal = steplog.normal_step(done, event_at)
-    inside, drain_exit = None, None
+    inside, drain_exit = steplog.failure_inside(records, event_at, lost), None
     if event == "planned-drain":
         exits = [r["t"] for r in records if r.get("kind") == "exit" and r["reason"] == "drain"]
         if len(exits) != WORLD:
@@ -389,7 +390,7 @@ def run_torchft(event: str, cfg: BenchConfig, base: Path) -> dict[str, Any]:
     if not done or max(c.step for c in done) != cfg.steps - 1:
         raise BenchmarkError(f"torchft {event}: the job did not reach step {cfg.steps - 1}")
     normal = steplog.normal_step(done, event_at)
-    inside, drain_exit = None, None
+    inside, drain_exit = steplog.failure_inside(records, event_at, lost), None
     if event == "planned-drain":
         exits = [r for r in records if r.get("kind") == "exit" and r["reason"] == "drain"]
         if len(exits) != len(lost):

@@ -129,6 +129,35 @@ def interruption(done: list[Completion], event_t: float, normal: float,
     }
 
 
+def failure_inside(records: list[dict[str, Any]], event_t: float,
+                   lost_ranks: list[int]) -> float:
+    """A moment inside the interruption a failure at ``event_t`` causes, for
+    :func:`interruption`: the event itself, or just after the job-level completion of the step
+    the lost ranks committed last before they died, where their peers' processes from before
+    the event committed it only after it (they were a moment behind when it struck). That
+    completion is work from before the failure, not the first step after it; a completion
+    that needs a process started after the event is not.
+    """
+    commits = sorted(step_records(records), key=lambda r: float(r["t"]))
+    old_pids = {r.get("pid") for r in commits if float(r["t"]) < event_t}
+    inside = event_t
+    for rank in lost_ranks:
+        mine = [int(r["step"]) for r in commits if int(r["rank"]) == rank
+                and float(r["t"]) < event_t]
+        if not mine:
+            continue
+        last, k = mine[-1], mine.count(mine[-1])
+        per_rank: dict[int, list[dict[str, Any]]] = defaultdict(list)
+        for r in commits:
+            if int(r["step"]) == last:
+                per_rank[int(r["rank"])].append(r)
+        kth = [rs[k - 1] for rs in per_rank.values() if len(rs) >= k]
+        if (len(kth) == len(per_rank) and {int(r["rank"]) for r in commits} <= set(per_rank)
+                and all(r.get("pid") in old_pids for r in kth)):
+            inside = max(inside, max(float(r["t"]) for r in kth) + 1e-6)
+    return inside
+
+
 def steady_steps(done: list[Completion], warmup: int = WARMUP_STEPS) -> dict[str, float]:
     """Step times of an uninterrupted run: the gaps between consecutive completions after the
     first ``warmup`` steps. ``median_s`` is a typical step; ``mean_s`` (the window over the steps

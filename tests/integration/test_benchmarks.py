@@ -237,6 +237,34 @@ def test_steplog_downtime_of_a_restart() -> None:
     assert steady["median_s"] == pytest.approx(0.1) and steady["mean_s"] == pytest.approx(0.1)
 
 
+def test_steplog_a_step_in_flight_at_a_kill_is_no_step_after_it() -> None:
+    """Rank 1 commits step 50 and is killed at t=5.005; its peers commit step 50 a moment after
+    the kill. That completion is work from before the failure: the interruption follows it, and
+    the restart from step 41 redoes ten steps."""
+    steplog = steplog_module()
+    recs = [{"step": s, "t": s * 0.1 + (0 if r == 1 else 0.01), "rank": r, "pid": 100 + r}
+            for s in range(51) for r in range(4)]
+    recs += [{"step": s, "t": 20 + (s - 41) * 0.1, "rank": r, "pid": 200 + r}
+             for s in range(41, 80) for r in range(4)]
+    done = steplog.completions(recs, 4)
+    normal = steplog.normal_step(done, 5.005)
+    naive = steplog.interruption(done, 5.005, normal)
+    assert (naive["last_step_before"], naive["first_step_after"]) == (49, 50)  # the race
+    inside = steplog.failure_inside(recs, 5.005, [1])
+    assert inside == pytest.approx(5.01, abs=1e-5)
+    d = steplog.interruption(done, 5.005, normal, inside)
+    assert (d["last_step_before"], d["first_step_after"], d["steps_redone"]) == (50, 41, 10)
+    # Lost ranks that committed nothing before the event, or whose step completed before it,
+    # leave the event itself.
+    assert steplog.failure_inside(recs, 0.0, [1]) == 0.0
+    assert steplog.failure_inside(recs, 5.2, [1]) == 5.2
+    # A peer whose commit of that step comes from a process started after the event (torchft's
+    # healed rank) does not move it either.
+    healed = [r for r in recs if not (r["step"] == 50 and r["rank"] == 2 and r["pid"] == 102)]
+    healed.append({"step": 50, "t": 20.0, "rank": 2, "pid": 202})
+    assert steplog.failure_inside(healed, 5.005, [1]) == 5.005
+
+
 def check_downtime_side(r: dict, system: str, event: str, cfg: dict) -> None:
     assert r["system"] == system and r["event"] == event
     assert r["steps_completed"] == cfg["steps"]
