@@ -201,6 +201,29 @@ class JobRunner:
                 self.log.info("Stopping a worker this node no longer needs.", child=name)
                 await self.supervisor.stop(name, self.agent.cfg.drain.stop_grace)
         await self._check_standbys(jobs, running)
+        await self._back_to_the_pool(jobs, promotions)
+
+    async def _back_to_the_pool(self, jobs: dict[str, _Job],
+                                promotions: dict[str, tuple[_Job, int, int, str]]) -> None:
+        """A node configured as a standby that was promoted goes back to the standby pool once
+        it holds no rank of any job and runs no rank's process (its job ended, or its ranks
+        moved on): spare capacity returns by itself instead of idling as an active node."""
+        if self.agent.cfg.role != "standby" or self.agent.state != NodeState.ACTIVE:
+            return
+        def live(job: _Job) -> bool:
+            return job.status is not None and job.status.state in (JobState.PENDING,
+                                                                   JobState.RUNNING)
+
+        if any(live(job) and job.assignment is not None and job.assignment.ranks_on(self.node)
+               for job in jobs.values()) or any(live(job) for job, *_ in promotions.values()):
+            return
+        if any((m := _CHILD_RE.match(name)) is not None and m["rank"] is not None
+               and child.state == ChildState.RUNNING
+               for name, child in self.supervisor.children.items()):
+            return
+        await self.agent.set_state(NodeState.STANDBY, "holds no rank: back in the standby pool")
+        await self.agent.events.emit(
+            "node-back-in-pool", f"Node {self.node} holds no rank and is a standby again.")
 
     # -- standby workers' warmth and liveness -----------------------------------------------
 

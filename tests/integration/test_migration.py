@@ -119,6 +119,14 @@ def test_drain_moves_a_tp_pair_live_and_the_result_is_bitwise_identical(
         summary = json.loads((out / f"rank{rank}.json").read_text())
         assert summary["step"] == STEPS
     assert_bitwise_equal(reference, out, world=4)
+    # Capacity comes back: the promoted standbys hold no rank once the job is done and return
+    # to the standby pool; node-a, configured active, stays active.
+    for node in ("node-s1", "node-s2"):
+        cluster.wait_state(node, "standby", timeout=30)
+    assert {e["node"] for e in events(cluster) if e["kind"] == "node-back-in-pool"} == {
+        "node-s1", "node-s2"}
+    node_a = cluster.status().node("node-a")
+    assert node_a is not None and node_a.state == "active"
 
 
 def test_one_rank_drained_twice_rebuilds_only_its_groups(etcd: EmbeddedEtcd, reference: Path,
