@@ -24,6 +24,8 @@ CHILD_SOCKET = "UNDERSTUDY_SOCKET"
 CHILD_ERROR_FILE = "UNDERSTUDY_ERROR_FILE"
 CHILD_NODE = "UNDERSTUDY_NODE"
 CHILD_NAME = "UNDERSTUDY_CHILD"
+#: the pid of the daemon that started the worker: the worker dies with it (worker.lifeline)
+DAEMON_PID = "UNDERSTUDY_DAEMON_PID"
 #: the node's first configured address (``addresses``), where a worker's servers bind
 NODE_ADDRESS = "UNDERSTUDY_NODE_ADDRESS"
 

@@ -205,8 +205,9 @@ class Supervisor:
                     log_path: str | os.PathLike[str] | None = None) -> int:
         """Start ``argv`` as child ``name`` and return its pid.
 
-        The child gets the daemon's environment plus ``env``, plus ``UNDERSTUDY_CHILD=name`` and
-        ``UNDERSTUDY_ERROR_FILE`` (a fresh file under ``<run_dir>/errors``). Its stdin is
+        The child gets the daemon's environment plus ``env``, plus ``UNDERSTUDY_CHILD=name``,
+        ``UNDERSTUDY_ERROR_FILE`` (a fresh file under ``<run_dir>/errors``) and
+        ``UNDERSTUDY_DAEMON_PID`` (a worker dies with its daemon: ``worker.lifeline``). Its stdin is
         /dev/null; stdout and stderr are the daemon's (the journal), or ``log_path`` (appended).
 
         Raises:
@@ -220,7 +221,8 @@ class Supervisor:
                              "'-', starting with a letter or digit")
         if not argv:
             raise ValueError(f"child {name!r} has an empty argv")
-        owned = {envvars.CHILD_NAME, envvars.CHILD_ERROR_FILE} & set(env or {})
+        owned = {envvars.CHILD_NAME, envvars.CHILD_ERROR_FILE, envvars.DAEMON_PID} & set(
+            env or {})
         if owned:
             raise ValueError(f"env of child {name!r} sets {sorted(owned)}, which the supervisor "
                              "sets itself")
@@ -236,7 +238,8 @@ class Supervisor:
             self.error_dir.mkdir(parents=True, exist_ok=True)
             error_file = self.error_dir / f"{name}-{uuid.uuid4().hex[:12]}.json"
             child_env = {**os.environ, **(env or {}), envvars.CHILD_NAME: name,
-                         envvars.CHILD_ERROR_FILE: str(error_file)}
+                         envvars.CHILD_ERROR_FILE: str(error_file),
+                         envvars.DAEMON_PID: str(os.getpid())}
             out: IO[bytes] | None = None
             try:
                 if log_path is not None:

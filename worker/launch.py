@@ -40,6 +40,7 @@ from understudy.worker.api import (
 )
 from understudy.worker.daemon_client import DaemonClient
 from understudy.worker.errors import install_excepthook, record_error
+from understudy.worker.lifeline import tie_to_daemon
 from understudy.worker.migration import (
     JobGroups,
     Joiner,
@@ -70,6 +71,7 @@ def main(make_job: Callable[[], TrainingJob], steps: int, *, seed: int = 0,
          collective_timeout: float = 60.0) -> int:
     """Run this worker's part of the job. Returns the process exit code."""
     install_excepthook()
+    tie_to_daemon()  # no worker outlives its daemon
     daemon_logs.configure("info", "json")
     failpoints.check()  # a malformed UNDERSTUDY_FAILPOINTS fails the worker at start
     job = _env(env.JOB)

@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from understudy.daemon.embedded_etcd import EmbeddedEtcd
 from understudy.daemon.localcluster import DaemonProcess, LocalCluster
 
@@ -46,6 +48,21 @@ def worker_pid(d: DaemonProcess, child: str) -> int:
             if f'"child": "{child}"' in line and "started with pid" in line]
     assert pids, f"{child} never started on {d.name}"
     return int(pids[-1])
+
+
+def wait_gone(pids: list[int], timeout: float) -> None:
+    """Wait until each of ``pids`` has exited (a zombie counts: nothing runs)."""
+    def gone(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    deadline = time.monotonic() + timeout
+    while not all(gone(p) for p in pids):
+        assert time.monotonic() < deadline, f"still running after {timeout}s: " \
+            f"{[p for p in pids if not gone(p)]}"
+        time.sleep(0.02)
 
 
 def wait_log(d: DaemonProcess, text: str, timeout: float = 60) -> None:

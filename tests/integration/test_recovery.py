@@ -14,10 +14,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from tests.integration.bitwise import assert_bitwise_equal
-from tests.integration.scenarios import events, start, wait_log, wait_standbys, worker_pid
+from tests.integration.scenarios import (
+    events,
+    start,
+    wait_gone,
+    wait_log,
+    wait_standbys,
+    worker_pid,
+)
 from tests.integration.test_migration import (  # noqa: F401
     STEPS,
     _finish,
@@ -87,7 +95,9 @@ def test_a_crashed_node_is_replaced_after_its_lease_expires(
         etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:  # noqa: F811
     with training(etcd, tmp_path, {"node-a": 2, "node-b": 2}, STANDBYS) as (c, out):
         _wait_steps(c.daemons["node-b"], 2, 50)
+        ranks = [worker_pid(c.daemons["node-b"], f"mig.r{r}") for r in (2, 3)]
         c.daemons["node-b"].kill9()  # the daemon and both its ranks, at once
+        wait_gone(ranks, timeout=2)  # the ranks die with their daemon (worker.lifeline)
         _recovery_done(c)
         evs = events(c)
         kinds = [e["kind"] for e in evs]
@@ -109,16 +119,21 @@ def test_a_frozen_node_is_replaced_fences_itself_on_waking_and_rejoins_clean(
     # survivors wait in their collectives until the lease expires and the recovery is planned.
     c = start(etcd, tmp_path / "cluster", {"node-a": 2, "node-b": 2}, ("node-s1", "node-s2"))
     b = c.daemons["node-b"]
+    frozen: list[int] = []
     try:
         out = tmp_path / "out"
         _run_job(c, out)
         wait_standbys(c, ("node-s1", "node-s2"))
         _wait_steps(b, 2, 50)
-        os.killpg(b.pid, signal.SIGSTOP)
+        # Every process of the node: the ranks lead their own sessions, outside the daemon's.
+        frozen = [b.pid, *(p.pid for p in psutil.Process(b.pid).children(recursive=True))]
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
         _recovery_done(c)
         a_log = c.daemons["node-a"].log_text()
         assert "told to abort" in a_log  # released by the daemon's word, not a timeout
-        os.killpg(b.pid, signal.SIGCONT)
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
         # On waking it finds its lease gone: it kills its old ranks and comes back as a new
         # incarnation with no rank; the job, at epoch 2, never hears from them.
         wait_log(b, "fenced itself")
@@ -128,8 +143,9 @@ def test_a_frozen_node_is_replaced_fences_itself_on_waking_and_rejoins_clean(
         assert job.assignment.ranks == ("node-a", "node-a", "node-s1", "node-s2")
         assert_bitwise_equal(reference, out, world=4)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(b.pid, signal.SIGCONT)
+        for pid in frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
         c.stop_all(timeout=5)
 
 
