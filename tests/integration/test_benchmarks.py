@@ -96,7 +96,10 @@ def test_migration_smoke(tmp_path: Path) -> None:
         assert 0 < rep["switch_step"] < cfg["steps"]
         assert set(rep["survivors"]) == {"0", "1"} and set(rep["joiners"]) == {"2", "3"}
         for s in rep["survivors"].values():
-            assert 0 < s["normal_step_s"] < s["switch_step_s"]
+            # A survivor that reached the switch last barely waits at it: its switch step can
+            # be as short as a normal one (a full run saw 0.0647 s against 0.0652 s). The job's
+            # downtime, the larger of the two, includes the switch.
+            assert s["normal_step_s"] > 0 and s["switch_step_s"] > 0
             assert s["switch_boundary_s"] <= s["switch_step_s"]
             assert s["downtime_s"] == pytest.approx(s["switch_step_s"] - s["normal_step_s"],
                                                    abs=1e-5)  # microsecond JSON
