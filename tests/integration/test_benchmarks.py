@@ -272,7 +272,9 @@ def check_downtime_side(r: dict, system: str, event: str, cfg: dict) -> None:
     assert r["system"] == system and r["event"] == event
     assert r["steps_completed"] == cfg["steps"]
     assert 0 < r["normal_step_s"] < 1
-    assert r["downtime_s"] >= 0
+    # The gap minus a normal step: noise can take a near-instant switch a little below zero,
+    # never below minus one step.
+    assert r["downtime_s"] > -r["normal_step_s"]
     assert r["downtime_s"] == pytest.approx(r["gap_s"] - r["normal_step_s"], abs=1e-5)
     assert r["time_to_full_strength_s"] >= r["gap_s"]
     assert r["time_lost_s"] == pytest.approx(r["time_to_full_strength_s"] - r["normal_step_s"],
@@ -522,7 +524,7 @@ def test_goodput_smoke(tmp_path: Path) -> None:
         assert r["events_scheduled"] == 2
         for e in r["events"]:
             assert e["fired_s"] < cfg["duration"] and e["late_s"] >= 0
-            assert e["fired_s"] < e["served_s"] and e["downtime_s"] >= 0
+            assert e["fired_s"] < e["served_s"] and e["downtime_s"] > -r["normal_step_s"]
             assert e["steps_redone"] >= 0
         assert r["total_downtime_s"] == pytest.approx(sum(e["downtime_s"] for e in r["events"]),
                                                       abs=1e-5)
