@@ -40,7 +40,6 @@ from typing import Any
 
 import structlog
 import torch
-import torch.distributed.checkpoint as dcp
 
 from understudy.daemon import env
 from understudy.daemon.snapshot_tiers import MemoryCopies, SnapshotReport, parse_source
@@ -119,10 +118,20 @@ def load_snapshot(directory: Path, step: int, runtime: Runtime) -> None:
                                 f"{runtime.ctx.rank} under {directory}")
     skeleton = torch.load(folder / SKELETON, weights_only=True)
     template = _map_tensors(skeleton, lambda t: torch.empty(t.shape, dtype=t.dtype))
+    dcp = _dcp()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(template, storage_reader=dcp.FileSystemReader(str(folder)), no_dist=True)
     runtime.load_state(template)
+
+
+def _dcp() -> Any:
+    """``torch.distributed.checkpoint``, imported on first use: it pulls in DTensor and sympy,
+    over a second of every worker's start (and of a cold joiner's), for the storage tier
+    alone."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
 
 
 def serialize(state: Any) -> memoryview:
@@ -281,6 +290,7 @@ class Snapshotter:
             folder = snapshot_dir(self.directory, step, self.rank)
             if folder.exists():
                 shutil.rmtree(folder)
+            dcp = _dcp()
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=True)
