@@ -637,11 +637,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="torchrun's DCP save: dcp.save or dcp.async_save (default sync)")
     p.add_argument("--ttl", type=int, default=config_mod.LeaseConfig().ttl,
                    help="understudy's lease TTL in seconds (default: the daemon's)")
-    p.add_argument("--rdzv-keepalive", default="5,3",
+    p.add_argument("--rdzv-keepalive",
                    help="torchrun's rendezvous keep_alive_interval (s) and keep_alive_max_attempt "
-                        "(default 5,3: torchrun's own)")
-    p.add_argument("--torchft-heartbeat-ms", type=int, default=5000,
-                   help="torchft's Lighthouse heartbeat timeout (default 5000: torchft's own)")
+                        "(default 5,3: torchrun's own; smoke 1,2, so that a node gone from the "
+                        "rendezvous costs the tests seconds, not 15)")
+    p.add_argument("--torchft-heartbeat-ms", type=int,
+                   help="torchft's Lighthouse heartbeat timeout (default 5000: torchft's own; "
+                        "smoke 1000)")
     p.add_argument("--smoke", action="store_true", help="one repeat, short runs: for the tests")
     p.add_argument("--out", type=Path, help=f"JSON results (default {DEFAULT_OUT.relative_to(REPO)}"
                    f"; smoke {SMOKE_OUT.relative_to(REPO)})")
@@ -666,6 +668,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not named or named - set(SYSTEMS):
         p.error(f"--systems must name some of {', '.join(SYSTEMS)}, got {args.systems!r}")
     args.systems = tuple(x for x in SYSTEMS if x in named)
+    args.torchft_heartbeat_ms = pick(args.torchft_heartbeat_ms, 5000, 1000)
     if "torchft" in args.systems and importlib.util.find_spec("torchft") is None:
         p.error("torchft is not installed in this environment: install it with "
                 "`pip install -c constraints.txt torchft` (scripts/setup does), or leave it out "
@@ -679,6 +682,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.steps < args.event_at + 60:
         p.error(f"--steps must be at least --event-at + 60 for the interruption to end mid-run "
                 f"(a drain switches after phase 1), got {args.steps}")
+    args.rdzv_keepalive = pick(args.rdzv_keepalive, "5,3", "1,2")
     check_side_by_side(p, args)
     return args
 

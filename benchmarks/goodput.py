@@ -619,9 +619,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="torchrun's DCP save: dcp.save or dcp.async_save (default sync)")
     p.add_argument("--ttl", type=int, default=config_mod.LeaseConfig().ttl,
                    help="understudy's lease TTL in seconds (default: the daemon's)")
-    p.add_argument("--rdzv-keepalive", default="5,3",
+    p.add_argument("--rdzv-keepalive",
                    help="torchrun's rendezvous keep_alive_interval (s) and keep_alive_max_attempt "
-                        "(default 5,3: torchrun's own)")
+                        "(default 5,3: torchrun's own; smoke 1,2, so that a node gone from the "
+                        "rendezvous costs the tests seconds, not 15)")
     p.add_argument("--smoke", action="store_true",
                    help="a 20 s window and two fixed events (a crash of rank 1 at 4 s, a drain "
                         "at 12 s): for the tests")
@@ -648,6 +649,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--duration must hold a few events, got {args.duration}")
     if not 0 <= args.drain_fraction <= 1:
         p.error(f"--drain-fraction must be within [0, 1], got {args.drain_fraction}")
+    if args.rdzv_keepalive is None:
+        args.rdzv_keepalive = "1,2" if args.smoke else "5,3"
     check_side_by_side(p, args)
     return args
 

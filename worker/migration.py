@@ -141,12 +141,18 @@ class Plan:
 
 def _paused(info: dict[str, Any]) -> bool:
     """Whether the job waits for a standby to recover a rank: its status says so, and says it
-    after the current assignment was written (a stale "paused" outlives the recovery that
-    ended it by one controller round)."""
+    after the current assignment was written and after the job's migration (unless aborted)
+    was planned. A stale "paused" outlives what ended it: the controller says "resumed" only
+    once the recovery planned for the paused rank has committed, and a joiner of that
+    recovery that took the status at its word would abort the job's first step after it, for
+    good (seen in a full test run)."""
     status, assignment = info.get("status") or {}, info.get("assignment") or {}
+    migration = info.get("migration") or {}
+    planned = 0.0 if migration.get("phase") == "aborted" else float(migration.get("created_at", 0))
     reason = status.get("reason")
+    since = max(float(assignment.get("updated_at", 0)), planned)
     return isinstance(reason, str) and reason.startswith(PAUSED) and \
-        float(status.get("updated_at", 0)) >= float(assignment.get("updated_at", 0))
+        float(status.get("updated_at", 0)) >= since
 
 
 class JobGroups:

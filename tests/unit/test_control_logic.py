@@ -10,6 +10,7 @@ import pytest
 from understudy.daemon.errors import RecordError
 from understudy.daemon.fencing import FenceTimer
 from understudy.daemon.planner import (
+    PAUSED,
     AddStandbys,
     AdvanceMigration,
     AssignJob,
@@ -35,6 +36,7 @@ from understudy.daemon.records import (
     RegistryEntry,
 )
 from understudy.daemon.states import IllegalTransition, NodeLifecycle, NodeState
+from understudy.worker.migration import _paused
 
 
 def _entry(name: str, state: NodeState = NodeState.ACTIVE, offline: bool = False
@@ -470,3 +472,21 @@ def test_a_job_that_finishes_during_a_drain_ends_done_and_plans_no_more() -> Non
         job.migration, phase=MigrationPhase.ABORTED))
     (end,) = plan(dataclasses.replace(view, jobs={"j": over}), 11.0)
     assert end == SetJobState("j", JobState.DONE, "every rank finished")
+
+
+def test_a_pause_ends_when_a_recovery_is_planned_after_it() -> None:
+    """The worker's reading of "paused" (worker.migration._paused): the status says so after
+    the assignment and after the job's migration was planned, unless that one aborted."""
+    paused = {"reason": PAUSED + "rank 3 failed; waiting for a standby", "updated_at": 10.0}
+    assignment = {"updated_at": 5.0}
+    assert _paused({"status": paused, "assignment": assignment})
+    assert not _paused({"status": {**paused, "reason": "running"}, "assignment": assignment})
+    # A newer assignment (the recovery committed) or a recovery planned after the pause ends it.
+    assert not _paused({"status": paused, "assignment": {"updated_at": 12.0}})
+    recovery = {"phase": "ready", "created_at": 11.0}
+    assert not _paused({"status": paused, "assignment": assignment, "migration": recovery})
+    # One planned before it, or one that aborted, does not.
+    assert _paused({"status": paused, "assignment": assignment,
+                    "migration": {**recovery, "created_at": 9.0}})
+    assert _paused({"status": paused, "assignment": assignment,
+                    "migration": {**recovery, "phase": "aborted"}})
