@@ -207,40 +207,49 @@ def place(spec: JobSpec, view: ClusterView, now: float) -> Assignment | str:
 
 
 def _plan_jobs(view: ClusterView, now: float) -> list[Action]:
+    """Each job's actions in name order. A job placed or given standbys in this round holds
+    its nodes for the jobs after it: the next one's placement or refill sees them taken, not
+    free, so two jobs pending in one round never land on the same slots or standbys."""
     actions: list[Action] = []
     for name in sorted(view.jobs):
-        job = view.jobs[name]
-        state = job.status.state if job.status else JobState.PENDING
-        if state == JobState.PENDING and job.assignment is None:
-            placed = place(job.spec, view, now)
-            if isinstance(placed, str):
-                if job.status is None or job.status.reason != placed:
-                    actions.append(SetJobState(name, JobState.PENDING, placed))
-            else:
-                actions.append(AssignJob(placed, "placed on " + ", ".join(
-                    sorted(set(placed.ranks)))))
-        elif state == JobState.RUNNING and job.assignment is not None and \
-                job.migration is not None and job.migration.active:
-            actions.extend(_advance_migration(job, job.migration, view, now))
-        elif state == JobState.RUNNING and job.assignment is not None:
-            gone = _gone_ranks(job, job.assignment, view)
-            if gone:
-                actions.extend(_plan_recovery(job, job.assignment, gone, view, now))
-                continue
-            migration = _plan_migration(job, job.assignment, view, now)
-            if migration is not None:
-                actions.append(migration)
-                continue
-            if len(job.exits) == job.spec.world_size:
-                actions.append(SetJobState(name, JobState.DONE, "every rank finished"))
-                continue
-            if job.status is not None and job.status.reason.startswith(PAUSED):
-                actions.append(SetJobState(name, JobState.RUNNING,
-                                           "resumed: every rank is held again",
-                                           event="job-resumed"))
-            refill = _refill_standbys(job, job.assignment, view, now)
-            if refill is not None:
-                actions.append(refill)
+        mine = _plan_job(name, view.jobs[name], view, now)
+        actions.extend(mine)
+        for act in mine:
+            if isinstance(act, AssignJob | AddStandbys):
+                job = view.jobs[name]
+                view = dataclasses.replace(view, jobs={
+                    **view.jobs, name: dataclasses.replace(job, assignment=act.assignment)})
+    return actions
+
+
+def _plan_job(name: str, job: JobView, view: ClusterView, now: float) -> list[Action]:
+    state = job.status.state if job.status else JobState.PENDING
+    if state == JobState.PENDING and job.assignment is None:
+        placed = place(job.spec, view, now)
+        if isinstance(placed, str):
+            if job.status is None or job.status.reason != placed:
+                return [SetJobState(name, JobState.PENDING, placed)]
+            return []
+        return [AssignJob(placed, "placed on " + ", ".join(sorted(set(placed.ranks))))]
+    if state != JobState.RUNNING or job.assignment is None:
+        return []
+    if job.migration is not None and job.migration.active:
+        return _advance_migration(job, job.migration, view, now)
+    gone = _gone_ranks(job, job.assignment, view)
+    if gone:
+        return _plan_recovery(job, job.assignment, gone, view, now)
+    migration = _plan_migration(job, job.assignment, view, now)
+    if migration is not None:
+        return [migration]
+    if len(job.exits) == job.spec.world_size:
+        return [SetJobState(name, JobState.DONE, "every rank finished")]
+    actions: list[Action] = []
+    if job.status is not None and job.status.reason.startswith(PAUSED):
+        actions.append(SetJobState(name, JobState.RUNNING, "resumed: every rank is held again",
+                                   event="job-resumed"))
+    refill = _refill_standbys(job, job.assignment, view, now)
+    if refill is not None:
+        actions.append(refill)
     return actions
 
 

@@ -179,6 +179,27 @@ def test_placement_fills_active_slots_in_order_and_reserves_standbys() -> None:
     assert (a.ranks, a.standbys, a.epoch) == (("a", "a", "b", "b"), ("s",), 1)
 
 
+def test_jobs_pending_in_one_round_are_placed_on_different_slots_and_standbys() -> None:
+    # Four free slots on a and b, one standby node: j1 (2 ranks, no standby) takes a, j2 (2
+    # ranks, 1 standby) takes b and s; j3 finds nothing left and says so.
+    view = _cluster(j1=JobView(_spec("j1", tp=2, dp=1, standby=0)),
+                    j2=JobView(_spec("j2", tp=2, dp=1, standby=1)),
+                    j3=JobView(_spec("j3", tp=1, dp=1, standby=0)))
+    first, second, third = plan(view, now=5.0)
+    assert isinstance(first, AssignJob) and isinstance(second, AssignJob)
+    assert (first.assignment.ranks, first.assignment.standbys) == (("a", "a"), ())
+    assert (second.assignment.ranks, second.assignment.standbys) == (("b", "b"), ("s",))
+    assert isinstance(third, SetJobState) and third.state == JobState.PENDING
+    assert "needs 1 slots on active nodes, 0 are free" in third.reason
+    # A standby wanted by two jobs in one round goes to the first.
+    view = _cluster(j1=JobView(_spec("j1", tp=1, dp=1, standby=1)),
+                    j2=JobView(_spec("j2", tp=1, dp=1, standby=1)))
+    first, second = plan(view, now=5.0)
+    assert isinstance(first, AssignJob) and first.assignment.standbys == ("s",)
+    assert isinstance(second, SetJobState) and "needs 1 standby nodes, 0 are free" in \
+        second.reason
+
+
 def test_placement_that_cannot_fit_says_why_once() -> None:
     view = _cluster(j=JobView(_spec(tp=4, dp=2)))
     (action,) = plan(view, now=5.0)
