@@ -623,7 +623,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--systems", default=",".join(SYSTEMS),
                    help=f"comma-separated, of {', '.join(SYSTEMS)} (default: all; the ratios "
                         "need understudy)")
-    p.add_argument("--steps", type=int, help="steps of the job (default 300; smoke 120)")
+    p.add_argument("--steps", type=int,
+                   help="steps of the job (default 300; smoke 200: room for the standbys to "
+                        "warm in their sandbox on a busy machine before a drain)")
     p.add_argument("--step-sleep", type=float, default=0.04,
                    help="seconds of stand-in work per step (default 0.04, as the other "
                         "benchmarks)")
@@ -655,7 +657,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         return value if value is not None else (smoke if args.smoke else full)
 
     args.repeats = pick(args.repeats, 5, 1)
-    args.steps = pick(args.steps, 300, 120)
+    args.steps = pick(args.steps, 300, 200)
     args.out = pick(args.out, DEFAULT_OUT, SMOKE_OUT)
     if args.png is None:
         args.png = (args.out.with_name(args.out.name.removesuffix(".tmp") + ".png.tmp")

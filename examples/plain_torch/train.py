@@ -287,6 +287,12 @@ class PlainJob(TrainingJob):
     def discard(self, step: int) -> None:
         self.optimizer.zero_grad(set_to_none=False)
 
+    def forget_shadow_steps(self) -> None:
+        # A standby's shadow iterations are no commits of the run: their lines would read as
+        # commits of the rank it warmed as.
+        if self.step_log is not None:
+            self.step_log.forget()
+
     def state(self) -> dict[str, Any]:
         return {"params": self.params.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "schedule": self.schedule.state_dict(),
@@ -317,6 +323,13 @@ class StepLog:
                 self.directory / f"rank{rank}-{os.getpid()}.jsonl", "a", buffering=1)
         f.write(json.dumps({"step": step, "t": time.time(), "rank": rank, "pid": os.getpid(),
                             "loss": loss}) + "\n")
+
+    def forget(self) -> None:
+        """Remove what this process has logged so far (shadow iterations)."""
+        for f in self._files.values():
+            f.close()
+            Path(f.name).unlink(missing_ok=True)
+        self._files.clear()
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
