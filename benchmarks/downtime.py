@@ -198,27 +198,31 @@ def run_understudy(event: str, cfg: BenchConfig, base: Path) -> dict[str, Any]:
 # -- torchrun ----------------------------------------------------------------------------------
 
 
-def torchrun_phases(records: list[dict[str, Any]], event_at: float, first_step_at: float,
-                    drain_exit_at: float | None) -> dict[str, float | None]:
-    """The restart's milestones, each the moment the last rank of the new workers reached it
-    (the job waits for the slowest), as consecutive phases from the event."""
-    # Per rank, its newest process started after the event and before the first step: the one
-    # that trained on (a restart that failed again leaves older ones behind).
+def restarted_processes(records: list[dict[str, Any]], event_at: float,
+                        first_step_at: float) -> list[dict[str, Any]]:
+    """Per rank, the start record of its newest process started after the event and before the
+    first step: the one that trained on (a restart that failed again leaves older ones
+    behind)."""
     newest: dict[int, dict[str, Any]] = {}
     for r in sorted(records, key=lambda r: r["t"]):
         if r.get("kind") == "start" and event_at < r["at"] and r["t"] < first_step_at:
             newest[r["rank"]] = r
-    new = list(newest.values())
+    return list(newest.values())
+
+
+def reached_by_all(records: list[dict[str, Any]], new: list[dict[str, Any]], kind: str,
+                   count: int) -> float | None:
+    """When the last of the ``new`` processes wrote a ``kind`` record; None unless ``count``
+    (> 0) of them did."""
     pids = {r["pid"] for r in new}
+    ts = [r["t"] for r in records if r.get("kind") == kind and r["pid"] in pids]
+    return max(ts) if count and len(ts) == count else None
 
-    def last(kind: str) -> float | None:
-        ts = [r["t"] for r in records if r.get("kind") == kind and r["pid"] in pids]
-        return max(ts) if len(ts) == WORLD else None
 
-    marks = [("drain_save", drain_exit_at),
-             ("restart_rendezvous", max(r["at"] for r in new) if len(new) == WORLD else None),
-             ("imports", last("start")), ("init", last("init")),
-             ("build_load", last("restored")), ("first_step", first_step_at)]
+def consecutive_phases(marks: list[tuple[str, float | None]],
+                       event_at: float) -> dict[str, float | None]:
+    """Milestones as phases: each one's time since the previous milestone reached (the event
+    for the first); None for a milestone not reached."""
     out: dict[str, float | None] = {}
     prev = event_at
     for name, at in marks:
@@ -228,6 +232,22 @@ def torchrun_phases(records: list[dict[str, Any]], event_at: float, first_step_a
         out[name] = at - prev
         prev = at
     return out
+
+
+def torchrun_phases(records: list[dict[str, Any]], event_at: float, first_step_at: float,
+                    drain_exit_at: float | None) -> dict[str, float | None]:
+    """The restart's milestones, each the moment the last rank of the new workers reached it
+    (the job waits for the slowest), as consecutive phases from the event."""
+    new = restarted_processes(records, event_at, first_step_at)
+
+    def last(kind: str) -> float | None:
+        return reached_by_all(records, new, kind, WORLD)
+
+    return consecutive_phases(
+        [("drain_save", drain_exit_at),
+         ("restart_rendezvous", max(r["at"] for r in new) if len(new) == WORLD else None),
+         ("imports", last("start")), ("init", last("init")),
+         ("build_load", last("restored")), ("first_step", first_step_at)], event_at)
 
 
 def run_torchrun(event: str, cfg: BenchConfig, base: Path) -> dict[str, Any]:
@@ -303,30 +323,15 @@ def torchft_phases(records: list[dict[str, Any]], event_at: float, first_step_at
     replacement's or restarted workers' interpreters up (agent start or restart), imports
     (torch, torchft, the job), init (gloo group, manager, model), the quorum that healed them
     from the other group, the first step."""
-    newest: dict[int, dict[str, Any]] = {}
-    for r in sorted(records, key=lambda r: r["t"]):
-        if r.get("kind") == "start" and event_at < r["at"] and r["t"] < first_step_at:
-            newest[r["rank"]] = r
-    new = list(newest.values())
-    pids = {r["pid"] for r in new}
+    new = restarted_processes(records, event_at, first_step_at)
 
     def last(kind: str) -> float | None:
-        ts = [r["t"] for r in records if r.get("kind") == kind and r["pid"] in pids]
-        return max(ts) if new and len(ts) == len(new) else None
+        return reached_by_all(records, new, kind, len(new))
 
-    marks = [("drain_stop", drain_exit_at),
-             ("restart", max(r["at"] for r in new) if new else None),
-             ("imports", last("start")), ("init", last("init")),
-             ("quorum_heal", last("healed")), ("first_step", first_step_at)]
-    out: dict[str, float | None] = {}
-    prev = event_at
-    for name, at in marks:
-        if at is None:
-            out[name] = None
-            continue
-        out[name] = at - prev
-        prev = at
-    return out
+    return consecutive_phases(
+        [("drain_stop", drain_exit_at), ("restart", max(r["at"] for r in new) if new else None),
+         ("imports", last("start")), ("init", last("init")),
+         ("quorum_heal", last("healed")), ("first_step", first_step_at)], event_at)
 
 
 def healed_steps(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
