@@ -480,12 +480,16 @@ class JobRunner:
             return False
         if transferred is not None and transferred.value == b"ok":
             return False
+        if child.state == ChildState.EXITED:  # it left on its own: the takeover failed
+            why = (f"the joiner on {self.node} gave up before it held the state: "
+                   f"{child.error.summary() if child.error else child.describe()}")
+        else:
+            why = f"the joiner on {self.node} died before it held the state: {child.describe()}"
         with contextlib.suppress(StoreError):
-            await self.store.put(prefix + "aborted", f"the joiner on {self.node} died before "
-                                 f"it held the state: {child.describe()}".encode())
-        self.log.warning("A joiner died before it held the state; its migration is called "
+            await self.store.put(prefix + "aborted", why.encode())
+        self.log.warning("A joiner ended before it held the state; its migration is called "
                          "off and the leaver keeps the rank.", job=job, rank=rank,
-                         migration=migration, cause=child.describe())
+                         migration=migration, cause=why)
         holds = any(jb.assignment and jb.assignment.ranks_on(self.node)
                     for jb in self._jobs.values())
         if self.agent.state == NodeState.ACTIVE and not holds:

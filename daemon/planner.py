@@ -419,9 +419,6 @@ def _advance_migration(job: JobView, m: Migration, view: ClusterView,
     if len(job.exits) == job.spec.world_size and not any(e.failed for e in job.exits.values()):
         return [AdvanceMigration(m.job, m.id, MigrationPhase.ABORTED,
                                  "every rank finished the job first")]
-    if "aborted" in job.progress:
-        return [AdvanceMigration(m.job, m.id, MigrationPhase.ABORTED,
-                                 job.abort_reason or "the ranks aborted the switch")]
     gone = [n for n in m.joiners if n not in view.live]
     if gone and m.phase != MigrationPhase.SWITCHING:
         return [AdvanceMigration(m.job, m.id, MigrationPhase.ABORTED,
@@ -441,6 +438,11 @@ def _advance_migration(job: JobView, m: Migration, view: ClusterView,
         return [AdvanceMigration(m.job, m.id, MigrationPhase.ABORTED,
                                  f"{failed[dead_leavers[0]]} in phase 2, before its state "
                                  "reached the joiner")]
+    # A member's own call to abort (its joiner gave up, a survivor's switch failed) comes after
+    # the ranks' failures above: where a leaver died, that is the cause, not its joiner's leave.
+    if "aborted" in job.progress:
+        return [AdvanceMigration(m.job, m.id, MigrationPhase.ABORTED,
+                                 job.abort_reason or "the ranks aborted the switch")]
     # A joiner that dies in phase 2 once its leaver sent the state: the leaver has handed off
     # and the stayers switch, so the migration is committed and the rank, lost under the new
     # epoch, is recovered by the next round like any other. (Before that, the leaver's failed

@@ -166,6 +166,7 @@ def main(make_job: Callable[[], TrainingJob], steps: int, *, seed: int = 0,
             # at once, without tearing gloo down, and the daemon starts a fresh one.
             log.warning(f"Taking over rank {rank} failed: {exc}. This standby leaves.",
                         migration=plan.id)
+            record_error(exc)  # the daemon says why in the migration's abort
             control.close()
             os._exit(0)
         failpoints.hit("joiner.switch")

@@ -401,6 +401,19 @@ def test_migrations_abort_on_deadline_dead_joiner_or_report() -> None:
     assert not [x for x in plan(view, now=m.deadline + 1) if isinstance(x, AdvanceMigration)]
 
 
+def test_a_leaver_dead_in_phase_2_is_named_as_the_cause_over_its_joiner_giving_up() -> None:
+    # The leaver of rank 2 died while streaming its state; its joiner gave up when the stream
+    # broke and its daemon called the migration off. Both reports are in: the leaver's death
+    # is the cause the abort names.
+    view, _ = _migrating_view(frozenset({"switching", "aborted"}), phase="switching")
+    job = dataclasses.replace(view.jobs["j"], abort_reason="the joiner on s1 gave up",
+                              exits={2: dataclasses.replace(_crash(2, node="b"), epoch=1)})
+    (abort,) = [x for x in plan(dataclasses.replace(view, jobs={"j": job}), now=10.0)
+                if isinstance(x, AdvanceMigration)]
+    assert abort.phase == MigrationPhase.ABORTED
+    assert "rank 2" in abort.reason and "before its state reached the joiner" in abort.reason
+
+
 def test_a_joiner_dying_in_phase_2_after_its_state_was_sent_commits_the_migration() -> None:
     # The leaver of rank 3 sent its state and handed off; the joiner died before it said it
     # switched. Nobody else holds rank 3 under epoch 1 any more: the migration is committed,
