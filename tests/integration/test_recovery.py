@@ -26,11 +26,10 @@ from tests.integration.scenarios import (
     wait_standbys,
     worker_pid,
 )
-from tests.integration.test_migration import (  # noqa: F401
+from tests.integration.test_migration import (
     STEPS,
     _finish,
     _run_job,
-    reference,
     standalone_run,
 )
 from understudy.cli.cluster import ClusterStatus
@@ -71,7 +70,7 @@ def _recovery_done(c: LocalCluster) -> dict:
 
 
 def test_a_killed_rank_is_replaced_from_its_replica_and_the_result_is_bitwise_identical(
-        etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:  # noqa: F811
+        etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:
     with training(etcd, tmp_path, {"node-a": 2, "node-b": 2}, STANDBYS) as (c, out):
         a = c.daemons["node-a"]
         _wait_steps(a, 1, 50)
@@ -92,7 +91,7 @@ def test_a_killed_rank_is_replaced_from_its_replica_and_the_result_is_bitwise_id
 
 
 def test_a_crashed_node_is_replaced_after_its_lease_expires(
-        etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:  # noqa: F811
+        etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:
     with training(etcd, tmp_path, {"node-a": 2, "node-b": 2}, STANDBYS) as (c, out):
         _wait_steps(c.daemons["node-b"], 2, 50)
         ranks = [worker_pid(c.daemons["node-b"], f"mig.r{r}") for r in (2, 3)]
@@ -114,7 +113,7 @@ def test_a_crashed_node_is_replaced_after_its_lease_expires(
 
 
 def test_a_frozen_node_is_replaced_fences_itself_on_waking_and_rejoins_clean(
-        etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:  # noqa: F811
+        etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:
     # SIGSTOP of the daemon and its ranks: no process dies, no connection is reset. The
     # survivors wait in their collectives until the lease expires and the recovery is planned.
     c = start(etcd, tmp_path / "cluster", {"node-a": 2, "node-b": 2}, ("node-s1", "node-s2"))
@@ -150,7 +149,7 @@ def test_a_frozen_node_is_replaced_fences_itself_on_waking_and_rejoins_clean(
 
 
 def test_an_exhausted_pool_pauses_the_job_until_a_standby_joins(
-        etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:  # noqa: F811
+        etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:
     with training(etcd, tmp_path, {"node-a": 2, "node-b": 2}, ("node-s1",),
                   standby=1) as (c, out):
         _wait_steps(c.daemons["node-a"], 1, 50)
@@ -178,7 +177,7 @@ def test_an_exhausted_pool_pauses_the_job_until_a_standby_joins(
 
 @pytest.mark.parametrize("victim", ["stayer", "leaver"])
 def test_a_rank_crashing_during_a_drain_aborts_it_recovers_then_the_drain_completes(
-        etcd: EmbeddedEtcd, reference: Path, tmp_path: Path,  # noqa: F811
+        etcd: EmbeddedEtcd, reference: Path, tmp_path: Path,
         victim: str) -> None:
     # The drain's joiners (node-s1, node-s2) hold phase 1 open for 8 s once their groups are
     # up (a failpoint; each fresh standby process again), so that a rank dies with phase 1
@@ -209,7 +208,7 @@ def test_a_rank_crashing_during_a_drain_aborts_it_recovers_then_the_drain_comple
 
 
 def test_a_sandbox_warmed_standby_is_promoted_with_its_model_built(
-        etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:  # noqa: F811
+        etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:
     # With a recording directory, ranks 0 and 1 (one per role type) record their first two
     # iterations; each standby builds the job as one role type's rank on replay groups and
     # runs shadow iterations before anything fails. node-s1 warms as rank 0.
@@ -319,7 +318,7 @@ def test_with_the_holder_gone_every_rank_rolls_back_from_storage(
 
 
 def test_the_controller_dying_right_after_planning_a_recovery_leaves_it_to_the_next(
-        etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:  # noqa: F811
+        etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:
     # node-x (a spare standby, outside the job's pool) is the controller, armed to crash the
     # moment a plan is in etcd. The next controller, elected when its lease expires, carries
     # the recovery through from etcd.
@@ -356,7 +355,7 @@ def test_the_controller_dying_right_after_planning_a_recovery_leaves_it_to_the_n
 
 
 def test_leavers_dying_in_phase_2_abort_the_drain_and_their_ranks_are_recovered(
-        etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:  # noqa: F811
+        etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:
     # node-b's ranks crash the moment they start streaming their state to the joiners (a
     # failpoint in the leaver's send): phase 2 of the drain is under way, the switch step is
     # agreed, nothing has moved. The drain is called off and both ranks are recovered from
@@ -371,7 +370,11 @@ def test_leavers_dying_in_phase_2_abort_the_drain_and_their_ranks_are_recovered(
         job = _finish(c)
         evs = events(c)
         aborted = next(e for e in evs if e["kind"] == "migration-aborted")
-        assert "in phase 2, before its state reached the joiner" in aborted["message"], aborted
+        # The cause, as it first reached the controller: the leaver's death, or its joiner
+        # giving up when the stream from the dead leaver broke (their reports race to etcd).
+        why = aborted["message"]
+        assert "in phase 2, before its state reached the joiner" in why or (
+            "gave up before it held the state: TransferError:" in why), aborted
         planned = [e["message"] for e in evs if e["kind"] == "migration-planned"]
         assert any("recovery: rank 2 -> " in m and "(state from rank 0)" in m for m in planned)
         assert job.assignment.epoch == 2
@@ -381,7 +384,7 @@ def test_leavers_dying_in_phase_2_abort_the_drain_and_their_ranks_are_recovered(
 
 
 def test_a_joiner_dying_after_its_state_arrived_is_recovered_after_the_drain_commits(
-        etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:  # noqa: F811
+        etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:
     # node-s2's joiner (rank 3) exits holding the leaver's state, before it says it switched:
     # the leaver has handed off, so the drain is committed (epoch 2) and rank 3, lost under the
     # new epoch, is recovered onto node-s3 from its replica, rank 1 (epoch 3).
@@ -403,7 +406,7 @@ def test_a_joiner_dying_after_its_state_arrived_is_recovered_after_the_drain_com
 
 
 def test_a_stayer_dying_at_the_switch_is_recovered_after_the_drain_commits(
-        etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:  # noqa: F811
+        etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:
     # One rank per node. node-b (rank 1) is drained; rank 2 on node-c crashes in phase 2, at
     # the agreed switch step, while the leaver streams its state: the drain still commits (its
     # joiner holds rank 1), and rank 2 is recovered from rank 0 under the new epoch.
