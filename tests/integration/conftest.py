@@ -24,3 +24,11 @@ def cluster(etcd: EmbeddedEtcd, tmp_path: Path) -> Iterator[LocalCluster]:
             unexpected = [line for line in d.log_text().splitlines()
                           if "Traceback" in line and "failpoints.FailpointFired" not in line]
             assert not unexpected, f"{name} logged a traceback: {unexpected[0][-2000:]}"
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted run (TP=2 x DP=2, plain processes, no daemons) that the migration and
+    recovery tests compare with bit for bit: one per session, shared by their modules."""
+    from tests.integration.test_migration import standalone_run
+    return standalone_run(tmp_path_factory.mktemp("reference"))

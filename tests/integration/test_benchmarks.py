@@ -285,16 +285,21 @@ def check_downtime_side(r: dict, system: str, event: str, cfg: dict) -> None:
     assert r["phases_s"] and all(v is None or v >= 0 for v in r["phases_s"].values())
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 @pytest.mark.parametrize("event", ["planned-drain", "worker-crash", "node-loss"])
 def test_downtime_smoke(tmp_path: Path, event: str) -> None:
+    """understudy and both baselines (torchrun, and torchft's live recovery) in one run."""
     if shutil.which("etcd") is None:
         pytest.fail("etcd is not installed: the test command installs it (scripts/test)")
+    if importlib.util.find_spec("torchft") is None:
+        pytest.fail("torchft is not installed: the test command installs it (scripts/setup, "
+                    "dev extra)")
     out_file = tmp_path / "downtime.json"
     res = run_benchmark("downtime.py", "--smoke", "--events", event, "--systems",
-                        "understudy,torchrun", "--out", str(out_file), timeout=240)
+                        "understudy,torchrun,torchft", "--out", str(out_file), timeout=360)
     assert res.returncode == 0, res.stdout + res.stderr
     assert f"{event}: torchrun / understudy downtime" in res.stdout
+    assert f"{event}: torchft / understudy downtime" in res.stdout
 
     data = json.loads(out_file.read_text())
     assert {"benchmark", "command", "machine", "config", "summary", "repeats", "chart"} <= set(
@@ -303,83 +308,73 @@ def test_downtime_smoke(tmp_path: Path, event: str) -> None:
     assert "--smoke" in data["command"]
     cfg = data["config"]
     assert cfg["smoke"] is True and cfg["repeats"] == 1 and cfg["events"] == [event]
+    assert cfg["systems"] == ["understudy", "torchrun", "torchft"] and cfg["torchft"]["version"]
     assert len(data["repeats"]) == 1
     assert Path(data["chart"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     rep = data["repeats"][0][event]
-    u, t = rep["understudy"], rep["torchrun"]
+    u = rep["understudy"]
     check_downtime_side(u, "understudy", event, cfg)
-    check_downtime_side(t, "torchrun", event, cfg)
     # understudy redoes nothing: a drain hands the state over, a failure takes it from a live
-    # replica. torchrun redoes the steps since its checkpoint, but none after a drain with
-    # notice (it saved at the stop).
+    # replica.
     assert u["steps_redone"] == 0 and u["daemon_log_tracebacks"] == 0
-    since_ckpt = cfg["event_at"] % cfg["ckpt_every"]
-    assert t["steps_redone"] == (0 if event == "planned-drain" else pytest.approx(since_ckpt,
-                                                                                   abs=1))
-    assert t["details"]["checkpoints"] > 0
-    # torchrun's phases run from the event to its first step after the restart.
-    assert sum(v for v in t["phases_s"].values() if v is not None) == pytest.approx(
-        t["first_step_after_event_s"], abs=1e-4)
-    assert all(t["phases_s"][p] > 0 for p in ("restart_rendezvous", "imports", "build_load"))
     if event == "planned-drain":
-        assert u["phases_s"]["switch_boundary"] > 0 and t["phases_s"]["drain_save"] > 0
-        assert sorted(u["lost_ranks"]) == [2, 3] and t["details"]["restored_from_steps"] == [
-            t["first_step_after"]]
+        assert u["phases_s"]["switch_boundary"] > 0 and sorted(u["lost_ranks"]) == [2, 3]
     else:
         assert set(u["phases_s"]) == {"detection", "planning", "settle", "rebuild_transfer",
                                       "first_step"}
         assert u["first_step_after"] > u["last_step_before"]
-    lost = [1] if event == "worker-crash" else None
-    assert lost is None or u["lost_ranks"] == t["lost_ranks"] == lost
+    check_torchrun(rep, event, cfg)
+    check_torchft(rep, event, cfg)
+
+    s = data["summary"][event]
+    for system in ("understudy", "torchrun", "torchft"):
+        for fig in ("downtime_s", "steps_redone", "time_to_full_strength_s", "time_lost_s"):
+            assert {"median", "min", "max", "spread", "n"} <= set(s[system][fig])
+    for base in ("torchrun", "torchft"):
+        r = s[f"ratio_{base}_over_understudy"]
+        assert r["downtime"] == pytest.approx(
+            s[base]["downtime_s"]["median"] / s["understudy"]["downtime_s"]["median"],
+            rel=1e-3)
+        assert r["time_lost"] > 0
+    assert s["losses_identical"] is True
+
+
+def check_torchrun(rep: dict, event: str, cfg: dict) -> None:
+    """torchrun restarts every rank from its last checkpoint."""
+    t = rep["torchrun"]
+    check_downtime_side(t, "torchrun", event, cfg)
+    # It redoes the steps since its checkpoint, but none after a drain with notice (it saved
+    # at the stop).
+    since_ckpt = cfg["event_at"] % cfg["ckpt_every"]
+    assert t["steps_redone"] == (0 if event == "planned-drain" else pytest.approx(since_ckpt,
+                                                                                   abs=1))
+    assert t["details"]["checkpoints"] > 0
+    # Its phases run from the event to its first step after the restart.
+    assert sum(v for v in t["phases_s"].values() if v is not None) == pytest.approx(
+        t["first_step_after_event_s"], abs=1e-4)
+    assert all(t["phases_s"][p] > 0 for p in ("restart_rendezvous", "imports", "build_load"))
+    if event == "planned-drain":
+        assert t["phases_s"]["drain_save"] > 0
+        assert t["details"]["restored_from_steps"] == [t["first_step_after"]]
+    if event == "worker-crash":
+        assert rep["understudy"]["lost_ranks"] == t["lost_ranks"] == [1]
     # The same job: every step both systems committed has the same loss, bit for bit.
     same = rep["losses_understudy_vs_torchrun"]
     assert same["compared"] >= cfg["steps"] and same["identical"] == same["compared"]
 
-    s = data["summary"][event]
-    for system in ("understudy", "torchrun"):
-        for fig in ("downtime_s", "steps_redone", "time_to_full_strength_s", "time_lost_s"):
-            assert {"median", "min", "max", "spread", "n"} <= set(s[system][fig])
-    r = s["ratio_torchrun_over_understudy"]
-    assert r["downtime"] == pytest.approx(
-        s["torchrun"]["downtime_s"]["median"] / s["understudy"]["downtime_s"]["median"],
-        rel=1e-3)
-    assert r["time_lost"] > 0 and s["losses_identical"] is True
 
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("event", ["planned-drain", "worker-crash", "node-loss"])
-def test_downtime_torchft_smoke(tmp_path: Path, event: str) -> None:
-    """torchft as the second baseline: live recovery of a replica group from the other."""
-    if importlib.util.find_spec("torchft") is None:
-        pytest.skip("torchft is not installed (pip install -c constraints.txt torchft; "
-                    "scripts/setup installs it with the dev extra)")
-    if shutil.which("etcd") is None:
-        pytest.fail("etcd is not installed: the test command installs it (scripts/test)")
-    out_file = tmp_path / "downtime.json"
-    res = run_benchmark("downtime.py", "--smoke", "--events", event, "--systems",
-                        "understudy,torchft", "--out", str(out_file), timeout=240)
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert f"{event}: torchft / understudy downtime" in res.stdout
-
-    data = json.loads(out_file.read_text())
-    cfg = data["config"]
-    assert cfg["systems"] == ["understudy", "torchft"] and cfg["torchft"]["version"]
-    assert Path(data["chart"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    rep = data["repeats"][0][event]
-    assert "torchrun" not in rep
-    u, f = rep["understudy"], rep["torchft"]
-    check_downtime_side(u, "understudy", event, cfg)
+def check_torchft(rep: dict, event: str, cfg: dict) -> None:
+    """torchft recovers a replica group live from the other."""
+    f = rep["torchft"]
     check_downtime_side(f, "torchft", event, cfg)
-    # Live recovery on both: nothing redone. torchft's lost group restarts cold (imports and
-    # all) and heals from the other group to the step the job was at.
-    assert u["steps_redone"] == 0 and f["steps_redone"] == 0
+    # Nothing redone: the lost group restarts cold (imports and all) and heals from the other
+    # group to the step the job was at.
+    assert f["steps_redone"] == 0
     assert f["first_step_after"] == f["last_step_before"] + 1
-    lost = [1] if event == "worker-crash" else [2, 3]
-    assert f["lost_ranks"] == lost
+    assert f["lost_ranks"] == ([1] if event == "worker-crash" else [2, 3])
     # The whole replica group of the lost ranks healed (a crash restarts both of its ranks).
-    group = [0, 1] if event == "worker-crash" else [2, 3]
-    assert f["details"]["healed_ranks"] == group
+    assert f["details"]["healed_ranks"] == ([0, 1] if event == "worker-crash" else [2, 3])
     # To the step after the last one completed, or one beyond when the other group committed
     # the interrupted step alone (the healed ranks then complete it by healing).
     healed_to = f["details"]["healed_to_steps"]
@@ -389,16 +384,8 @@ def test_downtime_torchft_smoke(tmp_path: Path, event: str) -> None:
         f["first_step_after_event_s"], abs=1e-4)
     assert all(f["phases_s"][p] > 0 for p in ("restart", "imports", "init", "quorum_heal"))
     assert (f["phases_s"]["drain_stop"] is not None) == (event == "planned-drain")
-    # The same job: every step both systems committed has the same loss, bit for bit.
     same = rep["losses_understudy_vs_torchft"]
     assert same["compared"] >= cfg["steps"] and same["identical"] == same["compared"]
-
-    s = data["summary"][event]
-    r = s["ratio_torchft_over_understudy"]
-    assert r["downtime"] == pytest.approx(
-        s["torchft"]["downtime_s"]["median"] / s["understudy"]["downtime_s"]["median"],
-        rel=1e-3)
-    assert "ratio_torchrun_over_understudy" not in s and s["losses_identical"] is True
 
 
 @pytest.mark.timeout(240)

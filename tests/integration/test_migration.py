@@ -50,11 +50,6 @@ def standalone_run(base: Path, world: int = 4, tp: int = 2, pp: int = 1) -> Path
     return base / "out"
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return standalone_run(tmp_path_factory.mktemp("reference"))
-
-
 @pytest.fixture
 def cluster(etcd: EmbeddedEtcd, tmp_path: Path) -> Iterator[LocalCluster]:
     c = start(etcd, tmp_path / "cluster", {"node-a": 2, "node-b": 2}, ("node-s1", "node-s2"))
