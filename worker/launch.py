@@ -32,7 +32,13 @@ from understudy.groups.groupset import GroupSet
 from understudy.groups.layout import Layout
 from understudy.sandbox.manifest import CodeVersion
 from understudy.sandbox.recording import Recorder, should_record
-from understudy.sandbox.standby import RECORDED_ITERATIONS, RECORDINGS, sandboxed, warm_standby
+from understudy.sandbox.standby import (
+    RECORDED_ITERATIONS,
+    RECORDINGS,
+    import_lazy_modules,
+    sandboxed,
+    warm_standby,
+)
 from understudy.worker.api import (
     CollectiveAborted,
     JobContext,
@@ -103,6 +109,7 @@ def main(make_job: Callable[[], TrainingJob], steps: int, *, seed: int = 0,
     if _env(env.WORKER_ROLE) == "standby":
         log.info("Standby worker is up and waiting to be chosen as a joiner.")
         holder = start_holder(job, node, epoch)  # the ranks' snapshots, in this host's memory
+        import_lazy_modules()
         control.warmth("imports", [], "imports done; the model is built once chosen",
                        holder=holder.id if holder is not None else None)
         warmed = None
