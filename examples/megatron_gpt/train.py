@@ -54,12 +54,13 @@ from understudy.worker.runtime import Runtime
 class GPTJob(MegatronJob):
     """:class:`MegatronJob` with optional extra work per step (to stand in for a bigger model)."""
 
-    def __init__(self, shape: GPTShape | None = None, step_sleep: float = 0.0) -> None:
+    def __init__(self, shape: GPTShape | None = None, step_sleep: float = 0.0,
+                 step_sleep_off: Path | None = None) -> None:
         super().__init__(shape)
-        self.step_sleep = step_sleep
+        self.step_sleep, self.step_sleep_off = step_sleep, step_sleep_off
 
     def compute(self, step: int) -> float:
-        if self.step_sleep:
+        if self.step_sleep and not (self.step_sleep_off and self.step_sleep_off.exists()):
             time.sleep(self.step_sleep)
         return super().compute(step)
 
@@ -80,6 +81,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--save", type=Path, help="directory for the final state, losses and timings")
     p.add_argument("--step-sleep", type=float, default=0.0,
                    help="seconds of extra work per step (to stand in for a bigger model)")
+    p.add_argument("--step-sleep-off", type=Path, help="no more step sleep once this file "
+                   "exists (a test lets the job run out at full speed once its faults are "
+                   "over; the sleep never changes the state)")
     return p.parse_args(argv)
 
 
@@ -96,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                                          timeout=args.group_timeout)
     ctx = JobContext(job=args.job, rank=args.rank, world_size=args.world_size, tp=args.tp,
                      groups=provider, seed=args.seed, collective_timeout=args.collective_timeout)
-    runtime = Runtime(GPTJob(step_sleep=args.step_sleep), ctx)
+    runtime = Runtime(GPTJob(step_sleep=args.step_sleep, step_sleep_off=args.step_sleep_off), ctx)
     runtime.build()
     runtime.run(args.steps)
     if args.save is not None:
@@ -113,8 +117,9 @@ def _under_understudy(args: argparse.Namespace) -> int:
         if args.save is not None:
             save(runtime, args.save, runtime.ctx.rank)
 
-    return launch(lambda: GPTJob(step_sleep=args.step_sleep), args.steps, seed=args.seed,
-                  on_finish=finish, collective_timeout=args.collective_timeout)
+    return launch(lambda: GPTJob(step_sleep=args.step_sleep, step_sleep_off=args.step_sleep_off),
+                  args.steps, seed=args.seed, on_finish=finish,
+                  collective_timeout=args.collective_timeout)
 
 
 def save(runtime: Runtime, directory: Path, rank: int) -> None:

@@ -100,7 +100,8 @@ class PlainJob(TrainingJob):
                  lr: float = 1e-2, warmup: int = 5, total_steps: int = 1000,
                  dropout: float = 0.1, fail_at: int | None = None,
                  freeze_at: int | None = None, marker_dir: Path | None = None,
-                 step_sleep: float = 0.0, step_log: Path | None = None) -> None:
+                 step_sleep: float = 0.0, step_log: Path | None = None,
+                 step_sleep_off: Path | None = None) -> None:
         self.features, self.hidden, self.batch = features, hidden, batch
         # Defaults, once the layout is known: a block per stage, a micro-batch per stage.
         self._layers, self._microbatches = layers, microbatches
@@ -108,7 +109,7 @@ class PlainJob(TrainingJob):
         self.lr, self.warmup, self.total_steps, self.dropout = lr, warmup, total_steps, dropout
         self.fail_at, self.freeze_at, self.marker_dir = fail_at, freeze_at, marker_dir
         self._failed = False
-        self.step_sleep = step_sleep
+        self.step_sleep, self.step_sleep_off = step_sleep, step_sleep_off
         self.step_log = StepLog(step_log) if step_log is not None else None
         self._loss: float | None = None  # the last compute's, for the step log
         #: what the last build or retarget allocated, in words (the sandbox tests read it)
@@ -246,7 +247,7 @@ class PlainJob(TrainingJob):
 
     def compute(self, step: int) -> float | None:
         ctx, p = self.ctx, self.params
-        if self.step_sleep:
+        if self.step_sleep and not (self.step_sleep_off and self.step_sleep_off.exists()):
             time.sleep(self.step_sleep)
         x, y = self._batch(step)
         self.optimizer.zero_grad(set_to_none=False)
@@ -358,6 +359,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "SAVE/snapshot")
     p.add_argument("--step-sleep", type=float, default=0.0,
                    help="seconds of extra work per step (to stand in for a bigger model)")
+    p.add_argument("--step-sleep-off", type=Path, help="no more step sleep once this file "
+                   "exists (a test lets the job run out at full speed once its faults are "
+                   "over; the sleep never changes the state)")
     p.add_argument("--step-log", type=Path, help="directory for a line per committed step "
                    "(StepLog), for the benchmarks")
     p.add_argument("--fail-at", type=int, help="fault: fail this step's compute once")
@@ -383,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
                      groups=groups, seed=args.seed, collective_timeout=args.collective_timeout)
     job = PlainJob(layers=args.layers, microbatches=args.microbatches, fail_at=args.fail_at,
                    freeze_at=args.freeze_at, marker_dir=args.save, step_sleep=args.step_sleep,
-                   step_log=args.step_log)
+                   step_log=args.step_log, step_sleep_off=args.step_sleep_off)
     runtime = Runtime(job, ctx)
     runtime.build()
     if args.load is not None:
@@ -409,7 +413,7 @@ def _under_understudy(args: argparse.Namespace) -> int:
     return launch(lambda: PlainJob(layers=args.layers, microbatches=args.microbatches,
                                    fail_at=args.fail_at, freeze_at=args.freeze_at,
                                    marker_dir=args.save, step_sleep=args.step_sleep,
-                                   step_log=args.step_log),
+                                   step_log=args.step_log, step_sleep_off=args.step_sleep_off),
                   args.steps, seed=args.seed, on_finish=finish,
                   collective_timeout=args.collective_timeout)
 

@@ -65,6 +65,12 @@ def wait_gone(pids: list[int], timeout: float) -> None:
         time.sleep(0.02)
 
 
+def faults_over(c: LocalCluster) -> Path:
+    """The file that, once it exists, lets the cluster's job run out without its step sleep:
+    a test creates it when nothing it waits for can happen any more (``_finish``)."""
+    return c.base_dir / "faults-over"
+
+
 def wait_log(d: DaemonProcess, text: str, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while text not in d.log_text():

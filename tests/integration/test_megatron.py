@@ -40,7 +40,14 @@ import torch
 
 from tests.integration import bitwise
 from tests.integration.bitwise import load_state
-from tests.integration.scenarios import events, start, wait_log, wait_standbys, worker_pid
+from tests.integration.scenarios import (
+    events,
+    faults_over,
+    start,
+    wait_log,
+    wait_standbys,
+    worker_pid,
+)
 from tests.unit.test_sandbox import replay_without_a_network
 from understudy.daemon.embedded_etcd import EmbeddedEtcd
 from understudy.daemon.localcluster import LocalCluster
@@ -52,10 +59,19 @@ STEPS = 80
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-def _job_args(out: Path, step_sleep: float = 0.05) -> list[str]:
+def _job_args(out: Path, step_sleep: float = 0.05, sleep_off: Path | None = None) -> list[str]:
     # The sleep stands in for a bigger model's compute (room for slower scenarios); it never
-    # changes the state.
-    return [TRAIN, "--steps", str(STEPS), "--step-sleep", str(step_sleep), "--save", str(out)]
+    # changes the state. It stops once ``sleep_off`` exists (see ``_finished``).
+    args = [TRAIN, "--steps", str(STEPS), "--step-sleep", str(step_sleep), "--save", str(out)]
+    return args if sleep_off is None else [*args, "--step-sleep-off", str(sleep_off)]
+
+
+def _finished(c: LocalCluster) -> Any:
+    """The scenario is over: the job runs out at full speed; returns its status once it ends."""
+    faults_over(c).touch()
+    c.wait_for("the job to finish", lambda s: s.job("gpt") is not None and
+               s.job("gpt").state in ("done", "failed"), timeout=300)
+    return c.status().job("gpt")
 
 
 def _standalone(base: Path) -> Path:
@@ -64,8 +80,8 @@ def _standalone(base: Path) -> Path:
     for r in range(4):
         with open(base / f"r{r}.log", "wb") as log:
             procs.append(subprocess.Popen(
-                [sys.executable, *_job_args(base / "out"), "--rank", str(r), "--world-size",
-                 "4", "--tp", "2", "--store", str(base / "store")],
+                [sys.executable, *_job_args(base / "out", step_sleep=0), "--rank", str(r),
+                 "--world-size", "4", "--tp", "2", "--store", str(base / "store")],
                 env={**os.environ, **ONE_THREAD}, stdout=subprocess.DEVNULL, stderr=log))
     for r, p in enumerate(procs):
         assert p.wait(timeout=420) == 0, (base / f"r{r}.log").read_text()[-3000:]
@@ -203,7 +219,7 @@ def _start_gpt(cluster: LocalCluster, out: Path, recordings: Path | None = None)
     extra = {} if recordings is None else {"UNDERSTUDY_RECORDINGS": str(recordings)}
     env = [f"--env={k}={v}" for k, v in {**ONE_THREAD, **extra}.items()]
     run = cluster.cli("run", "--job", "gpt", "--tp", "2", "--dp", "2", "--standby", "2", *env,
-                      "--", sys.executable, *_job_args(out))
+                      "--", sys.executable, *_job_args(out, sleep_off=faults_over(cluster)))
     assert run.returncode == 0, run.stderr
     assert "rank 2 on node-b" in run.stdout and "rank 3 on node-b" in run.stdout
     deadline = time.monotonic() + 240
@@ -230,9 +246,7 @@ def test_drain_moves_megatron_ranks_live_and_the_result_is_bitwise_identical(
     _wait_warm(cluster)
     drain = cluster.cli("drain", "node-b", "--deadline", "240", "--wait", timeout=300)
     assert drain.returncode == 0, drain.stdout + drain.stderr
-    cluster.wait_for("the job to finish", lambda s: s.job("gpt") is not None and
-                     s.job("gpt").state in ("done", "failed"), timeout=300)
-    job = cluster.status().job("gpt")
+    job = _finished(cluster)
     assert job is not None and job.state == "done", job.status
     assert job.assignment is not None and job.assignment.epoch == 2
     assert job.assignment.ranks == ("node-a", "node-a", "node-s1", "node-s2")
@@ -269,7 +283,7 @@ def test_one_rank_drained_twice_then_a_joiner_killed_mid_stream(etcd: EmbeddedEt
         out = tmp_path / "out"
         env = [f"--env={k}={v}" for k, v in ONE_THREAD.items()]
         run = c.cli("run", "--job", "gpt", "--tp", "2", "--dp", "2", "--standby", "3", *env,
-                    "--", sys.executable, *_job_args(out, step_sleep=0.9))
+                    "--", sys.executable, *_job_args(out, 0.9, faults_over(c)))
         assert run.returncode == 0, run.stderr
         for n in ("node-a", "node-b", "node-c", "node-d"):
             wait_log(c.daemons[n], "built the Megatron GPT model", timeout=240)
@@ -292,9 +306,7 @@ def test_one_rank_drained_twice_then_a_joiner_killed_mid_stream(etcd: EmbeddedEt
         c.wait_for("the migration to be aborted", lambda s: any(
             e["kind"] == "migration-aborted" for e in events(c)), timeout=60)
         wait_log(node_c, "the hand-off was called off; this rank keeps training")
-        c.wait_for("the job to finish", lambda s: s.job("gpt") is not None and
-                   s.job("gpt").state in ("done", "failed"), timeout=300)
-        job = c.status().job("gpt")
+        job = _finished(c)
         assert job is not None and job.state == "done", job.status if job else None
         assert job.assignment is not None and job.assignment.epoch == 3
         assert job.assignment.ranks == ("node-a", "node-s2", "node-c", "node-d")
@@ -321,9 +333,7 @@ def test_a_killed_megatron_rank_is_rebuilt_from_its_replica_bitwise(
     a = cluster.daemons["node-a"]
     _wait_warm(cluster)
     os.kill(worker_pid(a, "gpt.r1"), 9)
-    cluster.wait_for("the job to finish", lambda s: s.job("gpt") is not None and
-                     s.job("gpt").state in ("done", "failed"), timeout=300)
-    job = cluster.status().job("gpt")
+    job = _finished(cluster)
     assert job is not None and job.state == "done", job.status
     assert job.assignment is not None and job.assignment.epoch == 2
     assert job.assignment.ranks == ("node-a", "node-s2", "node-b", "node-b")

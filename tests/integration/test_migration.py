@@ -18,7 +18,14 @@ from typing import Any
 import pytest
 
 from tests.integration.bitwise import assert_bitwise_equal
-from tests.integration.scenarios import events, start, wait_log, wait_standbys, worker_pid
+from tests.integration.scenarios import (
+    events,
+    faults_over,
+    start,
+    wait_log,
+    wait_standbys,
+    worker_pid,
+)
 from understudy.daemon.embedded_etcd import EmbeddedEtcd
 from understudy.daemon.localcluster import LocalCluster
 
@@ -29,10 +36,11 @@ STEPS = 300
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-def _job_args(out: Path, step_sleep: float = 0.04) -> list[str]:
+def _job_args(out: Path, step_sleep: float = 0.04, sleep_off: Path | None = None) -> list[str]:
     # The sleep stands in for a bigger model's compute: it changes how long the job runs (room
-    # for slower scenarios), never its state.
-    return [TRAIN, "--steps", str(STEPS), "--step-sleep", str(step_sleep), "--save", str(out)]
+    # for slower scenarios), never its state. It stops once ``sleep_off`` exists.
+    args = [TRAIN, "--steps", str(STEPS), "--step-sleep", str(step_sleep), "--save", str(out)]
+    return args if sleep_off is None else [*args, "--step-sleep-off", str(sleep_off)]
 
 
 def standalone_run(base: Path, world: int = 4, tp: int = 2, pp: int = 1) -> Path:
@@ -42,7 +50,8 @@ def standalone_run(base: Path, world: int = 4, tp: int = 2, pp: int = 1) -> Path
     for r in range(world):
         with open(base / f"r{r}.log", "wb") as log:
             procs.append(subprocess.Popen(
-                [sys.executable, *_job_args(base / "out"), "--rank", str(r), "--world-size",
+                [sys.executable, *_job_args(base / "out", step_sleep=0), "--rank", str(r),
+                 "--world-size",
                  str(world), "--tp", str(tp), "--pp", str(pp), "--store", str(base / "store")],
                 env={**os.environ, **ONE_THREAD}, stdout=subprocess.DEVNULL, stderr=log))
     for p in procs:
@@ -65,7 +74,7 @@ def _run_job(c: LocalCluster, out: Path, step_sleep: float = 0.04, standby: int 
     run = c.cli("run", "--job", "mig", "--tp", str(tp), "--dp", str(dp), "--pp", str(pp),
                 "--standby", str(standby),
                 *env,
-                "--", sys.executable, *_job_args(out, step_sleep))
+                "--", sys.executable, *_job_args(out, step_sleep, faults_over(c)))
     assert run.returncode == 0, run.stderr
 
     def running(s: Any) -> bool:  # every node the job uses runs its worker
@@ -79,6 +88,8 @@ def _run_job(c: LocalCluster, out: Path, step_sleep: float = 0.04, standby: int 
 
 
 def _finish(c: LocalCluster) -> Any:
+    """The scenario is over: the job runs out at full speed and must end done."""
+    faults_over(c).touch()
     c.wait_for("the job to finish", lambda s: s.job("mig") is not None and
                s.job("mig").state in ("done", "failed"), timeout=300)  # type: ignore
     job = c.status().job("mig")

@@ -198,6 +198,9 @@ def test_a_rank_crashing_during_a_drain_aborts_it_recovers_then_the_drain_comple
             e["kind"] == "migration-aborted" for e in events(c)), timeout=60)
         aborted = next(e for e in events(c) if e["kind"] == "migration-aborted")
         assert f"rank {rank} failed" in aborted["message"], aborted
+        # Recovery (epoch 2), then the drain again (epoch 3), before the job may run out.
+        c.wait_for("the drain to complete", lambda s: s.job("mig").assignment.epoch == 3,
+                   timeout=180)
         job = _finish(c)
         planned = [e["message"] for e in events(c) if e["kind"] == "migration-planned"]
         assert any(f"recovery: rank {rank} ->" in m for m in planned), planned
