@@ -451,11 +451,11 @@ class JobRunner:
                 or m.phase == MigrationPhase.SWITCHING:
             return
         key = self.keys.kv(f"{job}/migration/{m.id}") + "aborted"
+        why = _joiner_end(self.node, child)
         with contextlib.suppress(StoreError):
-            await self.store.put(key, f"the joiner on {self.node} died: {child.describe()}"
-                                 .encode())
-        self.log.warning("A joiner died before the switch; its migration is called off.",
-                         job=job, migration=m.id, cause=child.describe())
+            await self.store.put(key, why.encode())
+        self.log.warning("A joiner ended before the switch; its migration is called off.",
+                         job=job, migration=m.id, cause=why)
 
     async def _joiner_died_before_commit(self, job: str, rank: int, child: ChildExit,
                                          migration: str, epoch: int) -> bool:
@@ -480,11 +480,7 @@ class JobRunner:
             return False
         if transferred is not None and transferred.value == b"ok":
             return False
-        if child.state == ChildState.EXITED:  # it left on its own: the takeover failed
-            why = (f"the joiner on {self.node} gave up before it held the state: "
-                   f"{child.error.summary() if child.error else child.describe()}")
-        else:
-            why = f"the joiner on {self.node} died before it held the state: {child.describe()}"
+        why = _joiner_end(self.node, child, "before it held the state")
         with contextlib.suppress(StoreError):
             await self.store.put(prefix + "aborted", why.encode())
         self.log.warning("A joiner ended before it held the state; its migration is called "
@@ -521,3 +517,13 @@ class JobRunner:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.stop.wait(), 0.5)
         self.log.error("Could not record a rank's exit in etcd.", job=job, rank=rank)
+
+
+def _joiner_end(node: str, child: ChildExit, when: str = "") -> str:
+    """Why a joiner's migration is called off: it "gave up" if it left on its own (its takeover
+    failed; its recorded error says why), else it "died"."""
+    when = f" {when}" if when else ""
+    if child.state == ChildState.EXITED:
+        return (f"the joiner on {node} gave up{when}: "
+                f"{child.error.summary() if child.error else child.describe()}")
+    return f"the joiner on {node} died{when}: {child.describe()}"

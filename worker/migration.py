@@ -444,9 +444,7 @@ class Joiner:
         """Wait for phase 1 and build this joiner's groups; returns their names."""
         deadline = time.monotonic() + self.timeout
         while True:
-            plan = Plan.from_info(self.control.job())
-            if plan is None or plan.id != self.plan.id or plan.phase in ("done", "aborted"):
-                raise TransferError(f"migration {self.plan.id} was called off")
+            plan = self._current()
             if plan.phase != "planned":
                 break
             if time.monotonic() > deadline:
@@ -463,13 +461,26 @@ class Joiner:
                                 (self.plan.source(self.rank, self.nodes_before),
                                  member(self.rank, self.node)))
             waiting.append(pair)
+        # A member lost meanwhile keeps the groups from ever coming up: the migration is called
+        # off, and this joiner leaves at once rather than hold its node for the timeout.
+        checked = time.monotonic()
         while not self.groups.ready(waiting):
             if time.monotonic() > deadline:
                 raise TransferError("the new groups did not come up in time")
+            if time.monotonic() - checked > 0.25:
+                self._current()
+                checked = time.monotonic()
             time.sleep(0.02)
         failpoints.hit("joiner.prepared")  # phase 1 done here, not yet reported
         self.reports.set(f"joiner-prepared/{self.rank}", b"1")
         return names
+
+    def _current(self) -> Plan:
+        """This joiner's migration as the daemon sees it now; TransferError once it ended."""
+        plan = Plan.from_info(self.control.job())
+        if plan is None or plan.id != self.plan.id or plan.phase in ("done", "aborted"):
+            raise TransferError(f"migration {self.plan.id} was called off")
+        return plan
 
     def receive(self, names: list[str]) -> Any:
         """Take the leaver's state, then switch to the new groups. Raises TransferError."""
