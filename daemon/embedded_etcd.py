@@ -71,6 +71,21 @@ class EmbeddedEtcd:
         return f"http://{self.host}:{self.metrics_port}/metrics"
 
     def start(self, timeout: float = 15.0) -> EmbeddedEtcd:
+        """Start and wait until healthy. Ports left at 0 are picked free here; if another
+        process binds one of them before etcd does (the pick cannot reserve it), etcd exits
+        with "address already in use" and is started again on fresh picks (3 tries)."""
+        picked = [n for n in ("client_port", "peer_port", "metrics_port") if not getattr(self, n)]
+        for attempt in range(3):
+            try:
+                return self._start(timeout)
+            except EtcdStartError as exc:
+                if not picked or "address already in use" not in str(exc) or attempt == 2:
+                    raise
+                for name in picked:
+                    setattr(self, name, 0)
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout: float) -> EmbeddedEtcd:
         binary = shutil.which("etcd") or ("/usr/bin/etcd" if os.path.exists("/usr/bin/etcd")
                                           else None)
         if binary is None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -19,7 +20,6 @@ from pathlib import Path
 
 from understudy.cli.cluster import ClusterStatus, read_cluster
 from understudy.daemon import config as config_mod
-from understudy.daemon.embedded_etcd import free_port
 from understudy.daemon.errors import StoreError, UnderstudyError
 from understudy.daemon.keys import Keys
 from understudy.daemon.store import EtcdStore
@@ -35,7 +35,6 @@ class DaemonProcess:
     argv: list[str]
     run_dir: Path
     log_path: Path
-    metrics_port: int
     env: dict[str, str]
     proc: subprocess.Popen[bytes] | None = None
 
@@ -73,6 +72,16 @@ class DaemonProcess:
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
+    @property
+    def metrics_port(self) -> int:
+        """The port the daemon's metrics endpoint bound (it asks the kernel for a free one, so
+        no other process can take it between a choice and the bind), from its log."""
+        for line in reversed(self.log_text().splitlines()):
+            if '"Metrics endpoint is up."' in line:
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    return int(json.loads(line)["port"])
+        raise UnderstudyError(f"{self.name} has not logged its metrics port (yet)")
+
 
 @dataclass
 class LocalCluster:
@@ -84,13 +93,13 @@ class LocalCluster:
     python: str = sys.executable
     daemons: dict[str, DaemonProcess] = field(default_factory=dict)
 
-    def daemon_argv(self, name: str, role: str, metrics_port: int, run_dir: Path,
+    def daemon_argv(self, name: str, role: str, run_dir: Path,
                     extra: Sequence[str] = ()) -> list[str]:
         return [
             self.python, "-m", "understudy.daemon.main",
             "--node", name, "--etcd", self.etcd_endpoint, "--prefix", self.prefix,
             "--role", role, "--run-dir", str(run_dir),
-            "--metrics-listen", f"127.0.0.1:{metrics_port}", "--address", "127.0.0.1",
+            "--metrics-listen", "127.0.0.1:0", "--address", "127.0.0.1",
             "--lease-ttl", str(self.lease_ttl), "--log-format", "json",
             *self.extra_args, *extra,
         ]
@@ -99,10 +108,9 @@ class LocalCluster:
             env: dict[str, str] | None = None, wrap: Sequence[str] = ()) -> DaemonProcess:
         """Start a daemon. ``wrap`` prefixes the command (e.g. ``ip netns exec NS``)."""
         run_dir = self.base_dir / name
-        port = free_port()
-        argv = [*wrap, *self.daemon_argv(name, role, port, run_dir, extra)]
+        argv = [*wrap, *self.daemon_argv(name, role, run_dir, extra)]
         d = DaemonProcess(name=name, argv=argv, run_dir=run_dir,
-                          log_path=self.base_dir / f"{name}.log", metrics_port=port,
+                          log_path=self.base_dir / f"{name}.log",
                           env={**os.environ, **(env or {})})
         self.daemons[name] = d.start()
         return d

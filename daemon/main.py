@@ -272,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure(cfg.log.level, cfg.log.format)
     try:
         return asyncio.run(Daemon(cfg).run())
+    except ConfigError as exc:  # found only on use: a metrics address already taken
+        print(f"understudyd: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     except UnderstudyError as exc:
         print(f"understudyd: {exc}", file=sys.stderr)
         return 1

@@ -6,6 +6,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
+from understudy.daemon.errors import ConfigError
 from understudy.daemon.states import NodeState
 
 
@@ -51,8 +52,13 @@ class Metrics:
     def serve(self, listen: str) -> int:
         """Start the HTTP endpoint; returns the bound port (useful with port 0)."""
         host, _, port = listen.rpartition(":")
-        self._server, self._thread = start_http_server(int(port), addr=host or "127.0.0.1",
-                                                       registry=self.registry)
+        try:
+            self._server, self._thread = start_http_server(int(port), addr=host or "127.0.0.1",
+                                                           registry=self.registry)
+        except OSError as exc:
+            raise ConfigError(f"cannot serve metrics on {listen}: {exc.strerror or exc} (set "
+                              "metrics_listen to a free HOST:PORT, HOST:0 for any free port, "
+                              "or empty for no endpoint)") from exc
         bound: int = self._server.server_address[1]
         return bound
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import time
 import urllib.request
 from pathlib import Path
@@ -238,3 +239,14 @@ def test_bad_daemon_config_exits_2(tmp_path: Path, etcd: EmbeddedEtcd) -> None:
     assert run("--config", str(cfg)).returncode == 2
     ok = run("--node", "n1", "--etcd", etcd.endpoint, "--check-config")
     assert ok.returncode == 0, ok.stderr
+    # A metrics address another process holds: one sentence and exit code 2, no traceback,
+    # nothing registered.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        busy = run("--node", "n1", "--etcd", etcd.endpoint, "--run-dir", str(tmp_path / "run"),
+                   "--metrics-listen", f"127.0.0.1:{port}")
+    assert busy.returncode == 2, busy.stderr
+    assert f"cannot serve metrics on 127.0.0.1:{port}" in busy.stderr
+    assert "Traceback" not in busy.stderr

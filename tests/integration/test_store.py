@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import socket
+from pathlib import Path
 
 import pytest
 
@@ -134,3 +136,25 @@ def test_second_endpoint_is_used_when_the_first_is_down(etcd: EmbeddedEtcd) -> N
         await s.close()
 
     asyncio.run(run())
+
+
+def test_embedded_etcd_picks_new_ports_when_one_is_taken_before_it_binds(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The port picked for the peer listener is taken by another process before etcd binds it
+    # (a real socket holds it): etcd exits with "address already in use", and the start is
+    # tried again on fresh picks.
+    from understudy.daemon import embedded_etcd
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        picks = iter([embedded_etcd.free_port(), taken.getsockname()[1]])
+        real = embedded_etcd.free_port
+        monkeypatch.setattr(embedded_etcd, "free_port",
+                            lambda host="127.0.0.1": next(picks, None) or real(host))
+        e = EmbeddedEtcd(data_dir=tmp_path / "etcd").start()
+        try:
+            assert e.healthy() and e.peer_port != taken.getsockname()[1]
+            assert "address already in use" in (tmp_path / "etcd" / "etcd.log").read_text()
+        finally:
+            e.cleanup()
