@@ -38,16 +38,9 @@ from typing import Any
 import pytest
 import torch
 
-from tests.integration import bitwise
+from tests.integration import bitwise, scenarios
 from tests.integration.bitwise import load_state
-from tests.integration.scenarios import (
-    events,
-    faults_over,
-    start,
-    wait_log,
-    wait_standbys,
-    worker_pid,
-)
+from tests.integration.scenarios import events, start, wait_log, wait_standbys, worker_pid
 from tests.unit.test_sandbox import replay_without_a_network
 from understudy.daemon.embedded_etcd import EmbeddedEtcd
 from understudy.daemon.localcluster import LocalCluster
@@ -68,7 +61,7 @@ def _job_args(out: Path, step_sleep: float = 0.05, sleep_off: Path | None = None
 
 def _finished(c: LocalCluster) -> Any:
     """The scenario is over: the job runs out at full speed; returns its status once it ends."""
-    faults_over(c).touch()
+    scenarios.faults_over(c).touch()
     c.wait_for("the job to finish", lambda s: s.job("gpt") is not None and
                s.job("gpt").state in ("done", "failed"), timeout=300)
     return c.status().job("gpt")
@@ -219,7 +212,8 @@ def _start_gpt(cluster: LocalCluster, out: Path, recordings: Path | None = None)
     extra = {} if recordings is None else {"UNDERSTUDY_RECORDINGS": str(recordings)}
     env = [f"--env={k}={v}" for k, v in {**ONE_THREAD, **extra}.items()]
     run = cluster.cli("run", "--job", "gpt", "--tp", "2", "--dp", "2", "--standby", "2", *env,
-                      "--", sys.executable, *_job_args(out, sleep_off=faults_over(cluster)))
+                      "--", sys.executable,
+                      *_job_args(out, sleep_off=scenarios.faults_over(cluster)))
     assert run.returncode == 0, run.stderr
     assert "rank 2 on node-b" in run.stdout and "rank 3 on node-b" in run.stdout
     deadline = time.monotonic() + 240
@@ -283,7 +277,7 @@ def test_one_rank_drained_twice_then_a_joiner_killed_mid_stream(etcd: EmbeddedEt
         out = tmp_path / "out"
         env = [f"--env={k}={v}" for k, v in ONE_THREAD.items()]
         run = c.cli("run", "--job", "gpt", "--tp", "2", "--dp", "2", "--standby", "3", *env,
-                    "--", sys.executable, *_job_args(out, 0.9, faults_over(c)))
+                    "--", sys.executable, *_job_args(out, 0.9, scenarios.faults_over(c)))
         assert run.returncode == 0, run.stderr
         for n in ("node-a", "node-b", "node-c", "node-d"):
             wait_log(c.daemons[n], "built the Megatron GPT model", timeout=240)
