@@ -51,7 +51,11 @@ def write_results(result: dict[str, Any], out: Path) -> None:
 def check_side_by_side(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """The options every side-by-side run shares (the baseline's checkpoint cadence and
     rendezvous keep-alive, the job's step sleep, understudy's lease TTL): exit 2 with a
-    sentence on a bad one; ``args.keepalive`` becomes ``(interval, attempts)``."""
+    sentence on a bad one; ``args.keepalive`` becomes ``(interval, attempts)``. Without
+    ``--rdzv-keepalive``: torchrun's own 5,3, or 1,2 with ``--smoke`` (a node gone from the
+    rendezvous then costs the tests seconds, not 15)."""
+    if args.rdzv_keepalive is None:
+        args.rdzv_keepalive = "1,2" if args.smoke else "5,3"
     if args.ckpt_every < 1 or args.step_sleep < 0:
         p.error("--ckpt-every must be at least 1 and --step-sleep >= 0")
     if args.ttl < 3:

@@ -689,7 +689,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.steps < args.event_at + 60:
         p.error(f"--steps must be at least --event-at + 60 for the interruption to end mid-run "
                 f"(a drain switches after phase 1), got {args.steps}")
-    args.rdzv_keepalive = pick(args.rdzv_keepalive, "5,3", "1,2")
     check_side_by_side(p, args)
     return args
 

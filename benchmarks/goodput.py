@@ -649,8 +649,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--duration must hold a few events, got {args.duration}")
     if not 0 <= args.drain_fraction <= 1:
         p.error(f"--drain-fraction must be within [0, 1], got {args.drain_fraction}")
-    if args.rdzv_keepalive is None:
-        args.rdzv_keepalive = "1,2" if args.smoke else "5,3"
     check_side_by_side(p, args)
     return args
 
