@@ -15,6 +15,7 @@ import io
 import signal
 import sys
 import time
+from typing import Any
 
 from understudy.daemon import config as config_mod
 from understudy.daemon import logs
@@ -201,6 +202,7 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
         loop.add_signal_handler(signal.SIGUSR1, self._dump_tasks)
+        loop.set_exception_handler(self._loop_error)
         self.cfg.run_dir.mkdir(parents=True, exist_ok=True)
         if self.cfg.metrics_listen:
             port = self.metrics.serve(self.cfg.metrics_listen)
@@ -241,6 +243,21 @@ class Daemon:
         self.log.info("Daemon stopped.", exit_code=self.exit_code)
         return self.exit_code
 
+    def _loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        """What asyncio could hand to nobody: a task's exception never retrieved, a callback
+        that raised, an async generator that failed to close."""
+        exc = context.get("exception")
+        message = context.get("message", "unhandled error in the event loop")
+        if self.stop.is_set():
+            # Stopping: grpc's calls and aetcd's watcher finish on channels already closed, and
+            # asyncio.run cancels what is left. Their errors then are not news.
+            self.log.debug("A background task failed while the daemon stopped.",
+                           message=message, error=repr(exc))
+            return
+        self.metrics.errors.labels(kind="event-loop").inc()
+        self.log.error(f"Unhandled error in the event loop: {message}.",
+                       exc_info=exc if isinstance(exc, BaseException) else None)
+
     def _watch_task(self, task: asyncio.Task[None]) -> None:
         """A task that ends on its own before stop is a bug: log it, stop, exit non-zero."""
         if task.cancelled() or self.stop.is_set():
@@ -269,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check_config:
         print(cfg)
         return 0
-    logs.configure(cfg.log.level, cfg.log.format)
+    logs.configure(cfg.log.level, cfg.log.format, node=cfg.node)
     try:
         return asyncio.run(Daemon(cfg).run())
     except ConfigError as exc:  # found only on use: a metrics address already taken
