@@ -71,10 +71,11 @@ def faults_over(c: LocalCluster) -> Path:
     return c.base_dir / "faults-over"
 
 
-def wait_log(d: DaemonProcess, text: str, timeout: float = 60) -> None:
+def wait_log(d: DaemonProcess, text: str, timeout: float = 60, times: int = 1) -> None:
+    """Wait until ``d``'s log holds ``text`` at least ``times`` times."""
     deadline = time.monotonic() + timeout
-    while text not in d.log_text():
-        assert time.monotonic() < deadline, f"{d.name} never logged {text!r}"
+    while d.log_text().count(text) < times:
+        assert time.monotonic() < deadline, f"{d.name} never logged {text!r} {times} time(s)"
         time.sleep(0.02)
 
 

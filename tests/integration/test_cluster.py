@@ -154,12 +154,8 @@ def test_etcd_down_longer_than_the_lease_fences_and_rejoins(cluster: LocalCluste
     etcd.start()
     # etcd renews the leases it had when it restarts: the old records stay "online" for one more
     # TTL. Rejoined means registered again, on a fresh lease, after the fence.
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not all(
-            d.log_text().count('"Node registered."') >= 2 for d in cluster.daemons.values()):
-        time.sleep(0.2)
-    for name, d in cluster.daemons.items():
-        assert d.log_text().count('"Node registered."') >= 2, f"{name} did not register again"
+    for d in cluster.daemons.values():
+        wait_log(d, '"Node registered."', timeout=30, times=2)
     cluster.wait_for("all nodes back in their roles", lambda s: [n.state for n in s.nodes] ==
                      ["active", "active", "standby"] and all(n.online for n in s.nodes),
                      timeout=30)

@@ -44,6 +44,12 @@ def test_library_records_with_tracebacks_are_one_json_line_each() -> None:
 
         asyncio.run(main())
         gc.collect()
+
+        class Leaky:
+            def __del__(self):
+                raise OSError("closing a handle in a destructor")
+
+        Leaky()
         logs.get(node="node-x").info("ours")
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -52,11 +58,12 @@ def test_library_records_with_tracebacks_are_one_json_line_each() -> None:
     lines = _lines(out.stdout)
     assert [(d.get("logger", "ours"), d["level"]) for d in lines] == [
         ("aetcd.watcher", "error"), ("understudy", "error"), ("asyncio", "error"),
-        ("ours", "info")]
+        ("understudy", "warning"), ("ours", "info")]
     assert all(d["node"] == "node-x" for d in lines)
     assert "ZeroDivisionError" in lines[0]["exception"]
     assert lines[1]["event"] == "Thread reader crashed." and "KeyError" in lines[1]["exception"]
     assert "never retrieved" in lines[2]["event"] and "nobody awaited me" in lines[2]["exception"]
+    assert "Leaky.__del__" in lines[3]["event"] and "OSError: closing" in lines[3]["exception"]
 
 
 def test_the_level_filters_library_records_too() -> None:
