@@ -47,7 +47,7 @@ from understudy.daemon.records import (
     RankExit,
     RegistryEntry,
 )
-from understudy.daemon.snapshot_tiers import MemoryCopies, SnapshotReport
+from understudy.daemon.snapshot_tiers import MemoryCopies, SnapshotReport, counted_copies
 from understudy.daemon.states import NodeState
 from understudy.daemon.store import KV, EtcdStore, WatchEvent, wait_any
 
@@ -128,6 +128,7 @@ class Controller:
                                f"Node {self.agent.cfg.node} became the controller.")
         lost = asyncio.Event()
         watches: list[asyncio.Task[None]] = []
+        failed_rounds = 0
         try:
             rev = await self._relist()
             last_list = self.wall()
@@ -149,8 +150,15 @@ class Controller:
                         last_list = self.wall()
                     failpoints.hit("controller.round")
                     await self._apply(plan(self._view(), self.wall()))
+                    if failed_rounds:
+                        self.log.info(f"Controller rounds succeed again after {failed_rounds} "
+                                      "that could not reach etcd.")
+                        failed_rounds = 0
                 except StoreError as exc:
-                    self.log.warning("Controller round failed; retrying.", error=str(exc))
+                    # An etcd outage fails every round until it ends: say so once, not each time.
+                    failed_rounds += 1
+                    (self.log.warning if failed_rounds == 1 else self.log.debug)(
+                        "Controller round failed; retrying until etcd answers.", error=str(exc))
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self.stop.wait(), 0.2)
                 except Exception:
@@ -377,6 +385,10 @@ class Controller:
         self._changed.set()
 
 
+def _epoch_rises(before: SnapshotReport, after: SnapshotReport) -> bool:
+    return before.epoch is not None and after.epoch is not None and before.epoch < after.epoch
+
+
 class _JobTables:
     """The controller's cache of ``<prefix>/jobs/``, fed by list and watch events."""
 
@@ -389,10 +401,21 @@ class _JobTables:
         #: job -> migration id -> progress keys ("prepared/3", ...)
         self.progress: dict[str, dict[str, set[str]]] = {}
         self.abort_reasons: dict[tuple[str, str], str] = {}
-        #: job -> rank -> steps of its complete snapshots (in storage)
-        self.snapshots: dict[str, dict[int, tuple[int, ...]]] = {}
-        #: job -> rank -> the steps a holder keeps in memory
-        self.memory_snapshots: dict[str, dict[int, MemoryCopies]] = {}
+        #: job -> rank -> its newest snapshot report, and before it the last one of an older
+        #: epoch (a joiner's first report does not list its predecessor's copies)
+        self.snapshot_reports: dict[str, dict[int, tuple[SnapshotReport, ...]]] = {}
+
+    @property
+    def snapshots(self) -> dict[str, dict[int, tuple[int, ...]]]:
+        """job -> rank -> the storage steps of its newest report"""
+        return {job: {r: reps[-1].storage for r, reps in ranks.items()}
+                for job, ranks in self.snapshot_reports.items()}
+
+    @property
+    def memory_snapshots(self) -> dict[str, dict[int, MemoryCopies]]:
+        """job -> rank -> the memory copies of its newest report"""
+        return {job: {r: m for r, reps in ranks.items() if (m := reps[-1].memory) is not None}
+                for job, ranks in self.snapshot_reports.items()}
 
     def ingest_progress(self, path: str, value: bytes, deleted: bool) -> None:
         """``path`` is ``<job>/migration/<id>/<report>`` under the workers' KV root."""
@@ -416,9 +439,10 @@ class _JobTables:
     def _ingest_snapshots(self, job: str, rank: str, value: bytes, deleted: bool) -> None:
         """``<job>/snapshots/<rank>``: which steps that rank's snapshots hold, in storage and
         in a holder's memory (``SnapshotReport``; a plain JSON list is storage steps).
-        Anything else is ignored (workers write here, so the value is untrusted)."""
-        table = self.snapshots.setdefault(job, {})
-        memory = self.memory_snapshots.setdefault(job, {})
+        Anything else is ignored (workers write here, so the value is untrusted). A report of
+        a newer epoch keeps the rank's last report of an older one beside it; which of them
+        count is decided when the job is viewed, against its assignment's epoch."""
+        table = self.snapshot_reports.setdefault(job, {})
         if not rank.isdigit():
             return
         r = int(rank)
@@ -428,13 +452,16 @@ class _JobTables:
             report = None
         if report is None:
             table.pop(r, None)
-            memory.pop(r, None)
             return
-        table[r] = report.storage
-        if report.memory is None:
-            memory.pop(r, None)
+        before = table.get(r, ())
+        older = before[0] if len(before) == 2 else None
+        newest = before[-1] if before else None
+        if newest is not None and _epoch_rises(newest, report):
+            table[r] = (newest, report)
+        elif older is not None and newest is not None and newest.epoch == report.epoch:
+            table[r] = (older, report)  # the same epoch again: its predecessor stays
         else:
-            memory[r] = report.memory
+            table[r] = (report,)
 
     def migration_rev(self, job: str) -> int:
         return self.migrations[job][1] if job in self.migrations else 0
@@ -506,11 +533,34 @@ class _JobTables:
                               if epoch == m[0].to_epoch}
             progress = frozenset(self.progress.get(name, {}).get(m[0].id, set())) if m \
                 else frozenset()
+            storage, storage_epochs, memory = self._counted_snapshots(
+                name, a[0].epoch if a is not None else None)
             out[name] = JobView(spec=spec, status=st[0] if st else None,
                                 assignment=a[0] if a else None, exits=exits,
                                 next_exits=next_exits,
                                 migration=m[0] if m else None, progress=progress,
                                 abort_reason=self.abort_reasons.get((name, m[0].id), "")
-                                if m else "", snapshots=dict(self.snapshots.get(name, {})),
-                                memory_snapshots=dict(self.memory_snapshots.get(name, {})))
+                                if m else "", snapshots=storage, memory_snapshots=memory,
+                                storage_epochs=storage_epochs)
         return out
+
+    def _counted_snapshots(self, job: str, epoch: int | None
+                           ) -> tuple[dict[int, tuple[int, ...]],
+                                      dict[int, dict[int, int | None]], dict[int, MemoryCopies]]:
+        """The copies each rank's reports name that count at the job's epoch
+        (``snapshot_tiers.report_counts``): storage steps, their writers' epochs, memory."""
+        storage: dict[int, tuple[int, ...]] = {}
+        epochs: dict[int, dict[int, int | None]] = {}
+        memory: dict[int, MemoryCopies] = {}
+        for r, reports in self.snapshot_reports.get(job, {}).items():
+            if epoch is None:  # no assignment yet, so no plan: the newest report, as it is
+                newest = reports[-1]
+                held, copies = counted_copies((newest,), newest.epoch or 0)
+            else:
+                held, copies = counted_copies(reports, epoch)
+            if held:
+                storage[r] = tuple(sorted(held))
+                epochs[r] = held
+            if copies is not None:
+                memory[r] = copies
+        return storage, epochs, memory

@@ -1,8 +1,10 @@
-"""When a node must stop its workers because it can no longer prove it holds its lease.
+"""When a node can no longer prove that it holds its lease.
 
 etcd restarts a lease's TTL when it receives a keep-alive, which is after the daemon sent it. So
-the lease cannot expire at etcd before ``sent + ttl`` of the last acknowledged keep-alive. The
-daemon fences at ``sent + ttl - margin``: strictly before its replacement can be placed.
+the lease cannot expire at etcd before ``sent + ttl`` of the last acknowledged keep-alive. From
+``sent + ttl - margin`` on, the daemon cannot prove its lease alive: it reports an etcd outage.
+It does not kill its workers for that (silence is not evidence: ``daemon/node.py``); what keeps a
+replaced rank from doing harm is the job's epoch, checked where state is committed or written.
 Pure: time is passed in.
 """
 

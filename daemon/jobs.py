@@ -107,6 +107,8 @@ class JobRunner:
                     await self._reconcile()
                 except StoreError as exc:
                     self.log.debug("Job reconcile failed; will retry.", error=str(exc))
+                    # Long polls look again: what they answer says whether etcd is reachable.
+                    self._republish()
         finally:
             watch.cancel()
             await asyncio.wait({watch}, timeout=2)
@@ -151,9 +153,7 @@ class JobRunner:
     async def _reconcile(self) -> None:
         jobs = await self._read_jobs()
         self._jobs = jobs
-        # Workers waiting for their job's view to change (localsock's job watch) look again.
-        published, self._published = self._published, asyncio.Event()
-        published.set()
+        self._republish()
         children = self.supervisor.children
         running = {n for n, c in children.items() if c.state == ChildState.RUNNING}
         promotions = self._promotions(jobs)
@@ -345,19 +345,30 @@ class JobRunner:
             return None
         return f"job {j.assignment.job} is at epoch {j.assignment.epoch}"
 
+    def _republish(self) -> None:
+        """Workers waiting for their job's view to change (localsock's job watch) look again."""
+        published, self._published = self._published, asyncio.Event()
+        published.set()
+
     def next_view(self) -> asyncio.Event:
         """An event set the next time the jobs' view (what :meth:`job_info` answers from) is
         read afresh from etcd."""
         return self._published
 
     def job_info(self, job: str) -> dict[str, Any] | None:
-        """What a worker of ``job`` may know about it, from the last reconcile."""
+        """What a worker of ``job`` may know about it, from the last reconcile; during an etcd
+        outage also ``"etcd": "unreachable"``: the view may be stale, and a recovery cannot be
+        planned before etcd is back (a survivor waiting for one waits on)."""
         j = self._jobs.get(job)
         if j is None:
             return None
-        return {name: json.loads(rec.encode()) if rec is not None else None
-                for name, rec in (("assignment", j.assignment), ("status", j.status),
-                                  ("migration", j.migration))}
+        info: dict[str, Any] = {
+            name: json.loads(rec.encode()) if rec is not None else None
+            for name, rec in (("assignment", j.assignment), ("status", j.status),
+                              ("migration", j.migration))}
+        if self.agent.outage_since is not None:
+            info["etcd"] = "unreachable"
+        return info
 
     async def ranks_moved(self, deadline: float) -> bool:
         """Wait (until wall time ``deadline``) for this node to hold no rank of a running job
@@ -505,18 +516,30 @@ class JobRunner:
 
     async def _write_exit(self, job: str, rank: int, epoch: int, code: int, failed: bool,
                           description: str) -> None:
+        """Record how a rank's process ended. Retried until etcd takes it (an outage of any
+        length) or the daemon stops: the rank is in ``_ended`` already, so an exit that never
+        reached etcd would leave the job waiting for a rank nobody runs."""
         record = RankExit(job=job, rank=rank, epoch=epoch, node=self.node, returncode=code,
                           failed=failed, description=description, time=self.wall())
-        for _ in range(20):
+        delay, warned = 0.2, False
+        while True:
             try:
                 await self.store.put(self.keys.rank_exit(job, epoch, rank), record.encode())
+                if warned:
+                    self.log.info("Recorded a rank's exit in etcd after all.", job=job,
+                                  rank=rank, epoch=epoch)
                 return
-            except StoreError:
-                if self.stop.is_set():
-                    return
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.stop.wait(), 0.5)
-        self.log.error("Could not record a rank's exit in etcd.", job=job, rank=rank)
+            except StoreError as exc:
+                if not warned:
+                    warned = True
+                    self.log.warning("Cannot record a rank's exit in etcd yet; retrying until "
+                                     "it can.", job=job, rank=rank, epoch=epoch, error=str(exc))
+            await wait_any((self.stop,), delay)
+            if self.stop.is_set():
+                self.log.error("Stopping before a rank's exit reached etcd.", job=job,
+                               rank=rank, epoch=epoch)
+                return
+            delay = min(2.0, delay * 2)
 
 
 def _joiner_end(node: str, child: ChildExit, when: str = "") -> str:

@@ -217,7 +217,7 @@ class Daemon:
             self.log.info("Daemon is ready.", state=str(self.agent.state))
         tasks += [
             asyncio.create_task(self.agent.keepalive_loop(), name="keepalive"),
-            asyncio.create_task(self.agent.fence_watch(), name="fence-watch"),
+            asyncio.create_task(self.agent.lease_watch(), name="lease-watch"),
             asyncio.create_task(self.agent.watch_own_keys(), name="own-keys"),
             asyncio.create_task(self.controller.run(), name="controller"),
             asyncio.create_task(self.jobs.run(), name="jobs"),

@@ -38,8 +38,16 @@ class Metrics:
                                   "Garbage or foreign values found under the cluster prefix.",
                                   ["collection"], registry=r)
         self.fences = Counter("understudy_fences_total",
-                              "Times this daemon fenced itself after losing its lease.",
-                              registry=r)
+                              "Times this daemon fenced itself on evidence that its lease is "
+                              "gone.", registry=r)
+        self.etcd_reachable = Gauge("understudy_etcd_reachable",
+                                    "0 while etcd has acknowledged no keep-alive for longer "
+                                    "than the lease can be proven alive (an outage), else 1.",
+                                    registry=r)
+        self.etcd_reachable.set(1)
+        self.etcd_outages = Counter("understudy_etcd_outages_total",
+                                    "etcd outages this daemon noticed (workers kept training).",
+                                    registry=r)
         self.etcd_requests = Counter("understudy_etcd_requests_total",
                                      "Requests this daemon sent to etcd.", ["op"], registry=r)
         self._server: Any = None

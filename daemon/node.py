@@ -1,13 +1,25 @@
 """The node's membership: its lease, its records, self-fencing, and drains of the node.
 
 Tasks (each named, stopped by ``stop``, joined with a bound by the daemon):
-- ``keepalive``: refreshes the lease every ``keepalive_interval``; arms the fence timer.
-- ``fence-watch``: kills the workers before the lease can have expired at etcd, then re-joins.
+- ``keepalive``: refreshes the lease every ``keepalive_interval``; fences the node when etcd
+  answers that the lease is gone, and ends an outage when it answers that the lease holds.
+- ``lease-watch``: notices when no keep-alive was acknowledged for long enough that the lease
+  *may* expire (an etcd outage, or this node cut off from etcd) and reports the outage. It kills
+  nothing: silence is not evidence (see "Fencing on evidence" below).
 - ``own-keys``: watches this node's drain request, registry entry and record, and reconciles
   them every few seconds as a backstop (a hung watch cannot hide a drain for long).
 
 A drain of the node: ``active|standby -> draining``, the workers are stopped within the
 deadline, ``-> drained``. (Live migration of the workers' ranks plugs in before the stop.)
+
+Fencing on evidence. A node's ranks can only be taken over by a plan the controller writes to
+etcd after the node's lease expired there; the takeover moves the job to a new epoch whose group
+versions the old ranks are not members of. So while etcd cannot be reached the ranks keep
+training (nobody can replace them), and the node stops them only when it has evidence that it
+was, or may be, replaced: etcd answers that the lease is gone (a keep-alive returns TTL 0), or
+the node's record is bound to another lease (a newer incarnation). The job's epoch moving past a
+rank's is the job runner's evidence (it stops ranks the assignment no longer places here); a
+rank whose peers left its groups cannot commit a step and waits for its daemon's word.
 """
 
 from __future__ import annotations
@@ -57,6 +69,9 @@ class NodeAgent:
         self.lifecycle = NodeLifecycle()
         self.fence = FenceTimer(cfg.lease.fence_margin)
         self.lease: int | None = None
+        #: monotonic time the current etcd outage was noticed (None: etcd answers)
+        self.outage_since: float | None = None
+        self._fencing = False
         self._started_at = 0.0
         self.incarnation = ""
         self.cordoned = False
@@ -229,31 +244,79 @@ class NodeAgent:
                         await self.fence_now("etcd says the lease has expired")
                     else:
                         self.fence.arm(sent, ttl)
+                        if self.outage_since is not None:
+                            await self._outage_ended()
                 if self.fence.last_ack is not None:
                     self.metrics.lease_age.set(self.clock() - self.fence.last_ack)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stop.wait(), interval)
 
-    async def fence_watch(self) -> None:
-        """Sleeps until the fence deadline (re-checked at least every half second, since each
-        acknowledged keep-alive moves it later) and fences if it is reached."""
+    async def lease_watch(self) -> None:
+        """Notices the moment the lease can no longer be proven alive (the fence timer's
+        deadline: no keep-alive acknowledged for ``ttl - margin``) and reports an etcd outage.
+        Kills nothing: etcd unreachable means nobody can write the plan that would replace this
+        node's ranks, so they train on; evidence is for the keep-alive loop to find."""
         while not self.stop.is_set():
             deadline = self.fence.deadline
             now = self.clock()
-            if self.lease is not None and deadline is not None and now >= deadline:
-                await self.fence_now("no keep-alive acknowledged in time: the lease may expire")
-                continue
-            wait = 0.5 if deadline is None else min(0.5, max(0.005, deadline - now))
+            if self.lease is not None and deadline is not None and now >= deadline \
+                    and self.outage_since is None:
+                self._outage_began(now)
+            wait = 0.5 if deadline is None or self.outage_since is not None \
+                else min(0.5, max(0.005, deadline - now))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stop.wait(), wait)
 
+    def _outage_began(self, now: float) -> None:
+        self.outage_since = now
+        self.metrics.etcd_reachable.set(0)
+        self.metrics.etcd_outages.inc()
+        silent = now - self.fence.last_ack if self.fence.last_ack is not None else 0.0
+        self.log.warning(
+            f"etcd has acknowledged no keep-alive for {silent:.1f} s: the lease may expire. "
+            "The workers keep training; the daemon keeps trying and stops them only if etcd "
+            "says the lease is gone or their job moved on.", lease=self.lease,
+            running=self.workers.running_count)
+        for listener in self.listeners:
+            listener()
+
+    async def _outage_ended(self) -> None:
+        assert self.outage_since is not None
+        lasted = self.clock() - self.outage_since
+        self.outage_since = None
+        self.metrics.etcd_reachable.set(1)
+        self.log.info(f"etcd answers again after an outage of {lasted:.1f} s; the lease held "
+                      "and the workers trained on.", lease=self.lease)
+        self._changed.set()  # repair our records at once
+        for listener in self.listeners:
+            listener()
+        with contextlib.suppress(StoreError):
+            await self.events.emit(
+                "etcd-reachable", f"Node {self.cfg.node} reached etcd again after "
+                f"{lasted:.1f} s; its lease held and its workers trained on.",
+                outage_s=round(lasted, 3))
+
     async def fence_now(self, reason: str) -> None:
-        """Stop every worker at once, forget the lease, and join again as a clean node."""
+        """Stop every worker at once, forget the lease, and join again as a clean node. Called
+        on evidence only (see the module's docstring); a second call while one is re-joining
+        does nothing."""
+        if self._fencing:
+            return
+        self._fencing = True
+        try:
+            await self._fence(reason)
+        finally:
+            self._fencing = False
+
+    async def _fence(self, reason: str) -> None:
         self.workers.kill_all_now()
         self.metrics.fences.inc()
         lost = self.lease
         self.lease = None
         self.fence.disarm()
+        if self.outage_since is not None:
+            self.outage_since = None
+            self.metrics.etcd_reachable.set(1)
         self.registered.clear()
         self.lifecycle.transition(NodeState.FAILED, self.wall(), f"fenced: {reason}")
         self.metrics.set_state(NodeState.FAILED)
@@ -320,6 +383,13 @@ class NodeAgent:
         node_kv = await self.store.get(node_key)
         mine = False
         if node_kv is not None:
+            if node_kv.lease not in (0, self.lease):
+                # Only a registration on another lease can have put it there, and that needed
+                # our record gone, which takes our lease gone: evidence that this incarnation
+                # is over (or that two daemons share one node name).
+                await self.fence_now(f"the node record is bound to another lease "
+                                     f"({node_kv.lease:x}): a newer incarnation holds the name")
+                return
             try:
                 mine = NodeRecord.decode(node_kv.value).incarnation == self.incarnation
             except RecordError as exc:

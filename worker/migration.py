@@ -201,6 +201,9 @@ class MigrationHook:
         self._recovery_checked = 0.0
         #: the job waits for a standby to recover a rank (as of the last :meth:`recovery`)
         self.paused = False
+        #: this rank's daemon cannot reach etcd (as of the last :meth:`recovery`): no recovery
+        #: can be planned until it can, so a wait for one is not over
+        self.etcd_unreachable = False
 
     # -- following the plan -------------------------------------------------------------------
 
@@ -215,6 +218,7 @@ class MigrationHook:
                 info = self.control.job() or {}
                 self._note_recovery(Plan.from_info(info))
                 self.paused = _paused(info)
+                self.etcd_unreachable = info.get("etcd") == "unreachable"
         return self._recovery
 
     def _note_recovery(self, plan: Plan | None) -> None:

@@ -66,13 +66,15 @@ def wait_for_recovery(hook: MigrationHook, stop: threading.Event,
                       timeout: float) -> Plan | None:
     """After an aborted step: the recovery plan for this rank's epoch, once the controller
     wrote it. None if ``stop`` is set, or no plan came within ``timeout`` seconds; a job paused
-    for want of a standby waits as long as it stays paused."""
+    for want of a standby waits as long as it stays paused, and a rank whose daemon cannot
+    reach etcd as long as that lasts (nobody can write a plan before; the survivors keep their
+    state in memory meanwhile)."""
     deadline = time.monotonic() + timeout
     while not stop.is_set():
         plan = hook.recovery()
         if plan is not None:
             return plan
-        if hook.paused:
+        if hook.paused or hook.etcd_unreachable:
             deadline = time.monotonic() + timeout
         elif time.monotonic() > deadline:
             return None

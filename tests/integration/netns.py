@@ -93,3 +93,34 @@ class TestHost:
                 _run("ip", "link", "del", veth)
         with contextlib.suppress(subprocess.CalledProcessError):
             _run("ip", "netns", "del", self.name)
+
+
+@dataclass
+class AddressCut:
+    """A real partition of one TCP service address (``ip:port``) from every local client that
+    dials it at that address: nftables drops the packets both ways, no reset, no ICMP. Clients
+    that reach the same server at another address (127.0.0.1 for 127.0.0.2) are not touched,
+    so one daemon can be cut off from etcd while its peers and the rest of the cluster are not."""
+
+    ip: str
+    port: int
+    table: str = ""
+
+    def cut(self) -> None:
+        self.table = f"ustest_cut_{uuid.uuid4().hex[:6]}"
+        t = self.table
+        rules = (
+            f"add table inet {t}\n"
+            f"add chain inet {t} in {{ type filter hook input priority -10; }}\n"
+            f"add chain inet {t} out {{ type filter hook output priority -10; }}\n"
+            f"add rule inet {t} out ip daddr {self.ip} tcp dport {self.port} drop\n"
+            f"add rule inet {t} in ip saddr {self.ip} tcp sport {self.port} drop\n"
+        )
+        subprocess.run(["nft", "-f", "-"], input=rules.encode(), check=True,
+                       capture_output=True, timeout=10)
+
+    def heal(self) -> None:
+        if self.table:
+            with contextlib.suppress(subprocess.CalledProcessError):
+                _run("nft", "delete", "table", "inet", self.table)
+            self.table = ""

@@ -146,22 +146,58 @@ def test_etcd_restart_is_survived(cluster: LocalCluster, etcd: EmbeddedEtcd) -> 
     assert cluster.cli("drain", "node-b", "--wait", "--deadline", "10").returncode == 0
 
 
-def test_etcd_down_longer_than_the_lease_fences_and_rejoins(cluster: LocalCluster,
-                                                           etcd: EmbeddedEtcd) -> None:
+def test_etcd_down_longer_than_the_lease_fences_nothing(cluster: LocalCluster,
+                                                        etcd: EmbeddedEtcd) -> None:
     _three(cluster)
     etcd.stop()
-    time.sleep(cluster.lease_ttl + 0.5)
+    time.sleep(cluster.lease_ttl + 1.5)
     etcd.start()
-    # etcd renews the leases it had when it restarts: the old records stay "online" for one more
-    # TTL. Rejoined means registered again, on a fresh lease, after the fence.
+    # etcd renews the leases it held when it restarts (a new leader refreshes every lease):
+    # each daemon's next keep-alive on its old lease is acknowledged, which ends the outage.
     for d in cluster.daemons.values():
-        wait_log(d, '"Node registered."', timeout=30, times=2)
-    cluster.wait_for("all nodes back in their roles", lambda s: [n.state for n in s.nodes] ==
+        wait_log(d, "etcd answers again after an outage", timeout=30)
+    cluster.wait_for("all nodes in their roles", lambda s: [n.state for n in s.nodes] ==
                      ["active", "active", "standby"] and all(n.online for n in s.nodes),
                      timeout=30)
     for name, d in cluster.daemons.items():
         assert d.alive(), name
-        assert _metric(d.metrics_port, "understudy_fences_total") >= 1, name
+        assert d.log_text().count('"Node registered."') == 1, name
+        assert _metric(d.metrics_port, "understudy_fences_total") == 0, name
+        assert _metric(d.metrics_port, "understudy_etcd_outages_total") == 1, name
+        assert _metric(d.metrics_port, "understudy_etcd_reachable") == 1, name
+    kinds = [json.loads(line)["kind"] for line in cluster.cli("events", "--json").stdout
+             .splitlines()]
+    assert kinds.count("etcd-reachable") == 3 and "node-failed" not in kinds, kinds
+
+
+def test_a_lease_gone_at_etcd_is_evidence_the_node_fences_and_rejoins(
+        cluster: LocalCluster, etcd: EmbeddedEtcd) -> None:
+    import asyncio
+
+    from understudy.daemon import config
+    from understudy.daemon.store import EtcdStore
+
+    _three(cluster)
+
+    async def revoke() -> None:
+        s = EtcdStore(config.load(overrides={"etcd.endpoints": etcd.endpoint}, environ={},
+                                  require_node=False).etcd)
+        try:
+            kv = await s.get(f"{cluster.prefix}/nodes/node-b")
+            assert kv is not None and kv.lease
+            await s.revoke(kv.lease)
+        finally:
+            await s.close()
+
+    asyncio.run(revoke())
+    b = cluster.daemons["node-b"]
+    wait_log(b, "fenced itself and killed its workers: etcd says the lease has expired",
+             timeout=10)
+    wait_log(b, '"Node registered."', timeout=30, times=2)
+    cluster.wait_state("node-b", "active", timeout=30)
+    assert _metric(b.metrics_port, "understudy_fences_total") == 1
+    for name in ("node-a", "node-s"):
+        assert "fenced itself" not in cluster.daemons[name].log_text(), name
 
 
 def test_bad_values_are_ignored_and_counted(cluster: LocalCluster, etcd: EmbeddedEtcd) -> None:

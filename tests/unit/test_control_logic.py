@@ -37,6 +37,7 @@ from understudy.daemon.records import (
 )
 from understudy.daemon.states import IllegalTransition, NodeLifecycle, NodeState
 from understudy.worker.migration import _paused
+from understudy.worker.recovery import wait_for_recovery
 
 
 def _entry(name: str, state: NodeState = NodeState.ACTIVE, offline: bool = False
@@ -69,9 +70,9 @@ def test_planner_is_deterministic_and_prunes_oldest_events() -> None:
     assert isinstance(prune, PruneEvents) and prune.keys == ("e0", "e1")
 
 
-def test_fence_timer_fences_before_the_lease_can_expire() -> None:
+def test_fence_timer_says_when_the_lease_can_no_longer_be_proven() -> None:
     t = FenceTimer(margin=0.75)
-    assert not t.expired(1e9), "no lease, nothing to fence"
+    assert not t.expired(1e9), "no lease, nothing to prove"
     t.arm(sent_at=10.0, ttl=3)
     assert t.deadline == pytest.approx(12.25)
     assert not t.expired(12.2) and t.expired(12.25)
@@ -524,3 +525,32 @@ def test_a_pause_ends_when_a_recovery_is_planned_after_it() -> None:
                     "migration": {**recovery, "created_at": 9.0}})
     assert _paused({"status": paused, "assignment": assignment,
                     "migration": {**recovery, "phase": "aborted"}})
+
+
+class _Waiting:
+    """What ``wait_for_recovery`` reads of a survivor's boundary hook: no plan yet, and whether
+    the job is paused or the daemon cut off from etcd (set by the test as time passes)."""
+
+    def __init__(self) -> None:
+        self.paused = False
+        self.etcd_unreachable = False
+
+    def recovery(self) -> None:
+        return None
+
+
+def test_a_survivor_waits_for_its_recovery_as_long_as_etcd_is_unreachable() -> None:
+    import threading
+    import time
+
+    hook, stop = _Waiting(), threading.Event()
+    t0 = time.monotonic()
+    assert wait_for_recovery(hook, stop, timeout=0.2) is None  # type: ignore[arg-type]
+    assert 0.2 <= time.monotonic() - t0 < 1.0
+    # Unreachable for 0.6 s, three timeouts: the wait goes on until then, and ends at most one
+    # timeout after.
+    hook.etcd_unreachable = True
+    threading.Timer(0.6, lambda: setattr(hook, "etcd_unreachable", False)).start()
+    t0 = time.monotonic()
+    assert wait_for_recovery(hook, stop, timeout=0.2) is None  # type: ignore[arg-type]
+    assert 0.6 <= time.monotonic() - t0 < 2.0
