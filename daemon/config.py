@@ -55,8 +55,9 @@ class LeaseConfig:
     #: keep-alive.
     ttl: int = 3
     keepalive_interval: float = 0.5
-    #: The daemon fences itself (kills its workers) this many seconds before the lease can have
-    #: expired at etcd, counted from the send time of the last acknowledged keep-alive.
+    #: The daemon reports an etcd outage this many seconds before the lease can have expired at
+    #: etcd, counted from the send time of the last acknowledged keep-alive. (It kills its
+    #: workers only on evidence that the lease is gone: daemon/node.py.)
     fence_margin: float = 0.75
 
 

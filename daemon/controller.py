@@ -70,6 +70,12 @@ class Controller:
         self._changed = asyncio.Event()
         self._need_relist = False
         self._bad_seen: set[tuple[str, int]] = set()
+        #: when the current mass disruption was first seen, and until when node losses are held
+        #: (see _view)
+        self._disruption_since: float | None = None
+        self._hold_losses_until = 0.0
+        #: node -> when this controller first saw it in service without a live record
+        self._absent_since: dict[str, float] = {}
 
     # -- election ---------------------------------------------------------------------------
 
@@ -272,10 +278,40 @@ class Controller:
             self.log.warning("Ignoring a bad value in etcd.", key=kv.key, problem=str(exc))
 
     def _view(self) -> ClusterView:
+        now = self.wall()
+        # A mass disruption: more than half of the nodes in service lost their records at once.
+        # That is the control plane's doing (a single etcd member paused past the TTL revokes
+        # every lease when it wakes), not a fleet of dead machines: their daemons join again
+        # within moments, keeping their ranks. Node losses are held for two TTLs from when it
+        # began; nodes still without a record then are lost (a real mass failure only waits).
+        ttl = self.agent.cfg.lease.ttl
+        in_service = [n for n, (e, _) in self._registry.items()
+                      if not e.offline and e.state != NodeState.FAILED]
+        # Gone, or back moments ago on a new lease without a restart (lost theirs): a controller
+        # elected amid the rejoins sees most nodes back already and must still hold the rest.
+        absent = [n for n in in_service if n not in self._live or (
+            self._live[n].registered_at - self._live[n].started_at > ttl
+            and now - self._live[n].registered_at < 2 * ttl)]
+        for n in in_service:
+            if n in self._live:
+                self._absent_since.pop(n, None)
+            else:
+                self._absent_since.setdefault(n, now)
+        if len(absent) * 2 <= len(in_service):
+            self._disruption_since = None
+        elif self._disruption_since is None:
+            self._disruption_since = now
+            self._hold_losses_until = now + 2 * ttl
+            self.log.warning(f"{len(absent)} of {len(in_service)} nodes lost their lease at "
+                             "once; holding node losses for two TTLs while they join again.",
+                             nodes=sorted(absent))
         return ClusterView(registry=dict(self._registry), live=dict(self._live),
                            event_keys=tuple(self._event_keys), jobs=self._jobs.views(),
                            drain_deadlines=dict(self._drain_deadlines),
-                           migration_timeout=self.agent.cfg.drain.migration_timeout)
+                           migration_timeout=self.agent.cfg.drain.migration_timeout,
+                           hold_losses_until=self._hold_losses_until,
+                           absent_since=dict(self._absent_since),
+                           loss_settle=2 * self.agent.cfg.lease.keepalive_interval)
 
     async def _apply(self, actions: list[Action]) -> None:
         for action in actions:
@@ -320,7 +356,13 @@ class Controller:
         if isinstance(action, StartMigration):
             m = action.migration
             key = self.keys.job_migration(m.job)
-            if await self.store.cas(key, m.encode(), self._jobs.migration_rev(m.job)):
+            # A recovery of a lost node's ranks stands only while that node has no record: one
+            # that joined again since keeps them (its daemon checks for a plan once its new
+            # record exists; see JobRunner.readopt).
+            if await self.store.txn(
+                    compare=[("mod", key, self._jobs.migration_rev(m.job)),
+                             *(("create", self.keys.node(n), 0) for n in action.absent)],
+                    success=[("put", key, m.encode(), None)]):
                 self.log.info(f"Migration {m.id} of job {m.job} planned: {action.reason}.",
                               job=m.job, epoch=m.from_epoch)
                 await self.events.emit("migration-planned",

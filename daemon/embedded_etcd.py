@@ -1,8 +1,10 @@
-"""A single-member etcd server on loopback, for the local demo, the tests and the benchmarks.
+"""An etcd member on loopback, for the local demo, the tests and the benchmarks.
 
 It runs Debian's ``etcd`` binary with a private data directory and fast raft timings, and is
 ready when its ``/health`` endpoint says so (etcdctl's first dial backs off for about a second).
-Production clusters run their own 3- or 5-member etcd; the daemon only needs its endpoints.
+By default it is a cluster of its own; with ``name`` and ``initial_cluster`` it is one member of
+a larger one (tests/integration/etcd_members.py starts three). Production clusters run their
+own 3- or 5-member etcd; the daemon only needs its endpoints.
 """
 
 from __future__ import annotations
@@ -45,13 +47,24 @@ class TlsFiles:
 
 @dataclass
 class EmbeddedEtcd:
-    """One etcd member. ``start()`` blocks until it is healthy; ``stop()`` kills it."""
+    """One etcd member. ``start()`` blocks until it is healthy; ``stop()`` kills it.
+
+    ``initial_cluster`` (etcd's ``NAME=PEER_URL,...``) must name this member with its
+    ``peer_url``; left empty, the member is the whole cluster. A member of a larger cluster is
+    healthy only once a quorum runs, so its peers are started with ``launch()`` and waited for
+    with ``wait_healthy()``; its peer port must be fixed before any of them starts."""
 
     data_dir: Path | None = None
+    name: str = "default"
+    initial_cluster: str = ""
     host: str = "127.0.0.1"
     client_port: int = 0
     peer_port: int = 0
     metrics_port: int = 0
+    #: raft timings in milliseconds; fast ones suit a lone member (it never holds an election
+    #: against a peer), a cluster on a loaded machine needs slack against spurious elections
+    heartbeat_ms: int = 10
+    election_ms: int = 100
     tls: TlsFiles | None = None
     log_path: Path | None = None
     extra_args: list[str] = field(default_factory=list)
@@ -65,6 +78,10 @@ class EmbeddedEtcd:
     @property
     def scheme(self) -> str:
         return "https" if self.tls else "http"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://{self.host}:{self.peer_port}"
 
     @property
     def metrics_url(self) -> str:
@@ -86,6 +103,12 @@ class EmbeddedEtcd:
         raise AssertionError("unreachable")
 
     def _start(self, timeout: float) -> EmbeddedEtcd:
+        self.launch()
+        self.wait_healthy(timeout)
+        return self
+
+    def launch(self) -> None:
+        """Start the server without waiting for it (ports left at 0 are picked free here)."""
         binary = shutil.which("etcd") or ("/usr/bin/etcd" if os.path.exists("/usr/bin/etcd")
                                           else None)
         if binary is None:
@@ -99,19 +122,18 @@ class EmbeddedEtcd:
         self.peer_port = self.peer_port or free_port(self.host)
         self.metrics_port = self.metrics_port or free_port(self.host)
         client_url = f"{self.scheme}://{self.host}:{self.client_port}"
-        peer_url = f"http://{self.host}:{self.peer_port}"
         args = [
             binary,
-            "--name", "default",
+            "--name", self.name,
             "--data-dir", str(self.data_dir / "member-data"),
             "--listen-client-urls", client_url,
             "--advertise-client-urls", client_url,
-            "--listen-peer-urls", peer_url,
-            "--initial-advertise-peer-urls", peer_url,
-            "--initial-cluster", f"default={peer_url}",
+            "--listen-peer-urls", self.peer_url,
+            "--initial-advertise-peer-urls", self.peer_url,
+            "--initial-cluster", self.initial_cluster or f"{self.name}={self.peer_url}",
             "--listen-metrics-urls", f"http://{self.host}:{self.metrics_port}",
-            "--heartbeat-interval=10",
-            "--election-timeout=100",
+            f"--heartbeat-interval={self.heartbeat_ms}",
+            f"--election-timeout={self.election_ms}",
             "--logger=zap",
             "--log-outputs=stderr",
         ]
@@ -124,17 +146,26 @@ class EmbeddedEtcd:
             ]
         args += self.extra_args
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        log_path = self.log_path or self.data_dir / "etcd.log"
-        with open(log_path, "ab") as log:
+        with open(self.log_file, "ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=log,
                                          start_new_session=True)
+
+    @property
+    def log_file(self) -> Path:
+        assert self.data_dir is not None, "the member has no data directory before launch()"
+        return self.log_path or self.data_dir / "etcd.log"
+
+    def wait_healthy(self, timeout: float) -> None:
+        """Wait until the launched server is healthy; raises EtcdStartError (the log's tail
+        included) if it exits first, or kills it and raises if ``timeout`` passes."""
+        assert self.proc is not None, "wait_healthy() before launch()"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                tail = log_path.read_text(errors="replace")[-2000:]
+                tail = self.log_file.read_text(errors="replace")[-2000:]
                 raise EtcdStartError(f"etcd exited with code {self.proc.returncode}: {tail}")
             if self.healthy():
-                return self
+                return
             time.sleep(0.02)
         self.stop()
         raise EtcdStartError(f"etcd did not become healthy within {timeout}s")

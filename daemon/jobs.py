@@ -154,6 +154,10 @@ class JobRunner:
         jobs = await self._read_jobs()
         self._jobs = jobs
         self._republish()
+        if self.agent.lease is None:
+            # Joining again after a lost lease: what this node runs is readopt's to decide, once
+            # the new record exists. Nothing is started or stopped before.
+            return
         children = self.supervisor.children
         running = {n for n, c in children.items() if c.state == ChildState.RUNNING}
         promotions = self._promotions(jobs)
@@ -336,6 +340,51 @@ class JobRunner:
             if self.agent.state == NodeState.STANDBY:
                 await self.agent.set_state(NodeState.ACTIVE,
                                            f"holds rank {rank} of job {job.spec.name}")
+
+    async def readopt(self) -> tuple[list[str], list[str]]:
+        """After this node lost its lease and registered again: kill at once every worker that
+        was replaced meanwhile, or cannot be shown not to be; returns (killed, kept) child
+        names. Called once the new node record exists, so what it reads is final: the
+        controller writes a recovery of a lost node's ranks only while that node has no record
+        (its transaction compares that), so a plan that is not here now can never come.
+
+        A rank is kept when its job still runs it here at the epoch this node held it, and no
+        migration from that epoch is taking it; a standby worker when its node is still one of
+        the job's standbys and not a joiner of an unfinished migration. Retries the read while
+        etcd does not answer (the workers run on meanwhile, as in an outage)."""
+        while True:
+            try:
+                jobs = await self._read_jobs()
+                break
+            except StoreError:
+                if self.stop.is_set():
+                    return [], []
+                await wait_any((self.stop,), 0.5)
+        killed: list[str] = []
+        kept: list[str] = []
+        for name, child in sorted(self.supervisor.children.items()):
+            m = _CHILD_RE.match(name)
+            if m is None or child.state != ChildState.RUNNING:
+                continue
+            j = jobs.get(m["job"])
+            ok = False
+            if j is not None and j.assignment is not None and j.status is not None and \
+                    j.status.state == JobState.RUNNING:
+                a, mig = j.assignment, j.migration
+                taking = mig is not None and mig.phase != MigrationPhase.ABORTED and \
+                    mig.from_epoch == a.epoch
+                if m["rank"] is not None:
+                    rank = int(m["rank"])
+                    ok = a.epoch == self._held_epoch.get(name) and rank < len(a.ranks) and \
+                        a.ranks[rank] == self.node and not (
+                            taking and mig is not None and rank in mig.ranks)
+                else:
+                    ok = self.node in a.standbys and not (
+                        taking and mig is not None and self.node in mig.joiners)
+            (kept if ok else killed).append(name)
+        self.supervisor.kill_now(killed)
+        self._changed.set()
+        return killed, kept
 
     def epoch_check(self, namespace: str, epoch: int) -> str | None:
         """Refuse a worker whose epoch is older than its job's assignment: it was fenced out

@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-listen", help="HOST:PORT of the Prometheus endpoint, '' disables")
     p.add_argument("--lease-ttl", type=int, help="lease TTL in seconds")
     p.add_argument("--keepalive-interval", type=float, help="seconds between keep-alives")
-    p.add_argument("--fence-margin", type=float, help="fence this long before the lease ends")
+    p.add_argument("--fence-margin", type=float,
+                   help="report an etcd outage this long before the lease could end")
     p.add_argument("--drain-deadline", type=float, help="default drain deadline in seconds")
     p.add_argument("--migration-timeout", type=float,
                    help="abort a live migration not switched this long after it was planned")
@@ -94,6 +95,7 @@ class Daemon:
         self.jobs = JobRunner(self.agent, self.store, self.supervisor, self.stop)
         self.agent.listeners.append(self.jobs.poke)
         self.agent.before_stop = self.jobs.ranks_moved
+        self.agent.readopt = self.jobs.readopt
         self.local = LocalServer(cfg.socket_path, self.store, Keys(cfg.etcd.prefix), cfg.node,
                                  epoch_check=self.jobs.epoch_check,
                                  job_info=self.jobs.job_info, next_view=self.jobs.next_view,

@@ -15,11 +15,13 @@ deadline, ``-> drained``. (Live migration of the workers' ranks plugs in before 
 Fencing on evidence. A node's ranks can only be taken over by a plan the controller writes to
 etcd after the node's lease expired there; the takeover moves the job to a new epoch whose group
 versions the old ranks are not members of. So while etcd cannot be reached the ranks keep
-training (nobody can replace them), and the node stops them only when it has evidence that it
-was, or may be, replaced: etcd answers that the lease is gone (a keep-alive returns TTL 0), or
-the node's record is bound to another lease (a newer incarnation). The job's epoch moving past a
-rank's is the job runner's evidence (it stops ranks the assignment no longer places here); a
-rank whose peers left its groups cannot commit a step and waits for its daemon's word.
+training (nobody can replace them), and the node acts only on evidence: etcd answers that the
+lease is gone (a keep-alive returns TTL 0), or the node's record is bound to another lease (a
+newer incarnation). Then it joins again as a new incarnation and, once its new record exists,
+kills every worker that was replaced meanwhile and keeps the others (``readopt``): a recovery of
+a lost node's ranks is written only while that node has no record, so none can come later. The
+job's epoch moving past a rank's is the job runner's evidence too (it stops ranks the assignment
+no longer places here); a rank whose peers left its groups cannot commit a step and waits.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class NodeAgent:
         self.outage_since: float | None = None
         self._fencing = False
         self._started_at = 0.0
+        self._registered_at = 0.0
         self.incarnation = ""
         self.cordoned = False
         self.drain_request: DrainRequest | None = None
@@ -87,6 +90,10 @@ class NodeAgent:
         self._changed = asyncio.Event()
         #: Called after every state change (the job runner re-checks what it should run).
         self.listeners: list[Callable[[], None]] = []
+        #: After a lost lease and a new registration: kills the workers that were replaced (or
+        #: cannot be shown not to be) and returns (killed, kept) child names (the job runner's
+        #: ``readopt``). None: a lost lease kills every worker.
+        self.readopt: Callable[[], Awaitable[tuple[list[str], list[str]]]] | None = None
         #: Awaited by a drain before the workers are stopped, with a wall-clock deadline.
         self.before_stop: Callable[[float], Awaitable[Any]] | None = None
         self._drain_task: asyncio.Task[None] | None = None
@@ -108,7 +115,8 @@ class NodeAgent:
             name=self.cfg.node, incarnation=self.incarnation, lease=self.lease or 0,
             state=self.state, role=self.cfg.role, slots=self.cfg.slots,
             addresses=self.cfg.addresses, failure_domain=self.cfg.failure_domain,
-            version=VERSION, started_at=self._started_at, state_since=self.lifecycle.since,
+            version=VERSION, started_at=self._started_at, registered_at=self._registered_at,
+            state_since=self.lifecycle.since,
             reason=self.lifecycle.reason, workers=self.workers.running_count,
             first_failure=self.first_failure, health=self.health, warmth=dict(self.warmth),
         )
@@ -192,6 +200,7 @@ class NodeAgent:
 
     async def _try_register(self) -> bool:
         self.incarnation = uuid.uuid4().hex[:12]
+        self._registered_at = self.wall()
         sent = self.clock()
         lease = await self.store.grant(self.cfg.lease.ttl)
         self.lease = lease
@@ -297,9 +306,13 @@ class NodeAgent:
                 outage_s=round(lasted, 3))
 
     async def fence_now(self, reason: str) -> None:
-        """Stop every worker at once, forget the lease, and join again as a clean node. Called
-        on evidence only (see the module's docstring); a second call while one is re-joining
-        does nothing."""
+        """On evidence that the lease is gone: this incarnation is over, and the node's ranks
+        may have been replaced. Join again as a new incarnation first, then keep only the
+        workers that etcd shows nobody replaced (``readopt``, the job runner's check, reading
+        after the new record exists: a recovery of a lost node's ranks is written only while
+        that node has no record, so none can replace them later) and kill the rest at once.
+        Without ``readopt`` every worker is killed. A second call while one runs does nothing.
+        """
         if self._fencing:
             return
         self._fencing = True
@@ -309,7 +322,8 @@ class NodeAgent:
             self._fencing = False
 
     async def _fence(self, reason: str) -> None:
-        self.workers.kill_all_now()
+        if self.readopt is None:
+            self.workers.kill_all_now()
         self.metrics.fences.inc()
         lost = self.lease
         self.lease = None
@@ -318,13 +332,28 @@ class NodeAgent:
             self.outage_since = None
             self.metrics.etcd_reachable.set(1)
         self.registered.clear()
-        self.lifecycle.transition(NodeState.FAILED, self.wall(), f"fenced: {reason}")
+        self.lifecycle.transition(NodeState.FAILED, self.wall(), f"lease lost: {reason}")
         self.metrics.set_state(NodeState.FAILED)
         if self._drain_task is not None:
             self._drain_task.cancel()
-        self.log.error(f"Node fenced itself and killed its workers: {reason}.", lease=lost)
-        await self.events.emit("node-fenced", f"Node {self.cfg.node} fenced itself: {reason}.")
+        self.log.error(f"Node lost its lease: {reason}. It joins again as a new incarnation "
+                       "and stops whatever was replaced meanwhile.", lease=lost)
         await self.register()
+        killed: list[str] = ["every worker"]
+        kept: list[str] = []
+        if self.readopt is not None:
+            killed, kept = await self.readopt()
+        if killed:
+            self.log.error(f"Node fenced itself: killed {', '.join(killed)} (replaced, or not "
+                           "provably still its own, while the lease was gone).",
+                           kept=kept)
+        elif kept:
+            self.log.info(f"Node kept {', '.join(kept)}: etcd shows nobody replaced them while "
+                          "the lease was gone.")
+        await self.events.emit(
+            "node-fenced", f"Node {self.cfg.node} lost its lease ({reason}) and joined again; "
+            f"killed: {', '.join(killed) or 'nothing'}; kept: {', '.join(kept) or 'nothing'}.",
+            killed=killed, kept=kept)
 
     # -- own keys ---------------------------------------------------------------------------
 

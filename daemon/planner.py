@@ -69,10 +69,13 @@ class SetJobState:
 
 @dataclass(frozen=True)
 class StartMigration:
-    """Write a new migration (only if the job has no active one)."""
+    """Write a new migration (only if the job has no active one). ``absent``: the nodes whose
+    loss the plan stands on (a recovery of their ranks); it is written only while none of them
+    has a node record, so a node that joined again in the meantime keeps its ranks."""
 
     migration: Migration
     reason: str
+    absent: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,24 @@ class ClusterView:
     drain_deadlines: Mapping[str, float] = field(default_factory=dict)
     #: seconds a migration may take from planned to its switch (``drain.migration_timeout``)
     migration_timeout: float = 120.0
+    #: While ``now`` is before this, a node without a live record is not yet lost (no node
+    #: marked failed, no rank recovered for it): the controller saw most of the cluster's
+    #: leases lapse at once, as when a single etcd member paused past the TTL revokes them all
+    #: on waking, and their daemons are joining again with their ranks (see the controller).
+    hold_losses_until: float = 0.0
+    #: node name -> when the controller first saw it without a live record (absent: long ago)
+    absent_since: Mapping[str, float] = field(default_factory=dict)
+    #: seconds a node must have been without a record to count as lost: a node whose lease was
+    #: revoked under it (it did not die) is back within a keep-alive interval, and a controller
+    #: hears of a mass revocation one record at a time
+    loss_settle: float = 0.0
+
+
+def lost(view: ClusterView, node: str, now: float) -> bool:
+    """Whether ``node`` counts as gone: no live record for ``loss_settle`` seconds, and no mass
+    disruption on hold."""
+    return node not in view.live and now >= view.hold_losses_until and \
+        now - view.absent_since.get(node, float("-inf")) >= view.loss_settle
 
 
 def plan(view: ClusterView, now: float, max_events: int = 1000) -> list[Action]:
@@ -140,7 +161,7 @@ def plan(view: ClusterView, now: float, max_events: int = 1000) -> list[Action]:
     actions: list[Action] = []
     for name in sorted(view.registry):
         entry, rev = view.registry[name]
-        if name in view.live or entry.offline or entry.state == NodeState.FAILED:
+        if not lost(view, name, now) or entry.offline or entry.state == NodeState.FAILED:
             continue
         # The node record is bound to the node's lease: it is gone only when the lease expired
         # (or was revoked by a daemon that did not leave cleanly).
@@ -235,7 +256,7 @@ def _plan_job(name: str, job: JobView, view: ClusterView, now: float) -> list[Ac
         return []
     if job.migration is not None and job.migration.active:
         return _advance_migration(job, job.migration, view, now)
-    gone = _gone_ranks(job, job.assignment, view)
+    gone = _gone_ranks(job, job.assignment, view, now)
     if gone:
         return _plan_recovery(job, job.assignment, gone, view, now)
     migration = _plan_migration(job, job.assignment, view, now)
@@ -253,12 +274,13 @@ def _plan_job(name: str, job: JobView, view: ClusterView, now: float) -> list[Ac
     return actions
 
 
-def _gone_ranks(job: JobView, a: Assignment, view: ClusterView) -> dict[int, str]:
+def _gone_ranks(job: JobView, a: Assignment, view: ClusterView,
+                now: float) -> dict[int, str]:
     """Ranks of the current epoch whose process failed or whose node is gone -> why."""
     gone = {e.rank: f"rank {e.rank} failed on {e.node}: {e.description}"
             for e in job.exits.values() if e.failed}
     for r, n in enumerate(a.ranks):
-        if n not in view.live and r not in job.exits:
+        if lost(view, n, now) and r not in job.exits:
             gone[r] = f"node {n} holding rank {r} is gone"
     return dict(sorted(gone.items()))
 
@@ -343,6 +365,7 @@ def _plan_recovery(job: JobView, a: Assignment, gone: dict[int, str], view: Clus
             return [SetJobState(name, JobState.RUNNING, reason, event="job-paused")]
         return []
     ranks = tuple(gone)
+    absent = tuple(sorted({a.ranks[r] for r in ranks if a.ranks[r] not in view.live}))
     migration = Migration(
         job=name, id=f"e{a.epoch + 1}-{int(now * 1000)}", from_epoch=a.epoch,
         to_epoch=a.epoch + 1, ranks=ranks, leavers=tuple(a.ranks[r] for r in ranks),
@@ -357,10 +380,10 @@ def _plan_recovery(job: JobView, a: Assignment, gone: dict[int, str], view: Clus
                           zip(migration.ranks, migration.joiners, strict=True))
         return [StartMigration(migration, f"rollback of every rank to the snapshot of step "
                                           f"{snapshot_step}: {moves}; copies from "
-                                          f"{point.summary()}")]
+                                          f"{point.summary()}", absent)]
     moves = ", ".join(f"rank {r} -> {j} (state from rank {d})" for r, j, d in
                       zip(migration.ranks, migration.joiners, donors, strict=True))
-    return [StartMigration(migration, f"recovery: {moves}")]
+    return [StartMigration(migration, f"recovery: {moves}", absent)]
 
 
 def _refill_standbys(job: JobView, a: Assignment, view: ClusterView,
@@ -419,14 +442,14 @@ def _advance_migration(job: JobView, m: Migration, view: ClusterView,
     if len(job.exits) == job.spec.world_size and not any(e.failed for e in job.exits.values()):
         return [AdvanceMigration(m.job, m.id, MigrationPhase.ABORTED,
                                  "every rank finished the job first")]
-    gone = [n for n in m.joiners if n not in view.live]
+    gone = [n for n in m.joiners if lost(view, n, now)]
     if gone and m.phase != MigrationPhase.SWITCHING:
         return [AdvanceMigration(m.job, m.id, MigrationPhase.ABORTED,
                                  f"joiner node {gone[0]} is gone")]
     assert job.assignment is not None
     # A rank that fails during a migration: a planned one is called off before its switch and
     # the next round recovers the job; a recovery starts over with the new loss included.
-    failed = {r: why for r, why in _gone_ranks(job, job.assignment, view).items()
+    failed = {r: why for r, why in _gone_ranks(job, job.assignment, view, now).items()
               if not (m.recovery and r in m.ranks)}
     if failed and m.phase != MigrationPhase.SWITCHING:
         return [AdvanceMigration(m.job, m.id, MigrationPhase.ABORTED,
@@ -448,7 +471,7 @@ def _advance_migration(job: JobView, m: Migration, view: ClusterView,
     # epoch, is recovered by the next round like any other. (Before that, the leaver's failed
     # send reports it and the migration is called off.)
     dead_joiners = {r for r, j in zip(m.ranks, m.joiners, strict=True)
-                    if j not in view.live or (r in job.next_exits and job.next_exits[r].failed)}
+                    if lost(view, j, now) or (r in job.next_exits and job.next_exits[r].failed)}
     if now > m.deadline and m.phase != MigrationPhase.SWITCHING:
         return [AdvanceMigration(
             m.job, m.id, MigrationPhase.ABORTED,

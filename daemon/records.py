@@ -130,6 +130,9 @@ class NodeRecord(Record):
     failure_domain: str = ""
     version: str = ""
     started_at: float = 0.0
+    #: when this incarnation registered (wall time); later than ``started_at`` by more than a
+    #: moment when the daemon lost its lease and joined again without restarting
+    registered_at: float = 0.0
     state_since: float = 0.0
     reason: str = ""
     workers: int = 0

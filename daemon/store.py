@@ -201,6 +201,20 @@ class EtcdStore:
 
     async def _call(self, op: str, fn: Callable[[_Client], Any], timeout: float | None = None
                     ) -> Any:
+        # A member that refuses the connection never saw the request: the next one is asked at
+        # once (a CLI run, a fresh store, must not fail because the first endpoint is down).
+        for _ in range(len(self.cfg.endpoints) - 1):
+            try:
+                return await self._call_once(op, fn, timeout)
+            except _Refused:
+                continue
+        try:
+            return await self._call_once(op, fn, timeout)
+        except _Refused as exc:
+            raise StoreError(str(exc)) from exc.__cause__
+
+    async def _call_once(self, op: str, fn: Callable[[_Client], Any],
+                         timeout: float | None) -> Any:
         self._on_request(op)
         client = await self._get_client()
         try:
@@ -215,8 +229,10 @@ class EtcdStore:
             await self.reset()
             hint = (" (with TLS: check etcd.ca, and that etcd trusts the client certificate)"
                     if self.cfg.tls and "TSI_" in str(exc) else "")
-            raise StoreError(f"etcd {op} failed at {failed_at}: {exc or 'timed out'}{hint}"
-                             ) from exc
+            message = f"etcd {op} failed at {failed_at}: {exc or 'timed out'}{hint}"
+            if isinstance(exc, aexc.ConnectionFailedError):
+                raise _Refused(message) from exc
+            raise StoreError(message) from exc
         except (aexc.ClientError, grpc.aio.AioRpcError) as exc:
             raise StoreError(f"etcd {op} failed: {exc}") from exc
         except asyncio.CancelledError:
@@ -395,6 +411,10 @@ async def bounded(coro: Any, timeout: float) -> None:
     done, _ = await asyncio.wait({task}, timeout=timeout)
     if not done:
         task.cancel()
+
+
+class _Refused(StoreError):
+    """No connection could be made: the request never reached etcd (safe to send elsewhere)."""
 
 
 async def wait_any(events: tuple[asyncio.Event, ...], timeout: float) -> None:

@@ -22,7 +22,7 @@ import re
 import signal
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, NamedTuple
@@ -355,9 +355,15 @@ class Supervisor:
     def kill_all_now(self) -> None:
         """SIGKILL every running child's process group at once, without awaiting (fencing).
         Follow with :meth:`wait_all` to see the exits."""
+        self.kill_now(self._children)
+
+    def kill_now(self, names: Iterable[str]) -> None:
+        """SIGKILL these running children's process groups at once, without awaiting (fencing
+        the ranks that were replaced); a start in progress is killed too."""
         self._fences += 1
-        for child in self._children.values():
-            if child.exit is None:
+        for name in names:
+            child = self._children.get(name)
+            if child is not None and child.exit is None:
                 child.stopping = True
                 self._signal_group(child, signal.SIGKILL)
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.scenarios import assert_no_tracebacks
 from understudy.daemon.embedded_etcd import EmbeddedEtcd
 from understudy.daemon.localcluster import LocalCluster
 
@@ -14,22 +15,13 @@ from understudy.daemon.localcluster import LocalCluster
 @pytest.fixture
 def cluster(etcd: EmbeddedEtcd, tmp_path: Path) -> Iterator[LocalCluster]:
     """An empty local cluster; daemons started with ``cluster.add`` are stopped afterwards, and
-    none of them may have logged a traceback (but for failpoints armed to raise)."""
+    none of them may have logged a traceback (``assert_no_tracebacks``)."""
     c = LocalCluster(etcd_endpoint=etcd.endpoint, base_dir=tmp_path / "cluster")
     try:
         yield c
     finally:
         c.stop_all(timeout=5)
-        for name, d in c.daemons.items():
-            lines = d.log_text().splitlines()
-            unexpected = [i for i, line in enumerate(lines)
-                          if "Traceback" in line and "failpoints.FailpointFired" not in line]
-            if unexpected:
-                # A JSON log line holds its whole traceback; a raw one (printed by Python itself,
-                # not our logger) runs over the lines after it: show both, with what led up to it.
-                first = unexpected[0]
-                shown = "\n".join(line[-2000:] for line in lines[max(0, first - 3):first + 40])
-                pytest.fail(f"{name} logged {len(unexpected)} traceback(s); the first:\n{shown}")
+        assert_no_tracebacks(c)
 
 
 @pytest.fixture(scope="session")

@@ -9,18 +9,21 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import pytest
 
 from understudy.daemon.embedded_etcd import EmbeddedEtcd
 from understudy.daemon.localcluster import DaemonProcess, LocalCluster
 
 
-def start(etcd: EmbeddedEtcd, base: Path, active: dict[str, int], standby: tuple[str, ...],
-          extra: tuple[str, ...] = (),
+def start(etcd: EmbeddedEtcd | str, base: Path, active: dict[str, int],
+          standby: tuple[str, ...], extra: tuple[str, ...] = (),
           env: dict[str, dict[str, str]] | None = None) -> LocalCluster:
-    """Daemons for ``active`` (name -> slots) and ``standby`` nodes; ``env[name]`` is added to
-    that daemon's environment (and so to its workers')."""
+    """Daemons for ``active`` (name -> slots) and ``standby`` nodes, around ``etcd`` (a server,
+    or the endpoints ``--etcd`` takes); ``env[name]`` is added to that daemon's environment
+    (and so to its workers')."""
     env = env or {}
-    c = LocalCluster(etcd_endpoint=etcd.endpoint, base_dir=base)
+    endpoints = etcd if isinstance(etcd, str) else etcd.endpoint
+    c = LocalCluster(etcd_endpoint=endpoints, base_dir=base)
     for n, slots in active.items():
         c.add(n, "active", extra=["--slots", str(slots), *extra], env=env.get(n))
     for n in standby:
@@ -31,6 +34,20 @@ def start(etcd: EmbeddedEtcd, base: Path, active: dict[str, int], standby: tuple
         c.wait_state(n, "standby")
     c.wait_for("a controller", lambda s: s.controller is not None)
     return c
+
+
+def assert_no_tracebacks(c: LocalCluster) -> None:
+    """No daemon of ``c`` logged a traceback (but for failpoints armed to raise)."""
+    for name, d in c.daemons.items():
+        lines = d.log_text().splitlines()
+        unexpected = [i for i, line in enumerate(lines)
+                      if "Traceback" in line and "failpoints.FailpointFired" not in line]
+        if unexpected:
+            # A JSON log line holds its whole traceback; a raw one (printed by Python itself,
+            # not our logger) runs over the lines after it: show both, with what led up to it.
+            first = unexpected[0]
+            shown = "\n".join(line[-2000:] for line in lines[max(0, first - 3):first + 40])
+            pytest.fail(f"{name} logged {len(unexpected)} traceback(s); the first:\n{shown}")
 
 
 def wait_standbys(c: LocalCluster, nodes: tuple[str, ...], timeout: float = 90) -> None:

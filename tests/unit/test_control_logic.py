@@ -268,6 +268,36 @@ def test_a_lost_node_is_recovered_rank_by_rank_onto_as_many_standbys() -> None:
     assert m.ranks == (2, 3) and m.joiners == ("s1", "s2") and m.donors == (0, 1)
 
 
+def test_a_recovery_of_a_lost_node_stands_only_while_that_node_has_no_record() -> None:
+    # The controller writes it comparing each absent node's record to "none": a node that
+    # joined again meanwhile (and kept its ranks: JobRunner.readopt) makes it fail.
+    (start,) = [x for x in plan(_recovery_view(drop=("b",)), 5.0)
+                if isinstance(x, StartMigration)]
+    assert start.absent == ("b",)
+    (crash,) = plan(_recovery_view({1: _crash(1)}), 5.0)
+    assert isinstance(crash, StartMigration) and crash.absent == ()
+
+
+def test_a_mass_disruption_is_held_no_node_failed_and_no_rank_recovered_until_it_ends() -> None:
+    view = dataclasses.replace(_recovery_view(drop=("a", "b", "s1")), hold_losses_until=8.0)
+    assert plan(view, 5.0) == []  # neither MarkFailed nor a recovery while held
+    # A crashed rank is evidence of its own: it is recovered even during the hold.
+    crashed = dataclasses.replace(_recovery_view({1: _crash(1)}), hold_losses_until=8.0)
+    assert any(isinstance(x, StartMigration) for x in plan(crashed, 5.0))
+    # Once the hold is over, nodes still without a record are lost.
+    after = plan(view, 8.0)
+    assert {x.node for x in after if isinstance(x, MarkFailed)} == {"a", "b", "s1"}
+
+
+def test_a_node_is_lost_only_once_it_had_no_record_for_the_settle_time() -> None:
+    view = dataclasses.replace(_recovery_view(drop=("b",)), absent_since={"b": 4.5},
+                               loss_settle=1.0)
+    assert plan(view, 5.0) == []  # a revoked lease's node is back within a keep-alive
+    after = plan(view, 5.5)
+    assert any(isinstance(x, MarkFailed) and x.node == "b" for x in after)
+    assert any(isinstance(x, StartMigration) for x in after)
+
+
 def test_recovery_without_a_replica_fails_the_job_with_the_reason() -> None:
     (failed,) = plan(_recovery_view({1: _crash(1)}, tp=4), 5.0)
     assert isinstance(failed, SetJobState) and failed.state == JobState.FAILED
