@@ -74,6 +74,10 @@ class Controller:
         #: (see _view)
         self._disruption_since: float | None = None
         self._hold_losses_until = 0.0
+        #: wall time of the next settle or hold end, when a round must run (0: none)
+        self._wake_at = 0.0
+        #: create revision of the controller key this daemon won (see _as_leader)
+        self._leader_key_revision = 0
         #: node -> when this controller first saw it in service without a live record
         self._absent_since: dict[str, float] = {}
 
@@ -96,12 +100,14 @@ class Controller:
             return
         me = ControllerRecord(node=self.agent.cfg.node, incarnation=self.agent.incarnation,
                               since=self.wall())
-        won = await self.store.txn(compare=[("create", self.keys.controller, 0)],
-                                   success=[("put", self.keys.controller, me.encode(), lease)])
-        if won:
-            await self._lead(lease)
-            return
+        await self.store.txn(compare=[("create", self.keys.controller, 0)],
+                             success=[("put", self.keys.controller, me.encode(), lease)])
         kv = await self.store.get(self.keys.controller)
+        if kv is not None and kv.lease == lease:
+            # Ours (just won, or won before a failed read): lead with the key's create
+            # revision, which every write of this controller compares (a deposed one's fail).
+            await self._lead(lease, kv.create_revision)
+            return
         if kv is not None:
             await self._wait_for_change(self.keys.controller, kv.mod_revision, timeout=5.0)
 
@@ -126,7 +132,8 @@ class Controller:
 
     # -- leading ----------------------------------------------------------------------------
 
-    async def _lead(self, lease: int) -> None:
+    async def _lead(self, lease: int, key_revision: int) -> None:
+        self._leader_key_revision = key_revision
         self.is_leader = True
         self.metrics.controller.set(1)
         self.log.info("This daemon is now the controller.")
@@ -148,7 +155,10 @@ class Controller:
                 asyncio.create_task(self._watch_leadership(lost), name="ctl-leadership"),
             ]
             while not self.stop.is_set() and not lost.is_set() and self.agent.lease == lease:
-                await wait_any((self._changed, self.stop, lost), self.tick)
+                # Wake early when a node's settle time or a hold ends (see _view).
+                pending = self._wake_at - self.wall()
+                await wait_any((self._changed, self.stop, lost),
+                               min(self.tick, max(0.01, pending)) if pending > 0 else self.tick)
                 self._changed.clear()
                 try:
                     if self._need_relist or self.wall() - last_list > self.relist_interval:
@@ -279,7 +289,8 @@ class Controller:
 
     def _view(self) -> ClusterView:
         now = self.wall()
-        # A mass disruption: more than half of the nodes in service lost their records at once.
+        # A mass disruption: more than half of the nodes in service (two at least) lost their
+        # records at once.
         # That is the control plane's doing (a single etcd member paused past the TTL revokes
         # every lease when it wakes), not a fleet of dead machines: their daemons join again
         # within moments, keeping their ranks. Node losses are held for two TTLs from when it
@@ -297,7 +308,7 @@ class Controller:
                 self._absent_since.pop(n, None)
             else:
                 self._absent_since.setdefault(n, now)
-        if len(absent) * 2 <= len(in_service):
+        if len(absent) < 2 or len(absent) * 2 <= len(in_service):
             self._disruption_since = None
         elif self._disruption_since is None:
             self._disruption_since = now
@@ -305,13 +316,28 @@ class Controller:
             self.log.warning(f"{len(absent)} of {len(in_service)} nodes lost their lease at "
                              "once; holding node losses for two TTLs while they join again.",
                              nodes=sorted(absent))
+        settle = self.agent.cfg.lease.keepalive_interval / 2
+        ends = [t + settle for t in self._absent_since.values() if t + settle > now]
+        if self._hold_losses_until > now:
+            ends.append(self._hold_losses_until)
+        self._wake_at = min(ends, default=0.0)
         return ClusterView(registry=dict(self._registry), live=dict(self._live),
                            event_keys=tuple(self._event_keys), jobs=self._jobs.views(),
                            drain_deadlines=dict(self._drain_deadlines),
                            migration_timeout=self.agent.cfg.drain.migration_timeout,
                            hold_losses_until=self._hold_losses_until,
                            absent_since=dict(self._absent_since),
-                           loss_settle=2 * self.agent.cfg.lease.keepalive_interval)
+                           loss_settle=settle)
+
+    def _as_leader(self, compare: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+        """``compare`` and: this daemon still holds the controller key it won (etcd's
+        election idiom). A controller deposed mid-round (its lease lapsed) writes nothing."""
+        return [*compare, ("create", self.keys.controller, self._leader_key_revision)]
+
+    async def _write(self, key: str, value: bytes, mod_revision: int) -> bool:
+        """Compare-and-swap ``key`` as the leader."""
+        return await self.store.txn(compare=self._as_leader([("mod", key, mod_revision)]),
+                                    success=[("put", key, value, None)])
 
     async def _apply(self, actions: list[Action]) -> None:
         for action in actions:
@@ -321,8 +347,8 @@ class Controller:
                 await self._apply_migration(action)
             elif isinstance(action, AddStandbys):
                 a = action.assignment
-                if await self.store.cas(self.keys.job_assignment(a.job), a.encode(),
-                                        self._jobs.assignments[a.job][1]):
+                if await self._write(self.keys.job_assignment(a.job), a.encode(),
+                                     self._jobs.assignments[a.job][1]):
                     self.log.info(f"Job {a.job}: {action.reason}.", job=a.job)
                     await self.events.emit("standbys-added", f"Job {a.job}: {action.reason}.",
                                            job=a.job, standbys=list(a.standbys))
@@ -336,9 +362,9 @@ class Controller:
                 # a round can run between them. Losing this compare needs no re-plan: the
                 # change that made it fail arrives through a watch.
                 if await self.store.txn(
-                        compare=[("mod", self.keys.registry_entry(action.node),
-                                  action.mod_revision),
-                                 ("create", self.keys.node(action.node), 0)],
+                        compare=self._as_leader([("mod", self.keys.registry_entry(action.node),
+                                                  action.mod_revision),
+                                                 ("create", self.keys.node(action.node), 0)]),
                         success=[("put", self.keys.registry_entry(action.node),
                                   failed.encode(), None)]):
                     self._registry[action.node] = (failed, rev)
@@ -360,8 +386,9 @@ class Controller:
             # that joined again since keeps them (its daemon checks for a plan once its new
             # record exists; see JobRunner.readopt).
             if await self.store.txn(
-                    compare=[("mod", key, self._jobs.migration_rev(m.job)),
-                             *(("create", self.keys.node(n), 0) for n in action.absent)],
+                    compare=self._as_leader([("mod", key, self._jobs.migration_rev(m.job)),
+                                             *(("create", self.keys.node(n), 0)
+                                               for n in action.absent)]),
                     success=[("put", key, m.encode(), None)]):
                 self.log.info(f"Migration {m.id} of job {m.job} planned: {action.reason}.",
                               job=m.job, epoch=m.from_epoch)
@@ -385,7 +412,7 @@ class Controller:
             a_key = self.keys.job_assignment(action.job)
             compare.append(("mod", a_key, self._jobs.assignments[action.job][1]))
             ops.append(("put", a_key, action.assignment.encode(), None))
-        if await self.store.txn(compare=compare, success=ops):
+        if await self.store.txn(compare=self._as_leader(compare), success=ops):
             self.log.info(f"Migration {m.id} of job {m.job} is {action.phase}: "
                           f"{action.reason}.", job=m.job, epoch=m.from_epoch)
             details: dict[str, Any] = {"id": m.id, "phase": str(action.phase)}
@@ -404,8 +431,9 @@ class Controller:
             status = JobStatus(job=a.job, state=JobState.RUNNING, reason=action.reason,
                                updated_at=now)
             ok = await self.store.txn(
-                compare=[("create", self.keys.job_assignment(a.job), 0),
-                         ("mod", self.keys.job_status(a.job), self._jobs.status_rev(a.job))],
+                compare=self._as_leader([
+                    ("create", self.keys.job_assignment(a.job), 0),
+                    ("mod", self.keys.job_status(a.job), self._jobs.status_rev(a.job))]),
                 success=[("put", self.keys.job_assignment(a.job), a.encode(), None),
                          ("put", self.keys.job_status(a.job), status.encode(), None)])
             if ok:
@@ -417,8 +445,8 @@ class Controller:
             return
         status = JobStatus(job=action.job, state=action.state, reason=action.reason,
                            updated_at=now)
-        if await self.store.cas(self.keys.job_status(action.job), status.encode(),
-                                self._jobs.status_rev(action.job)):
+        if await self._write(self.keys.job_status(action.job), status.encode(),
+                             self._jobs.status_rev(action.job)):
             self.log.info(f"Job {action.job} is {action.state}: {action.reason}.",
                           job=action.job)
             await self.events.emit(action.event or f"job-{action.state}",

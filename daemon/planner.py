@@ -143,9 +143,9 @@ class ClusterView:
     hold_losses_until: float = 0.0
     #: node name -> when the controller first saw it without a live record (absent: long ago)
     absent_since: Mapping[str, float] = field(default_factory=dict)
-    #: seconds a node must have been without a record to count as lost: a node whose lease was
-    #: revoked under it (it did not die) is back within a keep-alive interval, and a controller
-    #: hears of a mass revocation one record at a time
+    #: seconds a node must have been without a record to count as lost: etcd revokes the leases
+    #: that expired together within moments, but a controller hears of them one record at a
+    #: time, and must see the whole of a mass revocation before it acts on any of it
     loss_settle: float = 0.0
 
 

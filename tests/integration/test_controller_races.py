@@ -33,7 +33,8 @@ def test_a_joining_node_seen_by_its_registry_entry_first_is_not_failed(
     """A node's record and registry entry are written in one transaction but reach the
     controller through two watches; a round between them sees an entry without a record. The
     controller must not mark that node failed (seen with 24 nodes joining at once in
-    benchmarks/scale.py); once the record is really gone, the same action does."""
+    benchmarks/scale.py); once the record is really gone, the same action does, but only while
+    this daemon still holds the controller key it won (a deposed controller writes nothing)."""
 
     async def run() -> None:
         cfg = config.load(overrides={"node": "ctl", "etcd.endpoints": etcd.endpoint},
@@ -54,7 +55,12 @@ def test_a_joining_node_seen_by_its_registry_entry_first_is_not_failed(
         kv = await store.get(keys.registry_entry("node-j"))
         assert kv is not None
         ctl._registry["node-j"] = (entry, kv.mod_revision)  # the record's event is still due
-        actions = plan(ctl._view(), time.time())
+        await store.put(keys.controller, b"ctl")  # as if won
+        won = await store.get(keys.controller)
+        assert won is not None
+        ctl._leader_key_revision = won.create_revision
+        # (past the settle time: a node counts as lost after half a keep-alive interval)
+        actions = plan(ctl._view(), time.time() + cfg.lease.keepalive_interval)
         assert [type(a) for a in actions] == [MarkFailed]
         await ctl._apply(actions)
         kv = await store.get(keys.registry_entry("node-j"))
@@ -62,6 +68,14 @@ def test_a_joining_node_seen_by_its_registry_entry_first_is_not_failed(
         assert (await store.get_prefix(keys.events))[0] == []
 
         await store.revoke(lease)  # the lease is gone: now the node has failed
+        await store.delete(keys.controller)  # ... but this controller was deposed meanwhile
+        await ctl._apply(actions)
+        kv = await store.get(keys.registry_entry("node-j"))
+        assert kv is not None and RegistryEntry.decode(kv.value).state == NodeState.ACTIVE
+        await store.put(keys.controller, b"ctl")  # elected again: a new key, a new revision
+        won = await store.get(keys.controller)
+        assert won is not None
+        ctl._leader_key_revision = won.create_revision
         await ctl._apply(actions)
         kv = await store.get(keys.registry_entry("node-j"))
         assert kv is not None and RegistryEntry.decode(kv.value).state == NodeState.FAILED

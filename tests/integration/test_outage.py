@@ -137,9 +137,6 @@ def test_training_goes_on_through_etcd_outages_and_ends_bitwise(
             # The 9 s pause: the lease was gone, the node joined again and kept its workers.
             assert d.log_text().count("Node lost its lease: etcd says the lease has expired") \
                 == 1, name
-        for node in RANKS:
-            # The outages that outlived ttl - margin were noticed and reported, once each.
-            wait_log(c.daemons[node], "etcd answers again after an outage", times=3)
         # Once etcd was back, the dead rank's exit was recorded and it was recovered.
         c.wait_for("the recovery of rank 1", lambda s: any(
             e["kind"] == "migration-done" for e in events(c)), timeout=120)
@@ -148,7 +145,10 @@ def test_training_goes_on_through_etcd_outages_and_ends_bitwise(
         assert "node-failed" not in kinds, kinds
         fenced = [e for e in evs if e["kind"] == "node-fenced"]
         assert len(fenced) == 4 and all(e["details"]["killed"] == [] for e in fenced), fenced
-        assert kinds.count("etcd-reachable") >= 3 * 4, kinds
+        # One event per outage a daemon saw end (at least the 10 s and 60 s ones on each).
+        ended = [d.log_text().count("etcd answers again after an outage")
+                 for d in c.daemons.values()]
+        assert min(ended) >= 2 and kinds.count("etcd-reachable") == sum(ended), (ended, kinds)
         planned = [e for e in evs if e["kind"] == "migration-planned"]
         assert len(planned) == 1 and "recovery: rank 1 -> node-s" in planned[0]["message"], \
             planned
@@ -160,4 +160,44 @@ def test_training_goes_on_through_etcd_outages_and_ends_bitwise(
     finally:
         if etcd.proc is not None:
             os.killpg(etcd.proc.pid, signal.SIGCONT)
+        c.stop_all(timeout=5)
+
+
+def test_a_drain_caught_in_phase_1_by_an_outage_ends_whole_and_bitwise(
+        etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:
+    # The joiners hold phase 1 open for 6 s (failpoint), and etcd dies 1 s into it for 10 s:
+    # the migration's reports and the controller's rounds cannot reach etcd. Afterwards the
+    # migration is either done or called off and planned again; never left half done. The
+    # drain completes, and the job ends as an uninterrupted run.
+    armed = {n: {"UNDERSTUDY_FAILPOINTS": "joiner.prepared=sleep(6)"}
+             for n in ("node-s1", "node-s2")}
+    c = start(etcd, tmp_path / "cluster", {"node-a": 2, "node-b": 2}, ("node-s1", "node-s2"),
+              env=armed)
+    try:
+        out, steps = tmp_path / "out", tmp_path / "steps"
+        _run(c, out, steps, step_sleep=0.15)
+        wait_standbys(c, ("node-s1", "node-s2"))
+        _wait_step(steps, 20)
+        assert c.cli("drain", "node-b", "--deadline", "300").returncode == 0
+        for n in ("node-s1", "node-s2"):
+            wait_log(c.daemons[n], "Standby chosen to take over", timeout=60)
+        time.sleep(1.0)
+        etcd.stop()
+        time.sleep(10.0)
+        etcd.start()
+        c.wait_state("node-b", "drained", timeout=240)
+        evs = events(c)
+        kinds = [e["kind"] for e in evs]
+        assert "migration-done" in kinds, kinds
+        # Every migration planned ended, done or aborted: none is left in between.
+        planned = {e["details"]["id"] for e in evs if e["kind"] == "migration-planned"}
+        ended = {e["details"]["id"] for e in evs if e["kind"] in ("migration-done",
+                                                                   "migration-aborted")}
+        assert planned == ended, (planned, ended)
+        assert "node-failed" not in kinds, kinds
+        job = _finish(c)
+        assert job.assignment is not None
+        assert "node-b" not in job.assignment.ranks, job.assignment.ranks
+        assert_bitwise_equal(reference, out, world=4)
+    finally:
         c.stop_all(timeout=5)
