@@ -9,6 +9,24 @@ connection: a process of an old epoch cannot reach the job's store. Values are b
 
 The key-value operations are those a ``torch.distributed.Store`` needs: set, get (waiting up to
 a timeout), add, compare_set, check, delete, num_keys.
+
+**Writes fenced by epoch.** A connection outlives epoch changes, and a rank replaced by the
+controller (its lease expired while its node was cut off from etcd only) may keep one open. In
+the namespaces whose keys a live rank reads to decide what to load (:func:`fenced`: the job's own
+namespace, where standbys advertise their snapshot holders, and ``<job>/snapshots``, the ranks'
+snapshot reports), every write (set, add, compare_set, delete) is checked again: against the
+daemon's view (``epoch_check``), then in etcd itself, in the transaction that writes: it
+compares the job's assignment key with the revision whose epoch was read, so a write lands only
+while the assignment is not past the connection's epoch, even when this daemon's view lags
+behind etcd (right after a partition heals). A refused write gets an error naming both epochs;
+the connection serves on, and reads stay allowed.
+
+Other namespaces are not fenced per write, and must not be: a process group's bootstrap store
+(``<job>/<group>/v<n>``) is kept across epochs by the groups a recovery does not rebuild, and
+torch may write to it after the epoch moved (NCCL's lazy communicators, its watchdog); a
+migration's reports (``<job>/migration/<id>``) are written under the migration's ``from_epoch``
+by its survivors and leaver, and the leaver's ``transferred`` may land after the joiner's
+``switched`` let the controller commit the new epoch. Those keep the hello's check only.
 """
 
 from __future__ import annotations
@@ -20,13 +38,14 @@ import enum
 import hashlib
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from understudy.daemon import logs
-from understudy.daemon.errors import StoreError
+from understudy.daemon.errors import RecordError, StoreError
 from understudy.daemon.keys import Keys
+from understudy.daemon.records import Assignment
 from understudy.daemon.snapshot_tiers import HOLDER_ID_RE
 from understudy.daemon.store import EtcdStore, WatchEvent
 
@@ -53,8 +72,27 @@ class Op(enum.StrEnum):
     WARMTH = "warmth"
 
 
+#: the operations that change a key
+WRITES = frozenset({Op.SET, Op.ADD, Op.COMPARE_SET, Op.DELETE})
+#: a job's namespaces (``<job>/<name>``) whose writes are fenced, beside ``<job>`` itself
+FENCED_SUBSPACES = frozenset({"snapshots"})
+#: how often a fenced or compare-and-swap write is tried against concurrent changes
+_CAS_TRIES = 100
+
+
+def fenced(namespace: str) -> bool:
+    """Whether every write in ``namespace`` is checked against the job's epoch (see the module
+    docstring): ``<job>`` (snapshot holders' advertisements) and ``<job>/snapshots``."""
+    parts = namespace.split("/")
+    return len(parts) == 1 or (len(parts) == 2 and parts[1] in FENCED_SUBSPACES)
+
+
 class RequestError(ValueError):
     """The worker sent a request the service cannot carry out; the reply says why."""
+
+
+#: the compares that make a write land only while the job's epoch allows it
+Fence = Callable[[], Awaitable[list[tuple[Any, ...]]]]
 
 
 EpochCheck = Callable[[str, int], str | None]
@@ -149,6 +187,7 @@ class LocalServer:
         assert task is not None
         self._conns.add(task)
         namespace: str | None = None
+        epoch = 0  # the hello's
         standby_of: str | None = None  # the job, once this connection reported warmth
         try:
             while True:
@@ -166,7 +205,7 @@ class LocalServer:
                     rid = req.get("id")
                     op = Op(str(req.get("op")))
                     if op == Op.HELLO:
-                        namespace = self._hello(req)
+                        namespace, epoch = self._hello(req)
                         reply: dict[str, Any] = {}
                     elif namespace is None:
                         raise RequestError("the first request must be hello")
@@ -177,7 +216,9 @@ class LocalServer:
                     elif op == Op.JOB:
                         reply = await self._job(namespace.split("/", 1)[0], req)
                     else:
-                        reply = await self._handle(op, req, self.keys.kv(namespace))
+                        fence = self._fence(namespace, epoch) \
+                            if op in WRITES and fenced(namespace) else None
+                        reply = await self._handle(op, req, self.keys.kv(namespace), fence)
                     if standby_of is not None and op != Op.WARMTH:
                         self.standby_report(standby_of, None)
                     out = {"id": rid, "ok": True, **reply}
@@ -221,7 +262,7 @@ class LocalServer:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(changed.wait(), remaining)
 
-    def _hello(self, req: dict[str, Any]) -> str:
+    def _hello(self, req: dict[str, Any]) -> tuple[str, int]:
         ns, epoch = req.get("namespace"), req.get("epoch", 0)
         if not isinstance(ns, str) or not NAMESPACE_RE.match(ns) or len(ns) > 200 \
                 or any(part in (".", "..") for part in ns.split("/")):
@@ -233,9 +274,46 @@ class LocalServer:
             self.log.warning("Refused a worker of a stale epoch.", namespace=ns, epoch=epoch,
                              reason=refusal)
             raise RequestError(f"epoch {epoch} refused: {refusal}")
-        return ns
+        return ns, epoch
 
-    async def _handle(self, op: Op, req: dict[str, Any], base: str) -> dict[str, Any]:
+    def _fence(self, namespace: str, epoch: int) -> Fence:
+        """For a write in a fenced namespace: refuse it at once if this daemon's view says the
+        job moved past ``epoch``; else return what makes its transaction land only while the
+        job's assignment in etcd is the one read now, at ``epoch`` or earlier.
+
+        Raises:
+            RequestError: the epoch is fenced out (or the assignment unreadable).
+        """
+        job = namespace.split("/", 1)[0]
+        refusal = self.epoch_check(namespace, epoch)
+        if refusal:
+            self._refused_write(namespace, epoch, refusal)
+        key = self.keys.job_assignment(job)
+
+        async def compare() -> list[tuple[Any, ...]]:
+            kv = await self.store.get(key)
+            if kv is None:
+                return [("mod", key, 0)]  # no such job yet: only while it stays so
+            try:
+                current = Assignment.decode(kv.value).epoch
+            except RecordError as exc:
+                self._refused_write(namespace, epoch, f"job {job}'s assignment is unreadable: "
+                                                      f"{exc}")
+            if current > epoch:
+                self._refused_write(namespace, epoch, f"job {job} is at epoch {current}")
+            return [("mod", key, kv.mod_revision)]
+
+        return compare
+
+    def _refused_write(self, namespace: str, epoch: int, why: str) -> NoReturn:
+        self.log.warning("Refused a write of a stale epoch.", namespace=namespace, epoch=epoch,
+                         reason=why)
+        raise RequestError(f"a write of epoch {epoch} refused: {why}")
+
+    async def _handle(self, op: Op, req: dict[str, Any], base: str,
+                      fence: Fence | None = None) -> dict[str, Any]:
+        """Carry out one key-value request under ``base``; a write with a ``fence`` lands only
+        in a transaction with its compares (re-read after each lost race)."""
         if op == Op.PING:
             return {}
         if op == Op.NUM_KEYS:
@@ -247,46 +325,74 @@ class LocalServer:
             return {"present": all(found)}
         key = base + _key_arg(req)
         if op == Op.SET:
-            await self.store.put(key, _bytes_arg(req, "value"))
-            return {}
+            data = _bytes_arg(req, "value")
+            if fence is None:
+                await self.store.put(key, data)
+                return {}
+            for _ in range(_CAS_TRIES):
+                if await self.store.txn(compare=await fence(),
+                                        success=[("put", key, data, None)]):
+                    return {}
+            raise StoreError("a write kept losing its race with changes of the job's assignment")
         if op == Op.GET:
             value = await self._get_waiting(key, _timeout_arg(req))
             if value is None:
                 raise RequestError(f"key {req['key']!r} did not appear within the timeout")
             return {"value": base64.b64encode(value).decode()}
         if op == Op.DELETE:
-            return {"deleted": await self.store.delete(key)}
+            if fence is None:
+                return {"deleted": await self.store.delete(key)}
+            return {"deleted": await self._fenced_delete(key, fence)}
         if op == Op.ADD:
-            return {"value": await self._add(key, req.get("amount"))}
+            return {"value": await self._add(key, req.get("amount"), fence)}
         if op == Op.COMPARE_SET:
             value = await self._compare_set(key, _bytes_arg(req, "expected"),
-                                            _bytes_arg(req, "desired"))
+                                            _bytes_arg(req, "desired"), fence)
             return {"value": base64.b64encode(value).decode()}
         raise RequestError(f"unknown op {op!r}")
 
-    async def _add(self, key: str, amount: Any) -> int:
+    async def _cas(self, key: str, value: bytes, mod_revision: int,
+                   fence: Fence | None) -> bool:
+        if fence is None:
+            return await self.store.cas(key, value, mod_revision)
+        return await self.store.txn(compare=[("mod", key, mod_revision), *await fence()],
+                                    success=[("put", key, value, None)])
+
+    async def _fenced_delete(self, key: str, fence: Fence) -> bool:
+        for _ in range(_CAS_TRIES):
+            compare = await fence()
+            kv = await self.store.get(key)
+            if kv is None:
+                return False
+            if await self.store.txn(compare=[("mod", key, kv.mod_revision), *compare],
+                                    success=[("delete", key)]):
+                return True
+        raise StoreError("delete kept losing its race with changes of the job's assignment")
+
+    async def _add(self, key: str, amount: Any, fence: Fence | None = None) -> int:
         if not isinstance(amount, int) or isinstance(amount, bool):
             raise RequestError(f"add needs an integer amount, got {amount!r}")
-        for _ in range(100):
+        for _ in range(_CAS_TRIES):
             kv = await self.store.get(key)
             try:
                 current = int(kv.value) if kv else 0
             except ValueError:
                 raise RequestError(f"key {key!r} does not hold an integer") from None
-            if await self.store.cas(key, str(current + amount).encode(),
-                                    kv.mod_revision if kv else 0):
+            if await self._cas(key, str(current + amount).encode(),
+                               kv.mod_revision if kv else 0, fence):
                 return current + amount
         raise StoreError("add kept losing its compare-and-swap race")
 
-    async def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+    async def _compare_set(self, key: str, expected: bytes, desired: bytes,
+                           fence: Fence | None = None) -> bytes:
         """torch Store semantics: set ``desired`` if the value is ``expected`` (empty:
         absent); return the value now stored, or ``expected`` for an absent key."""
-        for _ in range(100):
+        for _ in range(_CAS_TRIES):
             kv = await self.store.get(key)
             matches = kv.value == expected if kv is not None else expected == b""
             if not matches:
                 return expected if kv is None else kv.value
-            if await self.store.cas(key, desired, kv.mod_revision if kv else 0):
+            if await self._cas(key, desired, kv.mod_revision if kv else 0, fence):
                 return desired
         raise StoreError("compare_set kept losing its compare-and-swap race")
 

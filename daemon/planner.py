@@ -121,6 +121,9 @@ class JobView:
     snapshots: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
     #: rank -> the steps of its snapshots a holder keeps in memory, and which holder
     memory_snapshots: Mapping[int, MemoryCopies] = field(default_factory=dict)
+    #: rank -> step of ``snapshots`` -> the epoch its writer held (the folder it is in);
+    #: absent or None: an older worker's report, the old layout
+    storage_epochs: Mapping[int, Mapping[int, int | None]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -343,7 +346,7 @@ def _plan_recovery(job: JobView, a: Assignment, gone: dict[int, str], view: Clus
             continue
         point = rollback_point(job.spec.world_size, job.snapshots, job.memory_snapshots,
                                live_holders(name, {n: rec.warmth for n, rec in
-                                                   view.live.items()}))
+                                                   view.live.items()}), job.storage_epochs)
         if point is None:
             return [SetJobState(name, JobState.FAILED,
                                 f"{gone[r]}, no live data-parallel replica holds its state, "

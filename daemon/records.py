@@ -334,7 +334,8 @@ class Migration(Record):
     ``ranks[i]``, gives the joiner the state of the last committed step) or ``rollback`` (the
     leaver is gone and no replica holds its state: every rank, joiners included, loads its
     snapshot of ``snapshot_step``, rank ``r``'s from ``snapshot_from[r]``: ``storage`` or
-    ``memory:<node>:<holder id>``, see ``snapshot_tiers.py``; empty: all from storage).
+    ``memory:<node>:<holder id>``, each followed by ``@<epoch>``, the epoch the copy was
+    written under, see ``snapshot_tiers.py``; empty: all from storage).
     """
 
     KIND: ClassVar[str] = "migration"

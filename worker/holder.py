@@ -17,10 +17,14 @@ Protocol: one frame per message each way, on a connection that may carry several
     header: a JSON object (at most 64 KiB) | payload: raw bytes
 
 Requests name an :class:`Op` and carry the holder's token. ``push`` announces a snapshot
-(rank, step, size) and is answered ``ok`` only if it will be kept, so that a refused one never
-sends its bytes; ``data`` then carries the ``torch.save`` archive and is answered ``ok`` with
-``held``, the steps now held for that rank. ``fetch`` (rank, step) is answered ``ok`` with the
-archive and the crc the push came with (checked end to end), ``list`` with what is held. A
+(rank, step, size, and ``epoch``, the epoch the pushing rank held when it took it) and is
+answered ``ok`` only if it will be kept, so that a refused one never sends its bytes; ``data``
+then carries the ``torch.save`` archive and is answered ``ok`` with ``held``, the steps now held
+for that rank, and ``epochs``, the epoch of each. ``fetch`` (rank, step, and optionally the
+``epoch`` wanted) is answered ``ok`` with the archive, its ``epoch`` and the crc the push came
+with (checked end to end), ``list`` with what is held. The epoch fields are optional (protocol
+version 1 is unchanged for a peer that sends none): a push without one is kept as epoch 0, a
+fetch without one takes whichever epoch is held. A
 request refused for what it asks (a step not held, no room) gets ``error`` (one sentence) and
 the connection serves on. Bytes that are not this protocol (wrong magic or version, oversized
 header, bad JSON, a crc that does not match, a wrong token, an unknown op, data nobody
@@ -29,12 +33,22 @@ stored, and the holder serves the other connections on. The holder never unpickl
 holds: a payload is opaque bytes that must look like a ``torch.save`` archive, loaded
 (``weights_only``) by the rank that fetches it.
 
-The newest ``keep`` steps of each rank are kept, within ``capacity`` bytes in all: a push that
-would not fit (after evicting that rank's oldest) is refused, and the rank keeps its storage
-copies only. A holder's copies live exactly as long as its process: a standby that dies loses
-them (the controller stops counting them when the warmth is gone), and a standby promoted to a
-rank closes its holder once it has switched (it serves the survivors' fetches until then, and
-as the joiner of a rollback it takes its own rank's copy from its own memory).
+**Epochs.** A rank replaced by the controller may still run for a while under its old epoch (its
+node cut off from etcd only). The holder refuses a push from an epoch older than the newest it
+keeps for that rank, so once the rank's new holder (the joiner, the survivors after a switch)
+has pushed, nothing of the replaced process replaces or evicts a copy; a copy of the same step
+from a newer epoch replaces the older one. A fetch that names the epoch it wants (the one the
+rollback plan names) gets that copy or a refusal, never another epoch's.
+
+The newest ``keep`` copies of each rank, by (epoch, step), are kept, within ``capacity`` bytes in
+all: a push that would not fit (after evicting that rank's oldest) is refused, and the rank keeps
+its storage copies only. Ordering by epoch first lets a job that rolled back keep pushing the
+steps it redoes, evicting the copies of the abandoned run.
+
+A holder's copies live exactly as long as its process: a standby that dies loses them (the
+controller stops counting them when the warmth is gone), and a standby promoted to a rank closes
+its holder once it has switched (it serves the survivors' fetches until then, and as the joiner
+of a rollback it takes its own rank's copy from its own memory).
 """
 
 from __future__ import annotations
@@ -171,7 +185,22 @@ def _int_field(header: dict[str, Any], name: str) -> int:
     return value
 
 
+def _epoch_field(header: dict[str, Any]) -> int | None:
+    """The request's ``epoch``; None when it says none (a peer older than epochs)."""
+    return None if header.get("epoch") is None else _int_field(header, "epoch")
+
+
 # -- the holder -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Admitted:
+    """A push the holder made room for; its data comes next on the same connection."""
+
+    rank: int
+    step: int
+    size: int
+    epoch: int
 
 
 @dataclass(frozen=True)
@@ -243,7 +272,8 @@ class SnapshotHolder:
         self.token = secrets.token_hex(16)
         self.refused = 0
         self._lock = threading.Lock()
-        self._copies: dict[int, dict[int, tuple[bytes | bytearray, int]]] = {}
+        #: rank -> step -> (the archive, its crc, the epoch it was pushed under)
+        self._copies: dict[int, dict[int, tuple[bytes | bytearray, int, int]]] = {}
         self._used = 0
         self._reserved = 0
         self._stop = threading.Event()
@@ -270,6 +300,12 @@ class SnapshotHolder:
         with self._lock:
             return {r: tuple(sorted(c)) for r, c in self._copies.items() if c}
 
+    def held_epochs(self) -> dict[int, dict[int, int]]:
+        """rank -> step -> the epoch its copy was pushed under."""
+        with self._lock:
+            return {r: {s: e for s, (_, _, e) in sorted(c.items())}
+                    for r, c in self._copies.items() if c}
+
     @property
     def used(self) -> int:
         """Bytes of the copies held."""
@@ -280,49 +316,73 @@ class SnapshotHolder:
         """Bytes admitted for pushes whose data has not arrived yet."""
         return self._reserved
 
-    def get(self, rank: int, step: int) -> bytes | bytearray:
-        """Raises HolderError: that step of that rank is not held here."""
-        return self._get(rank, step)[0]
+    def get(self, rank: int, step: int, epoch: int | None = None) -> bytes | bytearray:
+        """The copy of ``step`` of ``rank`` (``epoch``: only the one pushed under that epoch).
 
-    def _get(self, rank: int, step: int) -> tuple[bytes | bytearray, int]:
+        Raises:
+            HolderError: that step of that rank is not held here, or from another epoch.
+        """
+        return self._get(rank, step, epoch)[0]
+
+    def _get(self, rank: int, step: int,
+             epoch: int | None = None) -> tuple[bytes | bytearray, int, int]:
         with self._lock:
             copy = self._copies.get(rank, {}).get(step)
             if copy is None:
                 held = sorted(self._copies.get(rank, {}))
                 raise HolderError(f"step {step} of rank {rank} is not held on {self.node} "
                                   f"(held: {held})")
+            if epoch is not None and copy[2] != epoch:
+                raise HolderError(f"step {step} of rank {rank} is held on {self.node} from "
+                                  f"epoch {copy[2]}, not epoch {epoch}")
             return copy
 
     def _release(self, size: int) -> None:
         with self._lock:
             self._reserved -= size
 
-    def _admit(self, rank: int, step: int, size: int) -> None:
+    def _kept_after(self, rank: int, step: int, epoch: int) -> list[int]:
+        """The steps of ``rank`` kept once this push lands (the newest ``keep`` by epoch, then
+        step). Raises HolderError: the push is from an older epoch than a copy held for the
+        rank (its pusher was replaced), or older than every step kept. Under the lock."""
+        copies = self._copies.get(rank, {})
+        newest = max((e for _, _, e in copies.values()), default=epoch)
+        if epoch < newest:
+            raise HolderError(f"a push of step {step} of rank {rank} from epoch {epoch} is "
+                              f"stale: {self.node} keeps rank {rank}'s copies from epoch "
+                              f"{newest}")
+        order = {s: (e, s) for s, (_, _, e) in copies.items()} | {step: (epoch, step)}
+        kept = sorted(order, key=order.__getitem__)[-self.keep:]
+        if step not in kept:
+            raise HolderError(f"step {step} of rank {rank} is older than the {self.keep} "
+                              f"steps held for it ({sorted(copies)})")
+        return kept
+
+    def _admit(self, rank: int, step: int, size: int, epoch: int = 0) -> None:
         """Reserve room for a push; raises HolderError if it cannot be kept."""
         with self._lock:
+            kept = self._kept_after(rank, step, epoch)
             copies = self._copies.get(rank, {})
-            kept = sorted({*copies, step})[-self.keep:]
-            if step not in kept:
-                raise HolderError(f"step {step} of rank {rank} is older than the {self.keep} "
-                                  f"steps held for it ({sorted(copies)})")
-            freed = sum(len(d) for s, (d, _) in copies.items() if s not in kept or s == step)
+            freed = sum(len(d) for s, (d, _, _) in copies.items() if s not in kept or s == step)
             if self._used + self._reserved + size - freed > self.capacity:
                 raise HolderError(f"{size} bytes do not fit: {self._used} of {self.capacity} "
                                   f"bytes are held on {self.node}")
             self._reserved += size
 
-    def _store(self, rank: int, step: int, data: bytearray, crc: int) -> tuple[int, ...]:
+    def _store(self, rank: int, step: int, data: bytearray, crc: int,
+               epoch: int = 0) -> dict[int, int]:
+        """Keep an admitted push; returns step -> epoch of what is now held for ``rank``.
+        Raises HolderError (the reservation is released): a push from a newer epoch landed
+        while this one's data was on its way."""
         with self._lock:
             self._reserved -= len(data)
+            kept = self._kept_after(rank, step, epoch)
             copies = self._copies.setdefault(rank, {})
-            old = copies.pop(step, None)
-            if old is not None:
-                self._used -= len(old[0])
-            copies[step] = (data, crc)
-            self._used += len(data)
-            for s in sorted(copies)[:-self.keep]:
+            for s in [s for s in copies if s not in kept or s == step]:
                 self._used -= len(copies.pop(s)[0])
-            return tuple(sorted(copies))
+            copies[step] = (data, crc, epoch)
+            self._used += len(data)
+            return {s: copies[s][2] for s in sorted(copies)}
 
     # -- serving -------------------------------------------------------------------------------
 
@@ -346,7 +406,7 @@ class SnapshotHolder:
             t.start()
 
     def _serve(self, conn: socket.socket) -> None:
-        pending: tuple[int, int, int] | None = None  # a push admitted: (rank, step, size)
+        pending: _Admitted | None = None  # a push admitted, its data not arrived yet
         try:
             while not self._stop.is_set():
                 try:
@@ -362,15 +422,15 @@ class SnapshotHolder:
             pass  # the peer went away, or stalled past the timeout: its request is dropped
         finally:
             if pending is not None:
-                self._release(pending[2])
+                self._release(pending.size)
             with self._lock:
                 self._conns.discard(conn)
                 self._threads.discard(threading.current_thread())
             conn.close()
             self._slots.release()
 
-    def _answer(self, conn: socket.socket, pending: tuple[int, int, int] | None,
-                header: dict[str, Any], size: int, crc: int) -> tuple[int, int, int] | None:
+    def _answer(self, conn: socket.socket, pending: _Admitted | None,
+                header: dict[str, Any], size: int, crc: int) -> _Admitted | None:
         """Carry out one request; returns the push now admitted, if any.
 
         Raises:
@@ -386,31 +446,36 @@ class SnapshotHolder:
         if op is not Op.DATA and size:
             raise ProtocolError(f"a {op} request carries no payload")
         if op is Op.DATA:
-            if pending is None or size != pending[2]:
-                raise ProtocolError(f"{size} bytes of data, but {pending} was admitted")
-            rank, step, _ = pending
+            if pending is None or size != pending.size:
+                said = None if pending is None else (pending.rank, pending.step, pending.size)
+                raise ProtocolError(f"{size} bytes of data, but {said} was admitted")
             data = recv_payload(conn, size, crc)  # ProtocolError: released by the caller
             if not data.startswith(_ZIP):
                 raise ProtocolError("the payload is not a torch.save archive")
-            held = self._store(rank, step, data, crc)  # the reservation is used up
+            try:  # the reservation is used up either way
+                held = self._store(pending.rank, pending.step, data, crc, pending.epoch)
+            except HolderError as exc:  # the data was read whole: the stream is in step
+                self._refuse(conn, exc)
+                return None
             with contextlib.suppress(OSError):  # a peer gone already reads no reply
-                send_frame(conn, {"op": Op.OK, "held": list(held)})
+                send_frame(conn, {"op": Op.OK, "held": list(held),
+                                  "epochs": list(held.values())})
             return None
         if pending is not None:
             raise ProtocolError(f"a {op} request while a push waits for its data")
         try:
             if op is Op.PUSH:
-                admitted = (_int_field(header, "rank"), _int_field(header, "step"),
-                            _int_field(header, "size"))
-                self._admit(*admitted)
+                admitted = _Admitted(_int_field(header, "rank"), _int_field(header, "step"),
+                                     _int_field(header, "size"), _epoch_field(header) or 0)
+                self._admit(admitted.rank, admitted.step, admitted.size, admitted.epoch)
                 send_frame(conn, {"op": Op.OK})
                 return admitted
             if op is Op.FETCH:
                 rank, step = _int_field(header, "rank"), _int_field(header, "step")
-                copy, stored_crc = self._get(rank, step)
+                copy, stored_crc, epoch = self._get(rank, step, _epoch_field(header))
                 # The crc stored with the push: the fetcher checks the bytes end to end.
-                send_frame(conn, {"op": Op.OK, "rank": rank, "step": step}, copy,
-                            crc=stored_crc)
+                send_frame(conn, {"op": Op.OK, "rank": rank, "step": step, "epoch": epoch},
+                           copy, crc=stored_crc)
             elif op is Op.LIST:
                 send_frame(conn, {"op": Op.OK, "id": self.id, "used": self._used,
                                    "capacity": self.capacity,

@@ -70,34 +70,57 @@ def _request(holder: HolderAddress, header: dict[str, Any], *,
 
 
 def push(holder: HolderAddress, rank: int, step: int, data: bytes | memoryview, *,
-         timeout: float = 60.0) -> MemoryCopies:
-    """Give ``holder`` this rank's snapshot of ``step``; returns what it holds for the rank.
-    The holder admits the push before the bytes are sent: a refused one costs no transfer.
+         epoch: int | None = None, timeout: float = 60.0) -> MemoryCopies:
+    """Give ``holder`` this rank's snapshot of ``step``, taken under ``epoch``; returns what it
+    holds for the rank (with the epoch of each copy when the push named one). The holder admits
+    the push before the bytes are sent: a refused one costs no transfer.
 
     Raises:
-        HolderError: refused (full, older than what it keeps), unreachable, or garbled.
+        HolderError: refused (full, older than what it keeps, from an epoch older than the
+            rank's copies there), unreachable, or garbled.
     """
     size = memoryview(data).nbytes
+    header: dict[str, Any] = {"op": Op.PUSH, "rank": rank, "step": step, "size": size}
+    if epoch is not None:
+        header["epoch"] = epoch
     with _Connection(holder, timeout) as conn:
-        conn.request({"op": Op.PUSH, "rank": rank, "step": step, "size": size})
+        conn.request(header)
         reply, _ = conn.request({"op": Op.DATA}, data)
-    held = reply.get("held")
-    if not isinstance(held, list) or not all(isinstance(s, int) for s in held):
+    held: Any = reply.get("held")
+    epochs: Any = reply.get("epochs")
+    if not _ints(held):
         raise HolderError(f"holder on {holder.node} answered a push with {reply!r}")
-    return MemoryCopies(holder.node, holder.id, tuple(held))
+    if epoch is None:
+        return MemoryCopies(holder.node, holder.id, tuple(held))
+    if not _ints(epochs) or len(epochs) != len(held):
+        raise HolderError(f"holder on {holder.node} does not say which epoch its copies are "
+                          f"from (answered {reply!r})")
+    return MemoryCopies(holder.node, holder.id, tuple(held), tuple(epochs))
 
 
-def fetch(holder: HolderAddress, rank: int, step: int, *, timeout: float = 60.0) -> bytearray:
-    """This rank's snapshot of ``step`` from ``holder``, checked against the push's crc.
+def _ints(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(x, int) and not isinstance(x, bool) for x in value)
+
+
+def fetch(holder: HolderAddress, rank: int, step: int, *, epoch: int | None = None,
+          timeout: float = 60.0) -> bytearray:
+    """This rank's snapshot of ``step`` from ``holder``, checked against the push's crc;
+    ``epoch``: only the copy pushed under that epoch.
 
     Raises:
-        HolderError: not held there, unreachable, or garbled.
+        HolderError: not held there (or from another epoch), unreachable, or garbled.
     """
-    reply, data = _request(holder, {"op": Op.FETCH, "rank": rank, "step": step},
-                           timeout=timeout)
+    header: dict[str, Any] = {"op": Op.FETCH, "rank": rank, "step": step}
+    if epoch is not None:
+        header["epoch"] = epoch
+    reply, data = _request(holder, header, timeout=timeout)
     if reply.get("rank") != rank or reply.get("step") != step:
         raise HolderError(f"holder on {holder.node} answered for rank {reply.get('rank')} "
                           f"step {reply.get('step')}, not rank {rank} step {step}")
+    if epoch is not None and reply.get("epoch") != epoch:
+        raise HolderError(f"holder on {holder.node} answered with a copy from epoch "
+                          f"{reply.get('epoch')}, not epoch {epoch}")
     return data
 
 
@@ -154,10 +177,11 @@ class HolderDirectory:
 
 def push_to_any(directory: HolderDirectory | Callable[[], list[HolderAddress]], rank: int,
                 step: int, data: bytes | memoryview | Callable[[], bytes | memoryview], *,
-                timeout: float = 60.0) -> MemoryCopies:
+                epoch: int | None = None, timeout: float = 60.0) -> MemoryCopies:
     """Push to the rank's holder: the job's standbys in turn, starting at ``rank`` modulo
-    their number (so the ranks spread over the pool), the first that takes it. ``data`` may
-    be a function making the bytes: called once, and only if there is a holder to try.
+    their number (so the ranks spread over the pool), the first that takes it (``epoch``: the
+    epoch the snapshot was taken under, see :func:`push`). ``data`` may be a function making
+    the bytes: called once, and only if there is a holder to try.
 
     Raises:
         HolderError: none took it; says why for each.
@@ -171,7 +195,7 @@ def push_to_any(directory: HolderDirectory | Callable[[], list[HolderAddress]], 
             if payload is None:
                 assert callable(data)
                 payload = data()
-            return push(holder, rank, step, payload, timeout=timeout)
+            return push(holder, rank, step, payload, epoch=epoch, timeout=timeout)
         except HolderError as exc:
             errors.append(str(exc))
     raise HolderError("; ".join(errors) or "the job has no standby to hold snapshots")

@@ -525,7 +525,7 @@ class Joiner:
         try:
             where = restore(runtime, self.plan.snapshot_step, self.plan.snapshot_source(self.rank),
                             directory=directory, holders=holders, local=holder,
-                            timeout=self.timeout)
+                            timeout=self.timeout, epoch=self.plan.from_epoch)
         except SnapshotError as exc:
             self.reports.set(f"transferred/{self.rank}", f"failed: {exc}".encode())
             raise TransferError(f"could not load the snapshot: {exc}") from exc

@@ -159,7 +159,8 @@ class _Survivor:
         holders = HolderDirectory(self.hook.job, lambda: self.plan.from_epoch)
         try:
             where = restore(self.runtime, step, self.plan.snapshot_source(self.rank),
-                            directory=self.snapshots, holders=holders, timeout=self.timeout)
+                            directory=self.snapshots, holders=holders, timeout=self.timeout,
+                            epoch=self.plan.from_epoch)
         except SnapshotError as exc:
             self._set("aborted", f"rank {self.rank} could not load the snapshot of step "
                                  f"{step}: {exc}".encode())

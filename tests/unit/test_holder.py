@@ -253,3 +253,74 @@ def test_ranks_spread_over_the_pool_and_go_on_to_the_next_holder_when_one_fails(
     with pytest.raises(HolderError, match="no standby"):
         push_to_any(lambda: [], 0, 40, serialize)
     assert made == [20]
+
+
+# -- epochs: a replaced rank's pushes never replace or evict a live rank's copies ------------
+
+
+def test_a_push_from_an_epoch_older_than_the_ranks_copies_is_refused(
+        holder: SnapshotHolder) -> None:
+    where = holder.advertised()
+    assert push(where, 3, 20, _archive(20), epoch=5) == \
+        MemoryCopies("node-s1", holder.id, (20,), (5,))
+    # The replaced process (epoch 4) pushes a newer step, then the same one: both refused,
+    # and what the live rank pushed is untouched.
+    for step in (40, 20):
+        with pytest.raises(HolderError, match=rf"a push of step {step} of rank 3 from epoch 4 "
+                                              r"is stale: node-s1 keeps rank 3's copies from "
+                                              r"epoch 5"):
+            push(where, 3, step, _archive(step + 1), epoch=4)
+    with pytest.raises(HolderError, match="from epoch 0 is stale"):  # a push naming no epoch
+        push(where, 3, 40, _archive(41))
+    assert bytes(fetch(where, 3, 20)) == _archive(20) and holder.reserved == 0
+    # A newer epoch replaces the same step; other ranks are not concerned.
+    assert push(where, 3, 20, _archive(21), epoch=6).epochs == (6,)
+    assert bytes(fetch(where, 3, 20, epoch=6)) == _archive(21)
+    assert push(where, 1, 20, _archive(20), epoch=2).epochs == (2,)
+    assert holder.held_epochs() == {1: {20: 2}, 3: {20: 6}}
+
+
+def test_a_newer_epoch_keeps_its_copies_before_those_of_an_abandoned_run(
+        holder: SnapshotHolder) -> None:
+    # The job rolled back from step 300 to 100 under epoch 2: the steps it redoes are kept,
+    # evicting the old run's copies, oldest first, even though their steps are higher.
+    where = holder.advertised()
+    push(where, 0, 250, _archive(250), epoch=1)
+    push(where, 0, 300, _archive(300), epoch=1)
+    assert push(where, 0, 150, _archive(150), epoch=2) == \
+        MemoryCopies("node-s1", holder.id, (150, 300), (2, 1))
+    assert push(where, 0, 200, _archive(200), epoch=2).steps == (150, 200)
+    with pytest.raises(HolderError, match="step 100 of rank 0 is older than the 2 steps held"):
+        push(where, 0, 100, _archive(100), epoch=2)
+
+
+def test_a_fetch_gets_the_epoch_it_names_or_a_refusal(holder: SnapshotHolder) -> None:
+    where = holder.advertised()
+    push(where, 2, 40, _archive(40), epoch=5)
+    assert bytes(fetch(where, 2, 40, epoch=5)) == _archive(40)
+    assert bytes(fetch(where, 2, 40)) == _archive(40)  # naming none takes what is held
+    with pytest.raises(HolderError, match=r"step 40 of rank 2 is held on node-s1 from epoch "
+                                          r"5, not epoch 4"):
+        fetch(where, 2, 40, epoch=4)
+    assert bytes(holder.get(2, 40, 5)) == _archive(40)
+    with pytest.raises(HolderError, match="from epoch 5, not epoch 6"):
+        holder.get(2, 40, 6)
+
+
+def test_a_push_overtaken_by_a_newer_epoch_while_its_data_is_on_the_way_keeps_nothing(
+        holder: SnapshotHolder) -> None:
+    token, stale = holder.token, _archive(40)
+    host, port = holder.advertised().endpoint()
+    with socket.create_connection((host, port), timeout=5) as sock:
+        sock.sendall(_frame({"op": "push", "rank": 0, "step": 40, "size": len(stale),
+                             "epoch": 4, "token": token}))
+        head = sock.recv(_HEAD.size, socket.MSG_WAITALL)
+        assert json.loads(sock.recv(_HEAD.unpack(head)[2], socket.MSG_WAITALL)) == {"op": "ok"}
+        # Admitted; before its bytes arrive, the rank's new holder pushes under epoch 5.
+        push(holder.advertised(), 0, 20, _archive(20), epoch=5)
+        sock.sendall(_frame({"op": "data", "token": token}, stale))
+        head = sock.recv(_HEAD.size, socket.MSG_WAITALL)
+        reply = json.loads(sock.recv(_HEAD.unpack(head)[2], socket.MSG_WAITALL))
+    assert reply["op"] == "error" and "from epoch 4 is stale" in reply["error"], reply
+    assert holder.held_epochs() == {0: {20: 5}} and holder.reserved == 0
+    assert holder.used == len(_archive(20))

@@ -9,22 +9,27 @@ import json
 
 import pytest
 
-from tests.unit.test_control_logic import _crash, _recovery_view
+from tests.unit.test_control_logic import _crash, _recovery_view, _spec
 from understudy.daemon.controller import _JobTables
 from understudy.daemon.errors import RecordError
 from understudy.daemon.localsock import RequestError, _warmth
 from understudy.daemon.planner import ClusterView, SetJobState, StartMigration, plan
-from understudy.daemon.records import JobState, Migration, MigrationPhase
+from understudy.daemon.records import Assignment, JobState, Migration, MigrationPhase
 from understudy.daemon.snapshot_tiers import (
     STORAGE,
     MemoryCopies,
     RollbackPoint,
     SnapshotReport,
+    Source,
     live_holders,
     memory_source,
     parse_source,
+    report_counts,
     rollback_point,
+    source_of,
+    storage_source,
 )
+from understudy.daemon.store import KV
 
 S1, S2 = "1111aaaa2222bbbb", "3333cccc4444dddd"
 
@@ -171,3 +176,119 @@ def test_a_standby_reports_its_holder_with_its_warmth() -> None:
     for bad in ("x", 7, "A" * 8, "ab" * 40):
         with pytest.raises(RequestError, match="holder must be a holder id"):
             _warmth({"mode": "imports", "holder": bad})
+
+
+# -- epochs: a replaced rank's writes never steer a rollback ---------------------------------
+
+
+def test_reports_and_sources_carry_the_writers_epochs_and_bad_ones_are_refused() -> None:
+    report = SnapshotReport((20, 40), MemoryCopies("s1", S1, (40, 60), (4, 5)), epoch=5,
+                            storage_epochs=(4, 5))
+    assert SnapshotReport.parse(report.encode()) == report
+    assert report.storage_epoch(40) == 5 and report.memory is not None \
+        and report.memory.epoch_of(60) == 5 and report.storage_epoch(60) is None
+    # Listed out of order and with a repeat: sorted by step, each with its own epoch.
+    body = {"storage": [40, 20, 40], "storage_epochs": [5, 4, 5], "epoch": 5, "memory": None}
+    assert SnapshotReport.parse(json.dumps(body).encode()) == \
+        SnapshotReport((20, 40), epoch=5, storage_epochs=(4, 5))
+    for bad in ({"storage": [20, 40], "storage_epochs": [4]},
+                {"storage": [20, 20], "storage_epochs": [4, 5]},
+                {"storage": [20], "storage_epochs": [-1]},
+                {"storage": [20], "epoch": True},
+                {"storage": [20], "epoch": "5"},
+                {"memory": {"node": "s1", "holder": S1, "steps": [40], "epochs": [4, 5]}}):
+        with pytest.raises(ValueError):
+            SnapshotReport.parse(json.dumps(bad).encode())
+    assert storage_source(4) == "storage@4" and storage_source() == STORAGE
+    assert source_of("storage@4") == Source(None, 4)
+    assert source_of(memory_source("s1", S1, 5)) == Source(MemoryCopies("s1", S1, ()), 5)
+    assert source_of(STORAGE) == Source(None, None)
+    assert parse_source(memory_source("s1", S1, 5)) == MemoryCopies("s1", S1, ())
+    for bad_source in ("storage@", "storage@x", "storage@-1", f"memory:s1:{S1}@",
+                       f"memory:s1@3:{S1}", "storage@1@2"):
+        with pytest.raises(ValueError, match="neither 'storage' nor"):
+            source_of(bad_source)
+    m = _rollback(snapshot_from=(storage_source(4), memory_source("s1", S1, 5)))
+    assert Migration.decode(m.encode()) == m
+
+
+def test_a_report_counts_only_under_the_assignments_epoch_or_the_one_before() -> None:
+    assert report_counts(SnapshotReport((20,), epoch=5), 5)
+    assert report_counts(SnapshotReport((20,), epoch=4), 5)  # written before 5 committed
+    assert not report_counts(SnapshotReport((20,), epoch=3), 5)
+    assert not report_counts(SnapshotReport((20,), epoch=6), 5)  # a switch not committed
+    assert report_counts(SnapshotReport((20,)), 5)  # an older worker's: cannot be judged
+
+
+def _tables_at(epoch: int) -> _JobTables:
+    t = _JobTables()
+    for path, record in (("j/spec", _spec(tp=2, dp=1)),
+                         ("j/assignment", Assignment(job="j", epoch=epoch, ranks=("a", "b"),
+                                                     standbys=("s1",), reason="",
+                                                     updated_at=0))):
+        t.ingest(path, KV(key=path, value=record.encode(), mod_revision=1, create_revision=1,
+                          lease=0), False)
+    return t
+
+
+def _report(t: _JobTables, rank: int, report: SnapshotReport) -> None:
+    t.ingest_progress(f"j/snapshots/{rank}", report.encode(), False)
+
+
+def test_the_controller_ignores_reports_of_a_replaced_or_not_yet_committed_epoch() -> None:
+    t = _tables_at(5)
+    # Rank 0 was replaced two epochs ago and its process still reports; rank 1 reports under
+    # a migration's next epoch that has not committed.
+    _report(t, 0, SnapshotReport((20, 40), MemoryCopies("s1", S1, (40,), (3,)), epoch=3,
+                                 storage_epochs=(3, 3)))
+    _report(t, 1, SnapshotReport((40,), epoch=6, storage_epochs=(6,)))
+    job = t.views()["j"]
+    assert job.snapshots == {} and job.memory_snapshots == {} and job.storage_epochs == {}
+    # Reports of this epoch and of the one before count, with each copy's epoch.
+    _report(t, 0, SnapshotReport((40,), MemoryCopies("s1", S1, (40,), (4,)), epoch=4,
+                                 storage_epochs=(4,)))
+    _report(t, 1, SnapshotReport((40,), epoch=5, storage_epochs=(5,)))
+    job = t.views()["j"]
+    assert job.snapshots == {0: (40,), 1: (40,)}
+    assert job.storage_epochs == {0: {40: 4}, 1: {40: 5}}
+    assert job.memory_snapshots == {0: MemoryCopies("s1", S1, (40,), (4,))}
+    assert t.snapshots == {"j": {0: (40,), 1: (40,)}}  # the newest report of each rank
+
+
+def test_a_joiners_first_report_keeps_its_predecessors_copies_counted() -> None:
+    # Rank 1 moved at epoch 5: its joiner's first report lists only its own copy of 60; the
+    # copies the replaced process reported under epoch 4 (written before 5 committed) still
+    # count, the joiner's copy of a step winning over the predecessor's.
+    t = _tables_at(5)
+    _report(t, 1, SnapshotReport((20, 40), MemoryCopies("s1", S1, (20, 40), (4, 4)), epoch=4,
+                                 storage_epochs=(4, 4)))
+    _report(t, 1, SnapshotReport((40, 60), MemoryCopies("s1", S1, (60,), (5,)), epoch=5,
+                                 storage_epochs=(5, 5)))
+    job = t.views()["j"]
+    assert job.snapshots == {1: (20, 40, 60)}
+    assert job.storage_epochs == {1: {20: 4, 40: 5, 60: 5}}
+    assert job.memory_snapshots == {1: MemoryCopies("s1", S1, (20, 40, 60), (4, 4, 5))}
+    # The joiner reports again under epoch 5: its predecessor's report stays beside it.
+    _report(t, 1, SnapshotReport((60,), epoch=5, storage_epochs=(5,)))
+    assert t.views()["j"].storage_epochs == {1: {20: 4, 40: 4, 60: 5}}
+    # Two epochs on, the predecessor's copies no longer count.
+    t = _tables_at(6)
+    _report(t, 1, SnapshotReport((20,), epoch=4, storage_epochs=(4,)))
+    _report(t, 1, SnapshotReport((60,), epoch=5, storage_epochs=(5,)))
+    assert t.views()["j"].storage_epochs == {1: {60: 5}}
+
+
+def test_the_plan_names_the_epoch_of_each_copy_it_rolls_back_to() -> None:
+    view = _recovery_view({1: _crash(1)}, tp=4)
+    memory = {r: MemoryCopies("s2", S2, (40, 60), (3, 3)) for r in (0, 2, 3)}
+    job = dataclasses.replace(view.jobs["j"], snapshots={r: (40, 60) for r in range(4)},
+                              storage_epochs={r: {40: 2, 60: 3} for r in range(4)},
+                              memory_snapshots=memory)
+    view = dataclasses.replace(view, jobs={"j": job})
+    (start,) = plan(_with_holders(view, s2=S2), 5.0)
+    assert isinstance(start, StartMigration)
+    m = start.migration
+    assert m.snapshot_step == 60
+    assert m.snapshot_from == (memory_source("s2", S2, 3), storage_source(3),
+                               memory_source("s2", S2, 3), memory_source("s2", S2, 3))
+    assert Migration.decode(m.encode()) == m
