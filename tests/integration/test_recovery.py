@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -376,8 +377,8 @@ def test_leavers_dying_in_phase_2_abort_the_drain_and_their_ranks_are_recovered(
         # The cause, as it first reached the controller: the leaver's death, or its joiner
         # giving up when the stream from the dead leaver broke (their reports race to etcd).
         why = aborted["message"]
-        assert "in phase 2, before its state reached the joiner" in why or (
-            "gave up before it held the state: TransferError:" in why), aborted
+        assert "in phase 2, before its state reached the joiner" in why or re.search(
+            r"gave up before it held the state: ([\w.]+\.)?TransferError:", why), aborted
         planned = [e["message"] for e in evs if e["kind"] == "migration-planned"]
         assert any("recovery: rank 2 -> " in m and "(state from rank 0)" in m for m in planned)
         assert job.assignment.epoch == 2
