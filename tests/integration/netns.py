@@ -21,6 +21,20 @@ def available() -> str | None:
     return None
 
 
+def _drop(table: str, incoming: str, outgoing: str) -> None:
+    """An nftables table of its own that silently drops packets matching ``incoming`` (input
+    hook) and ``outgoing`` (output hook): no reset, no ICMP."""
+    rules = (
+        f"add table inet {table}\n"
+        f"add chain inet {table} in {{ type filter hook input priority -10; }}\n"
+        f"add chain inet {table} out {{ type filter hook output priority -10; }}\n"
+        f"add rule inet {table} in {incoming} drop\n"
+        f"add rule inet {table} out {outgoing} drop\n"
+    )
+    subprocess.run(["nft", "-f", "-"], input=rules.encode(), check=True, capture_output=True,
+                   timeout=10)
+
+
 def _run(*args: str) -> None:
     subprocess.run(args, check=True, capture_output=True, timeout=10)
 
@@ -64,15 +78,7 @@ class TestHost:
 
     def partition(self) -> None:
         """Silently drop everything between the namespace and the root namespace."""
-        rules = (
-            f"add table inet {self.table}\n"
-            f"add chain inet {self.table} in {{ type filter hook input priority -10; }}\n"
-            f"add chain inet {self.table} out {{ type filter hook output priority -10; }}\n"
-            f"add rule inet {self.table} in ip saddr {self.ns_ip} drop\n"
-            f"add rule inet {self.table} out ip daddr {self.ns_ip} drop\n"
-        )
-        subprocess.run(["nft", "-f", "-"], input=rules.encode(), check=True,
-                       capture_output=True, timeout=10)
+        _drop(self.table, f"ip saddr {self.ns_ip}", f"ip daddr {self.ns_ip}")
 
     def heal(self) -> None:
         with contextlib.suppress(subprocess.CalledProcessError):
@@ -108,16 +114,8 @@ class AddressCut:
 
     def cut(self) -> None:
         self.table = f"ustest_cut_{uuid.uuid4().hex[:6]}"
-        t = self.table
-        rules = (
-            f"add table inet {t}\n"
-            f"add chain inet {t} in {{ type filter hook input priority -10; }}\n"
-            f"add chain inet {t} out {{ type filter hook output priority -10; }}\n"
-            f"add rule inet {t} out ip daddr {self.ip} tcp dport {self.port} drop\n"
-            f"add rule inet {t} in ip saddr {self.ip} tcp sport {self.port} drop\n"
-        )
-        subprocess.run(["nft", "-f", "-"], input=rules.encode(), check=True,
-                       capture_output=True, timeout=10)
+        _drop(self.table, f"ip saddr {self.ip} tcp sport {self.port}",
+              f"ip daddr {self.ip} tcp dport {self.port}")
 
     def heal(self) -> None:
         if self.table:
