@@ -154,9 +154,9 @@ class JobRunner:
         jobs = await self._read_jobs()
         self._jobs = jobs
         self._republish()
-        if self.agent.lease is None:
-            # Joining again after a lost lease: what this node runs is readopt's to decide, once
-            # the new record exists. Nothing is started or stopped before.
+        if not self.agent.registered.is_set():
+            # Joining (again, after a lost lease): what this node runs is readopt's to decide,
+            # once the new record exists. Nothing is started or stopped before.
             return
         children = self.supervisor.children
         running = {n for n, c in children.items() if c.state == ChildState.RUNNING}
@@ -165,7 +165,7 @@ class JobRunner:
         wanted: dict[str, tuple[_Job, int | None]] = {
             name: (job, rank) for name, (job, rank, _, _) in promotions.items()}
         state = self.agent.state
-        if self.agent.lease is not None:
+        if self.agent.registered.is_set():
             for job in jobs.values():
                 assert job.spec and job.assignment and job.status
                 if job.status.state != JobState.RUNNING:
@@ -201,6 +201,8 @@ class JobRunner:
                 continue
             await self._spawn(job.spec, job.assignment, rank)
         for name in running:
+            if not self.agent.registered.is_set():
+                return  # the lease was lost meanwhile: see above
             if _CHILD_RE.match(name) and name not in wanted:
                 self.log.info("Stopping a worker this node no longer needs.", child=name)
                 await self.supervisor.stop(name, self.agent.cfg.drain.stop_grace)
