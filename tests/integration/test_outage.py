@@ -11,12 +11,14 @@ mass loss instead of failing nodes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -46,18 +48,21 @@ def _run(c: LocalCluster, out: Path, steps_dir: Path, step_sleep: float) -> None
     assert run.returncode == 0, run.stderr
 
 
+def step_records(f: Path) -> list[dict[str, Any]]:
+    """The committed-step lines of one process's step log (``rank<r>-<pid>.jsonl``); a line
+    still being written is left out."""
+    out = []
+    for line in f.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            out.append(json.loads(line))
+    return out
+
+
 def _committed(steps_dir: Path) -> dict[int, list[tuple[int, float]]]:
     """rank -> [(step, wall time)] of every step committed so far (the job's step log)."""
     out: dict[int, list[tuple[int, float]]] = {}
     for f in steps_dir.glob("rank*.jsonl"):
-        for line in f.read_text().splitlines():
-            with_newline_cut = line.strip()
-            if not with_newline_cut:
-                continue
-            try:
-                rec = json.loads(with_newline_cut)
-            except ValueError:
-                continue  # a line being written
+        for rec in step_records(f):
             out.setdefault(rec["rank"], []).append((rec["step"], rec["t"]))
     return out
 

@@ -7,8 +7,6 @@ old ranks and rejoins as a new incarnation. The job ends bit for bit as an unint
 
 from __future__ import annotations
 
-import contextlib
-import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +17,7 @@ from tests.integration import netns
 from tests.integration.bitwise import assert_bitwise_equal
 from tests.integration.scenarios import events, wait_gone, wait_log, wait_standbys, worker_pid
 from tests.integration.test_migration import _finish
-from tests.integration.test_outage import _run, _wait_step
+from tests.integration.test_outage import _run, _wait_step, step_records
 from understudy.daemon.embedded_etcd import EmbeddedEtcd, free_port
 from understudy.daemon.localcluster import LocalCluster
 
@@ -46,13 +44,7 @@ def etcd_two_addresses(tmp_path: Path) -> Iterator[EmbeddedEtcd]:
 
 def _steps_of(steps_dir: Path, rank: int, pid: int) -> list[int]:
     f = steps_dir / f"rank{rank}-{pid}.jsonl"
-    if not f.exists():
-        return []
-    out = []
-    for line in f.read_text().splitlines():
-        with contextlib.suppress(ValueError):
-            out.append(json.loads(line)["step"])
-    return out
+    return [rec["step"] for rec in step_records(f)] if f.exists() else []
 
 
 def test_a_node_cut_off_from_etcd_is_replaced_and_its_old_ranks_never_commit_after(
