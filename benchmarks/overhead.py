@@ -150,7 +150,7 @@ def run_torchrun(cfg: BenchConfig, base: Path, checkpoints: bool) -> dict[str, A
     t0 = time.monotonic()
     try:
         run.start()
-        codes = run.wait_finished(timeout=900)
+        codes = run.wait_finished(timeout=900, fail_fast=True)
     except TorchrunError as exc:
         raise BenchmarkError(f"torchrun: {exc}\n{run.agent_log_tail()}") from exc
     finally:

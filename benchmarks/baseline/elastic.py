@@ -260,19 +260,22 @@ class ElasticRun:
 
     # -- the end ----------------------------------------------------------------------------
 
-    def wait_finished(self, timeout: float) -> dict[int, int | None]:
+    def wait_finished(self, timeout: float, fail_fast: bool = False) -> dict[int, int | None]:
         """Wait for every live agent to exit; returns each agent's exit code (None: killed by
-        the benchmark, or still running past ``timeout``).
+        the benchmark, or still running past ``timeout``). With ``fail_fast`` (a run with no
+        fault injected), the first agent that fails ends the wait: the others would only sit
+        in torchrun's exit barrier (300 s) for it.
 
         Raises:
-            TorchrunError: an agent that was not stopped on purpose failed.
+            TorchrunError: agents still running past ``timeout``.
         """
         deadline = time.monotonic() + timeout
-        for a in self.agents:
-            left = max(0.1, deadline - time.monotonic())
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                a.proc.wait(timeout=left)
         codes = {a.index: a.proc.poll() for a in self.agents}
+        while time.monotonic() < deadline and any(c is None for c in codes.values()):
+            if fail_fast and any(c not in (None, 0) for c in codes.values()):
+                return codes
+            time.sleep(0.1)
+            codes = {a.index: a.proc.poll() for a in self.agents}
         if any(c is None for c in codes.values()):
             raise TorchrunError(f"torchrun agents still running after {timeout:.0f}s: {codes} "
                                 f"(logs in {self.base})")

@@ -225,8 +225,13 @@ def main(argv: list[str] | None = None) -> int:
     if pending is not None:
         pending.result()
     log("exit", step=step, code=0, reason="done")
-    dist.destroy_process_group()
-    return 0
+    # Every rank is done once the barrier passes; the gloo teardown after it sometimes aborts
+    # a rank ("terminate called without an active exception"), which fails its agent and
+    # leaves the other one in torchrun's exit barrier for 300 s. Nothing is left to tear down.
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
