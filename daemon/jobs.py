@@ -79,6 +79,10 @@ class JobRunner:
         #: (job, rank, epoch) whose process ended here, even if etcd has not heard yet: never
         #: started again under that epoch (after a fence, the old epoch's rank stays dead).
         self._ended: set[tuple[str, int, int]] = set()
+        #: (job, rank, epoch) this node started a process for: started once at most. A rank
+        #: killed a moment ago is no longer running before its exit is handled; a reconcile in
+        #: between must not start it again at the epoch a recovery is about to replace.
+        self._started: set[tuple[str, int, int]] = set()
         #: child name -> the newest epoch under which this node held that rank
         self._held_epoch: dict[str, int] = {}
         self._standby_failures: dict[str, int] = {}
@@ -190,6 +194,8 @@ class JobRunner:
                     continue
             elif state != NodeState.ACTIVE or \
                     (job.spec.name, rank, job.assignment.epoch) in self._ended or \
+                    (job.spec.name, rank, job.assignment.epoch) in self._started or \
+                    _replacing(job, rank) or \
                     await self._exited(job.spec.name, job.assignment.epoch, rank):
                 continue
             elif job.assignment.epoch > 1:
@@ -462,6 +468,8 @@ class JobRunner:
             name = standby_child(spec.name)
         if self.agent.cfg.addresses:  # where its servers (a snapshot holder) bind
             worker_env[env.NODE_ADDRESS] = self.agent.cfg.addresses[0]
+        if rank is not None:
+            self._started.add((spec.name, rank, assignment.epoch))
         try:
             pid = await self.supervisor.spawn(name, list(spec.argv), env=worker_env,
                                               cwd=spec.cwd or None)
@@ -591,6 +599,13 @@ class JobRunner:
                                rank=rank, epoch=epoch)
                 return
             delay = min(2.0, delay * 2)
+
+
+def _replacing(job: _Job, rank: int) -> bool:
+    """Whether a migration from the job's current epoch is taking ``rank`` elsewhere."""
+    m, a = job.migration, job.assignment
+    return m is not None and a is not None and m.active and m.from_epoch == a.epoch and \
+        rank in m.ranks
 
 
 def _joiner_end(node: str, child: ChildExit, when: str = "") -> str:

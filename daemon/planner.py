@@ -150,13 +150,19 @@ class ClusterView:
     #: that expired together within moments, but a controller hears of them one record at a
     #: time, and must see the whole of a mass revocation before it acts on any of it
     loss_settle: float = 0.0
+    #: node name -> why the controller revoked its lease (it found the node dead or silent:
+    #: ``daemon/probe.py``). Such a node is lost as soon as its record is gone.
+    evidence: Mapping[str, str] = field(default_factory=dict)
 
 
 def lost(view: ClusterView, node: str, now: float) -> bool:
-    """Whether ``node`` counts as gone: no live record for ``loss_settle`` seconds, and no mass
-    disruption on hold."""
-    return node not in view.live and now >= view.hold_losses_until and \
-        now - view.absent_since.get(node, float("-inf")) >= view.loss_settle
+    """Whether ``node`` counts as gone: no live record, and either evidence that it is dead,
+    or ``loss_settle`` seconds passed without a record and no mass disruption is on hold."""
+    if node in view.live:
+        return False
+    return node in view.evidence or (now >= view.hold_losses_until and
+                                     now - view.absent_since.get(node, float("-inf"))
+                                     >= view.loss_settle)
 
 
 def plan(view: ClusterView, now: float, max_events: int = 1000) -> list[Action]:
@@ -168,10 +174,9 @@ def plan(view: ClusterView, now: float, max_events: int = 1000) -> list[Action]:
             continue
         # The node record is bound to the node's lease: it is gone only when the lease expired
         # (or was revoked by a daemon that did not leave cleanly).
-        actions.append(MarkFailed(
-            node=name, mod_revision=rev,
-            reason=f"lease expired: node was {entry.state} with no keep-alive for a full TTL",
-        ))
+        why = view.evidence.get(name) or \
+            f"lease expired: node was {entry.state} with no keep-alive for a full TTL"
+        actions.append(MarkFailed(node=name, mod_revision=rev, reason=why))
     actions.extend(_plan_jobs(view, now))
     excess = len(view.event_keys) - max_events
     if excess > 0:
@@ -355,11 +360,10 @@ def _plan_recovery(job: JobView, a: Assignment, gone: dict[int, str], view: Clus
         break
     free = _free_standbys(job, a, view)
     what = "; ".join(gone.values())
-    if job.spec.standby == 0:
-        return [SetJobState(name, JobState.FAILED, f"{what}, and the job has no standby pool "
-                                                   "(it was started with --standby 0)")]
     if len(free) < len(gone):
-        refill = _refill_standbys(job, a, view, now)
+        # A job short of standbys takes as many as it needs, whatever its --standby count
+        # (0 included): its survivors wait with their state in memory until they come.
+        refill = _refill_standbys(job, a, view, now, want=len(gone))
         if refill is not None:
             return [refill]  # capacity returned: the next round recovers onto it
         reason = (f"{PAUSED}{what}; waiting for a standby to take over ({len(free)} free, "
@@ -389,13 +393,16 @@ def _plan_recovery(job: JobView, a: Assignment, gone: dict[int, str], view: Clus
     return [StartMigration(migration, f"recovery: {moves}", absent)]
 
 
-def _refill_standbys(job: JobView, a: Assignment, view: ClusterView,
-                     now: float) -> AddStandbys | None:
+def _refill_standbys(job: JobView, a: Assignment, view: ClusterView, now: float,
+                     want: int = 0) -> AddStandbys | None:
     """Give a job whose standbys were used up, or went offline, free standby nodes again
-    (capacity returned). Offline standbys leave the pool in the same write."""
+    (capacity returned): up to its ``--standby`` count, or ``want`` if more (the ranks a
+    paused job must recover). Offline standbys leave the pool in the same write."""
     used = used_slots(view)  # a joiner's node holds its rank before its state says active
     alive = tuple(n for n in a.standbys if n in view.live and n not in used)
-    missing = job.spec.standby - len(alive)
+    ready = [n for n in alive if n in {rec.name for rec in placeable_nodes(view)}
+             and view.live[n].state == NodeState.STANDBY]  # may take a rank now
+    missing = max(job.spec.standby - len(alive), want - len(ready))
     if missing <= 0:
         return None
     taken = reserved_standbys(view)

@@ -210,7 +210,7 @@ def test_placement_that_cannot_fit_says_why_once() -> None:
     assert plan(_cluster(j=JobView(_spec(tp=4, dp=2), status=status)), now=6.0) == []
 
 
-def test_job_ends_done_failed_or_failed_with_a_lost_node() -> None:
+def test_job_ends_done_or_pauses_without_a_standby_pool() -> None:
     a = Assignment(job="j", epoch=1, ranks=("a", "b"), standbys=(), reason="", updated_at=0)
     running = JobStatus(job="j", state=JobState.RUNNING, reason="", updated_at=0)
 
@@ -221,15 +221,45 @@ def test_job_ends_done_failed_or_failed_with_a_lost_node() -> None:
     spec = _spec(tp=1, dp=2, standby=0)
     done = plan(_cluster(j=JobView(spec, running, a, {0: exit_(0, 0), 1: exit_(1, 0)})), 1.0)
     assert done == [SetJobState("j", JobState.DONE, "every rank finished")]
-    (failed,) = plan(_cluster(j=JobView(spec, running, a, {1: exit_(1, 3)})), 1.0)
-    assert isinstance(failed, SetJobState) and failed.state == JobState.FAILED
-    assert "rank 1 failed on a: code 3, and the job has no standby pool" in failed.reason
+    # Started with --standby 0: a crash takes the one free standby node there is (s)...
+    (refill,) = plan(_cluster(j=JobView(spec, running, a, {1: exit_(1, 3)})), 1.0)
+    assert isinstance(refill, AddStandbys) and refill.assignment.standbys == ("s",)
+    # ... and with none anywhere the job pauses, its survivors holding their state: it is
+    # never failed for want of a pool.
+    bare = _cluster(j=JobView(spec, running, a, {1: exit_(1, 3)}))
+    del bare.live["s"]  # type: ignore[attr-defined]
+    (paused,) = [x for x in plan(bare, 1.0) if isinstance(x, SetJobState)]
+    assert paused.state == JobState.RUNNING and paused.event == "job-paused"
+    assert "rank 1 failed on a: code 3; waiting for a standby to take over (0 free, 1 needed)" \
+        in paused.reason
     lost_view = _cluster(j=JobView(spec, running, a))
-    del lost_view.live["b"]  # type: ignore[attr-defined]
+    del lost_view.live["s"], lost_view.live["b"]  # type: ignore[attr-defined]
     actions = plan(lost_view, 1.0)
     assert any(isinstance(x, MarkFailed) and x.node == "b" for x in actions)
     (lost,) = [x for x in actions if isinstance(x, SetJobState)]
-    assert lost.state == JobState.FAILED and "node b holding rank 1 is gone" in lost.reason
+    assert lost.state == JobState.RUNNING and "node b holding rank 1 is gone" in lost.reason
+
+
+def test_a_job_short_of_standbys_takes_more_than_its_standby_count() -> None:
+    # --standby 1, one free standby (s1), ranks 0 and 3 lost at once: 1 free, 2 needed. A
+    # standby node that joins (s2) is taken into the pool although the count says 1, and the
+    # next round recovers both ranks.
+    view = _recovery_view({0: _crash(0), 3: _crash(3, "b")}, standbys=("s1",))
+    job = view.jobs["j"]
+    view = dataclasses.replace(view, jobs={"j": dataclasses.replace(
+        job, spec=_spec(standby=1))})
+    (refill,) = plan(view, 5.0)
+    assert isinstance(refill, AddStandbys) and refill.assignment.standbys == ("s1", "s2")
+    view = _recovery_view({0: _crash(0), 3: _crash(3, "b")}, standbys=("s1", "s2"))
+    (start,) = plan(view, 6.0)
+    assert isinstance(start, StartMigration) and start.migration.ranks == (0, 3)
+    assert start.migration.joiners == ("s1", "s2")
+    # A cordoned standby in the pool takes no rank, so it does not count as one that can.
+    view = _recovery_view({0: _crash(0), 3: _crash(3, "b")}, standbys=("s1",))
+    view = dataclasses.replace(view, registry={**view.registry, "s1": (
+        dataclasses.replace(_entry("s1"), cordoned=True), 1)})
+    (refill,) = plan(view, 5.0)
+    assert isinstance(refill, AddStandbys) and refill.assignment.standbys == ("s1", "s2")
 
 
 def _recovery_view(exits: dict[int, RankExit] | None = None, drop: tuple[str, ...] = (),
