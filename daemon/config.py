@@ -100,6 +100,24 @@ class NoticesConfig:
 
 
 @dataclass(frozen=True)
+class ProbeConfig:
+    """Direct probes between daemons (``daemon/probe.py``): the controller finds a dead or
+    silent node in under a second and revokes its lease, instead of waiting for the TTL."""
+
+    #: answer probes and, as the controller, probe the other nodes
+    enabled: bool = True
+    #: UDP port of this daemon's probe responder (0: any free port); it binds the node's first
+    #: address (127.0.0.1 without one) and is advertised in the node record
+    port: int = 0
+    #: seconds between two probes of the same node
+    interval: float = 0.1
+    #: a node that answered no probe for this long is a suspect
+    silence: float = 0.6
+    #: a suspect that still answers nothing this long after more probes is dead
+    confirm: float = 0.3
+
+
+@dataclass(frozen=True)
 class LogConfig:
     level: str = "info"
     #: auto: JSON when stderr is not a terminal, readable lines when it is.
@@ -121,6 +139,7 @@ class Config:
     drain: DrainConfig = DrainConfig()
     health: HealthConfig = HealthConfig()
     notices: NoticesConfig = NoticesConfig()
+    probe: ProbeConfig = ProbeConfig()
     log: LogConfig = LogConfig()
 
     @property
@@ -149,6 +168,7 @@ _SECTIONS: dict[str, type] = {
     "drain": DrainConfig,
     "health": HealthConfig,
     "notices": NoticesConfig,
+    "probe": ProbeConfig,
     "log": LogConfig,
 }
 _TOP_LEVEL = {"node", "etcd", "role", "slots", "failure_domain", "addresses", "run_dir",
@@ -404,6 +424,14 @@ def validate(cfg: Config) -> None:
         raise ConfigError("health.interval must be positive and failures_before_drain >= 1")
     if cfg.notices.interval <= 0 or not 0 < cfg.notices.timeout < cfg.notices.interval + 30:
         raise ConfigError("notices.interval and notices.timeout must be positive")
+    probe = cfg.probe
+    if not 0 <= probe.port < 65536:
+        raise ConfigError(f"probe.port must be 0 to 65535, got {probe.port}")
+    if not 0 < probe.interval < probe.silence:
+        raise ConfigError(f"probe.interval ({probe.interval}) must be > 0 and below "
+                          f"probe.silence ({probe.silence})")
+    if probe.confirm <= 0:
+        raise ConfigError(f"probe.confirm must be positive, got {probe.confirm}")
     if cfg.log.level not in ("debug", "info", "warning", "error"):
         raise ConfigError(f"log.level must be debug, info, warning or error, got {cfg.log.level!r}")
     if cfg.log.format not in ("auto", "json", "console"):

@@ -34,6 +34,7 @@ from understudy.daemon.planner import (
     StartMigration,
     plan,
 )
+from understudy.daemon.probe import Prober
 from understudy.daemon.records import (
     Assignment,
     ControllerRecord,
@@ -80,6 +81,9 @@ class Controller:
         self._leader_key_revision = 0
         #: node -> when this controller first saw it in service without a live record
         self._absent_since: dict[str, float] = {}
+        #: node -> why this controller revoked its lease (its probes: see _probe_failed); a
+        #: node lost on evidence needs neither the settle time nor a hold
+        self._evidence: dict[str, str] = {}
 
     # -- election ---------------------------------------------------------------------------
 
@@ -154,6 +158,10 @@ class Controller:
                 asyncio.create_task(self._watch(self.keys.drains, rev, lost), name="ctl-drains"),
                 asyncio.create_task(self._watch_leadership(lost), name="ctl-leadership"),
             ]
+            if self.agent.cfg.probe.enabled:
+                prober = Prober(self.agent.cfg.probe, self.agent.cfg.node, lambda: self._live,
+                                self._probe_failed)
+                watches.append(asyncio.create_task(prober.run(lost), name="ctl-probes"))
             while not self.stop.is_set() and not lost.is_set() and self.agent.lease == lease:
                 # Wake early when a node's settle time or a hold ends (see _view).
                 pending = self._wake_at - self.wall()
@@ -197,6 +205,26 @@ class Controller:
             if self.stop.is_set() and self.agent.lease == lease:
                 with contextlib.suppress(StoreError):
                     await self.store.delete(self.keys.controller)
+
+    async def _probe_failed(self, rec: NodeRecord, why: str) -> None:
+        """The prober found ``rec``'s node dead or silent: revoke its lease. Its record goes
+        with it, so the next round marks it failed and recovers its ranks, without waiting for
+        the TTL or the settle time. A node that was only cut off finds its lease revoked once
+        it reaches etcd, and fences itself as after an expired one."""
+        live = self._live.get(rec.name)
+        if live is None or live.lease != rec.lease:
+            return
+        try:
+            await self.store.revoke(rec.lease)
+        except StoreError as exc:
+            self.log.warning(f"Could not revoke the lease of node {rec.name}, which {why}; "
+                             "its lease will expire.", error=str(exc))
+            return
+        self._evidence[rec.name] = f"{why}; its lease was revoked"
+        self.log.warning(f"Node {rec.name} is lost: {why}. Revoked its lease.")
+        await self.events.emit("node-unreachable", f"Node {rec.name} is lost: {why}; the "
+                               "controller revoked its lease.", node=rec.name)
+        self._changed.set()
 
     async def _watch_leadership(self, lost: asyncio.Event) -> None:
         kv = await self.store.get(self.keys.controller)
@@ -300,9 +328,12 @@ class Controller:
                       if not e.offline and e.state != NodeState.FAILED]
         # Gone, or back moments ago on a new lease without a restart (lost theirs): a controller
         # elected amid the rejoins sees most nodes back already and must still hold the rest.
-        absent = [n for n in in_service if n not in self._live or (
+        for n in list(self._evidence):
+            if n in self._live:
+                del self._evidence[n]  # back, as a new incarnation
+        absent = [n for n in in_service if n not in self._evidence and (n not in self._live or (
             self._live[n].registered_at - self._live[n].started_at > ttl
-            and now - self._live[n].registered_at < 2 * ttl)]
+            and now - self._live[n].registered_at < 2 * ttl))]
         for n in in_service:
             if n in self._live:
                 self._absent_since.pop(n, None)
@@ -327,7 +358,7 @@ class Controller:
                            migration_timeout=self.agent.cfg.drain.migration_timeout,
                            hold_losses_until=self._hold_losses_until,
                            absent_since=dict(self._absent_since),
-                           loss_settle=settle)
+                           loss_settle=settle, evidence=dict(self._evidence))
 
     def _as_leader(self, compare: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
         """``compare`` and: this daemon still holds the controller key it won (etcd's

@@ -30,6 +30,7 @@ from understudy.daemon.localsock import LocalServer
 from understudy.daemon.metrics import Metrics
 from understudy.daemon.node import NodeAgent
 from understudy.daemon.notices import Notice, NoticeWatcher, pollers_from_config
+from understudy.daemon.probe import ProbeResponder
 from understudy.daemon.sdnotify import Notifier
 from understudy.daemon.store import EtcdStore, wait_any
 from understudy.daemon.supervisor import ChildExit, Supervisor
@@ -100,6 +101,7 @@ class Daemon:
                                  epoch_check=self.jobs.epoch_check,
                                  job_info=self.jobs.job_info, next_view=self.jobs.next_view,
                                  standby_report=self.jobs.standby_report)
+        self.probe = ProbeResponder(cfg.node, lambda: self.agent.incarnation)
         self.notifier = Notifier.from_env()
         self.log = logs.get(node=cfg.node)
 
@@ -210,6 +212,14 @@ class Daemon:
             port = self.metrics.serve(self.cfg.metrics_listen)
             self.log.info("Metrics endpoint is up.", port=port)
         await self.local.start()
+        if self.cfg.probe.enabled:
+            host = self.cfg.addresses[0] if self.cfg.addresses else "127.0.0.1"
+            try:
+                self.agent.probe_address = await self.probe.start(host, self.cfg.probe.port)
+            except OSError as exc:
+                raise ConfigError(f"cannot answer probes on {host}:{self.cfg.probe.port}: "
+                                  f"{exc.strerror}") from exc
+            self.log.info("Probe responder is up.", address=self.agent.probe_address)
         tasks = [
             asyncio.create_task(self._shutdown_on_signal(), name="shutdown-on-signal"),
         ]
@@ -240,6 +250,7 @@ class Daemon:
         await asyncio.wait(tasks, timeout=2)
         await self.agent.leave()
         await self.local.close()
+        self.probe.close()
         await self.store.close()
         self.metrics.close()
         self.log.info("Daemon stopped.", exit_code=self.exit_code)

@@ -83,6 +83,8 @@ class NodeAgent:
         self.health: tuple[str, ...] = ()
         #: job -> the warmth this node's standby worker reported (see NodeRecord.warmth)
         self.warmth: dict[str, dict[str, Any]] = {}
+        #: ``HOST:PORT`` where this daemon answers probes (empty: probes are off)
+        self.probe_address = ""
         #: Set once the node is registered and holds a live lease.
         self.registered = asyncio.Event()
         #: Set when a drain finishes; the daemon exits after a SIGTERM drain.
@@ -119,6 +121,7 @@ class NodeAgent:
             state_since=self.lifecycle.since,
             reason=self.lifecycle.reason, workers=self.workers.running_count,
             first_failure=self.first_failure, health=self.health, warmth=dict(self.warmth),
+            probe=self.probe_address,
         )
 
 

@@ -138,6 +138,8 @@ class NodeRecord(Record):
     workers: int = 0
     first_failure: str = ""
     health: tuple[str, ...] = ()
+    #: ``HOST:PORT`` of the daemon's probe responder (``daemon/probe.py``); empty: none
+    probe: str = ""
     #: job -> what this node's standby worker for it has warmed: {"mode": str, "roles":
     #: [str], "detail": str, "since": wall time}; readers must check the shapes (see
     #: :func:`warmth_line`)

@@ -111,11 +111,13 @@ class AddressCut:
     ip: str
     port: int
     table: str = ""
+    #: "tcp", or "udp" (a daemon's probe port)
+    proto: str = "tcp"
 
     def cut(self) -> None:
         self.table = f"ustest_cut_{uuid.uuid4().hex[:6]}"
-        _drop(self.table, f"ip saddr {self.ip} tcp sport {self.port}",
-              f"ip daddr {self.ip} tcp dport {self.port}")
+        _drop(self.table, f"ip saddr {self.ip} {self.proto} sport {self.port}",
+              f"ip daddr {self.ip} {self.proto} dport {self.port}")
 
     def heal(self) -> None:
         if self.table:

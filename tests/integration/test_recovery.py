@@ -91,7 +91,7 @@ def test_a_killed_rank_is_replaced_from_its_replica_and_the_result_is_bitwise_id
         assert_bitwise_equal(reference, out, world=4)
 
 
-def test_a_crashed_node_is_replaced_after_its_lease_expires(
+def test_a_crashed_node_is_found_by_its_closed_probe_port_and_replaced(
         etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:
     with training(etcd, tmp_path, {"node-a": 2, "node-b": 2}, STANDBYS) as (c, out):
         _wait_steps(c.daemons["node-b"], 2, 50)
@@ -101,8 +101,12 @@ def test_a_crashed_node_is_replaced_after_its_lease_expires(
         _recovery_done(c)
         evs = events(c)
         kinds = [e["kind"] for e in evs]
-        # Detected by the lease: the node failed first, then its ranks were recovered.
-        assert kinds.index("node-failed") < kinds.index("migration-planned"), kinds
+        # Detected by the controller's probe (its port refuses), not the lease's TTL: the
+        # controller revoked the lease, the node failed, then its ranks were recovered.
+        assert kinds.index("node-unreachable") < kinds.index("node-failed") < \
+            kinds.index("migration-planned"), kinds
+        failed = next(e for e in evs if e["kind"] == "node-failed")
+        assert "probe port refuses" in failed["message"], failed
         planned = next(e for e in evs if e["kind"] == "migration-planned")
         assert "rank 2 -> node-s1 (state from rank 0)" in planned["message"]
         assert "rank 3 -> node-s2 (state from rank 1)" in planned["message"]
@@ -116,7 +120,8 @@ def test_a_crashed_node_is_replaced_after_its_lease_expires(
 def test_a_frozen_node_is_replaced_fences_itself_on_waking_and_rejoins_clean(
         etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:
     # SIGSTOP of the daemon and its ranks: no process dies, no connection is reset. The
-    # survivors wait in their collectives until the lease expires and the recovery is planned.
+    # survivors wait in their collectives until the controller finds the node silent (its
+    # probes go unanswered), revokes its lease and plans the recovery.
     c = start(etcd, tmp_path / "cluster", {"node-a": 2, "node-b": 2}, ("node-s1", "node-s2"))
     b = c.daemons["node-b"]
     frozen: list[int] = []
@@ -130,6 +135,8 @@ def test_a_frozen_node_is_replaced_fences_itself_on_waking_and_rejoins_clean(
         for pid in frozen:
             os.kill(pid, signal.SIGSTOP)
         _recovery_done(c)
+        failed = next(e for e in events(c) if e["kind"] == "node-failed")
+        assert "answered no probe" in failed["message"], failed
         a_log = c.daemons["node-a"].log_text()
         assert "told to abort" in a_log  # released by the daemon's word, not a timeout
         for pid in frozen:
@@ -173,6 +180,42 @@ def test_an_exhausted_pool_pauses_the_job_until_a_standby_joins(
         assert "standbys-added" in kinds and "job-resumed" in kinds, kinds
         assert job.assignment.epoch == 3
         assert job.assignment.ranks == ("node-a", "node-s1", "node-s3", "node-b")
+        assert_bitwise_equal(reference, out, world=4)
+
+
+def test_a_job_without_a_pool_pauses_on_two_losses_and_resumes_once_two_standbys_joined(
+        etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:
+    # --standby 0 and no standby node at all; ranks 0 (node-a) and 3 (node-b) killed together.
+    # The job is not failed: it pauses with its survivors' state in memory, no rank is started
+    # again at the old epoch, and it resumes once as many standbys as it lost have joined, one
+    # at a time, although its --standby count is 0.
+    with training(etcd, tmp_path, {"node-a": 2, "node-b": 2}, (), standby=0) as (c, out):
+        a, b = c.daemons["node-a"], c.daemons["node-b"]
+        _wait_steps(a, 0, 50)
+        survivors = {r: worker_pid(d, f"mig.r{r}") for r, d in ((1, a), (2, b))}
+        os.kill(worker_pid(a, "mig.r0"), signal.SIGKILL)
+        os.kill(worker_pid(b, "mig.r3"), signal.SIGKILL)
+
+        def paused(s: ClusterStatus, needed: str) -> bool:
+            job = s.job("mig")
+            return job is not None and job.status is not None and needed in job.status.reason
+        c.wait_for("the job to pause for two standbys", lambda s: paused(s, "0 free, 2 needed"),
+                   timeout=60)
+        job = c.status().job("mig")
+        assert job is not None and job.state == "running" and job.assignment.epoch == 1
+        c.add("node-s1", "standby")
+        c.wait_for("one standby in the pool", lambda s: paused(s, "1 free, 2 needed"),
+                   timeout=60)
+        assert {r: worker_pid(d, f"mig.r{r}") for r, d in ((1, a), (2, b))} == survivors
+        c.add("node-s2", "standby")
+        job = _finish(c)
+        assert job.assignment.epoch == 2
+        assert job.assignment.ranks == ("node-s1", "node-a", "node-b", "node-s2")
+        kinds = [e["kind"] for e in events(c)]
+        assert "job-failed" not in kinds and "job-resumed" in kinds, kinds
+        # Each rank was started once on its node: never again at epoch 1 once it was killed.
+        assert a.log_text().count("Started rank 0 of job mig") == 1
+        assert b.log_text().count("Started rank 3 of job mig") == 1
         assert_bitwise_equal(reference, out, world=4)
 
 

@@ -1,0 +1,161 @@
+"""The daemons' direct probes over real UDP sockets on loopback: a closed probe port is found
+at once, a silent one after the silence and the confirmation, a node that answers is never
+condemned, and mass silence is left to the leases."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+from understudy.daemon.config import ProbeConfig
+from understudy.daemon.probe import Prober, ProbeResponder, parse_address
+from understudy.daemon.records import NodeRecord
+from understudy.daemon.states import NodeState
+
+FAST = ProbeConfig(interval=0.02, silence=0.2, confirm=0.1)
+
+
+def _record(name: str, probe: str, lease: int = 1) -> NodeRecord:
+    return NodeRecord(name=name, incarnation=f"{name}-i", lease=lease, state=NodeState.ACTIVE,
+                      role="active", slots=1, probe=probe)
+
+
+class _Fleet:
+    """Probe targets: responders that answer, and bound sockets that never do (a node whose
+    packets are dropped)."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, NodeRecord] = {}
+        self.responders: dict[str, ProbeResponder] = {}
+        self.mute: list[socket.socket] = []
+        self.dead: dict[str, tuple[float, str]] = {}
+        #: every report, in order: a node is reported once
+        self.reports: list[str] = []
+
+    async def answering(self, name: str) -> None:
+        r = ProbeResponder(name, lambda: f"{name}-i")
+        self.responders[name] = r
+        self.records[name] = _record(name, await r.start("127.0.0.1"))
+
+    def silent(self, name: str) -> None:
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.bind(("127.0.0.1", 0))
+        self.mute.append(s)
+        self.records[name] = _record(name, f"127.0.0.1:{s.getsockname()[1]}")
+
+    async def on_dead(self, rec: NodeRecord, why: str) -> None:
+        self.reports.append(rec.name)
+        self.dead.setdefault(rec.name, (time.monotonic(), why))
+
+    def close(self) -> None:
+        for r in self.responders.values():
+            r.close()
+        for s in self.mute:
+            s.close()
+
+
+async def _probe(fleet: _Fleet, seconds: float, during=None) -> None:  # type: ignore[no-untyped-def]
+    stop = asyncio.Event()
+    prober = Prober(FAST, "ctl", lambda: fleet.records, fleet.on_dead)
+    task = asyncio.create_task(prober.run(stop))
+    if during is not None:
+        await asyncio.sleep(0.2)
+        await during()
+    await asyncio.sleep(seconds)
+    stop.set()
+    await task
+
+
+def test_a_closed_probe_port_is_found_at_once_and_answering_nodes_never() -> None:
+    async def main() -> None:
+        fleet = _Fleet()
+        for n in ("a", "b", "c"):
+            await fleet.answering(n)
+        killed: list[float] = []
+
+        async def kill_b() -> None:
+            killed.append(time.monotonic())
+            fleet.responders["b"].close()  # as its process dying closes it
+
+        try:
+            await _probe(fleet, 0.5, during=kill_b)
+        finally:
+            fleet.close()
+        assert fleet.reports == ["b"]
+        at, why = fleet.dead["b"]
+        assert "refuses" in why
+        # Refused on the next probe, and refused again: well inside the silence.
+        assert at - killed[0] < FAST.silence
+    asyncio.run(main())
+
+
+def test_a_silent_node_is_condemned_after_the_silence_and_the_confirmation() -> None:
+    async def main() -> None:
+        fleet = _Fleet()
+        for n in ("a", "b", "c"):
+            await fleet.answering(n)
+        fleet.silent("d")
+        try:
+            await _probe(fleet, 0.8)
+        finally:
+            fleet.close()
+        assert fleet.reports == ["d"]
+        assert "answered no probe" in fleet.dead["d"][1]
+    asyncio.run(main())
+
+
+def test_most_nodes_silent_at_once_is_left_to_the_leases() -> None:
+    async def main() -> None:
+        fleet = _Fleet()
+        await fleet.answering("a")
+        fleet.silent("b")
+        fleet.silent("c")
+        try:
+            await _probe(fleet, 0.8)
+        finally:
+            fleet.close()
+        assert fleet.reports == []
+    asyncio.run(main())
+
+
+def test_a_reply_must_come_from_the_node_itself() -> None:
+    async def main() -> None:
+        fleet = _Fleet()
+        await fleet.answering("a")
+        await fleet.answering("b")
+        await fleet.answering("c")
+        # c's port is answered by another node's responder (a port reused after a restart):
+        # no answer of c's, so c is silent.
+        impostor = ProbeResponder("x", lambda: "x-i")
+        fleet.records["c"] = _record("c", await impostor.start("127.0.0.1"))
+        try:
+            await _probe(fleet, 0.8)
+        finally:
+            impostor.close()
+            fleet.close()
+        assert fleet.reports == ["c"]
+    asyncio.run(main())
+
+
+def test_garbage_probe_addresses_and_pings_are_ignored() -> None:
+    assert parse_address("127.0.0.1:9") == ("127.0.0.1", 9)
+    assert parse_address("[::1]:9") == ("::1", 9)
+    for bad in ("", "host", "host:0", "host:70000", ":9", "h:x"):
+        assert parse_address(bad) is None
+
+    async def main() -> None:
+        r = ProbeResponder("a", lambda: "a-i")
+        host, port = parse_address(await r.start("127.0.0.1"))  # type: ignore[misc]
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.settimeout(0.3)
+        try:
+            for junk in (b"", b"ping", b"pong x", b"ping " + b"x" * 100, b"ping a b"):
+                s.sendto(junk, (host, port))
+            s.sendto(b"ping tok", (host, port))
+            await asyncio.sleep(0.05)
+            assert s.recv(100) == b"pong tok a a-i"  # the one well-formed ping, answered
+        finally:
+            s.close()
+            r.close()
+    asyncio.run(main())
