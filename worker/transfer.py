@@ -94,8 +94,16 @@ with the copies themselves, crc32 is several times slower per byte than a sum, a
 every byte on the host. Per-entry checksums in the manifest were rejected: they need a full
 pass over the state before the first byte moves. The manifest is protected by crc32.
 
-Trust: the manifest is unpickled. The peer is a member of the same job, admitted by the
-epoch-fenced bootstrap store; checksums guard against corruption, not against a malicious peer.
+Trust: the manifest is unpickled by :func:`understudy.worker.safe_unpickle.load`, which imports
+nothing outside an allow-list, so a peer cannot run code in the joiner through it. A state's
+plain values may be ``dict``, ``list``, ``tuple``, ``set``, ``frozenset``, ``str``, ``bytes``,
+``bytearray``, ``int``, ``float``, ``bool``, ``None``, ``complex``, ``collections.OrderedDict``,
+``torch.Size``, ``torch.device`` and torch dtypes, and its tensors are dense tensors in dicts,
+lists and tuples (what ``torch.load(weights_only=True)`` takes). A joiner refuses a manifest
+that holds anything else, in a sentence naming it, before anything is written to its tensors,
+and the leaver's :func:`send_state` fails with that sentence. Checksums guard against
+corruption; the peer itself is not authenticated (``docs/security.md``): a peer that can speak
+in the transfer can still send wrong tensor values.
 """
 
 from __future__ import annotations
@@ -124,6 +132,7 @@ from typing import Any, NoReturn, Protocol
 import torch
 
 from understudy.daemon.errors import UnderstudyError
+from understudy.worker import safe_unpickle
 
 #: Bytes per chunk unless the caller says otherwise; 8 MiB measured best on gloo here.
 DEFAULT_CHUNK_BYTES = 8 * 1024 * 1024
@@ -480,7 +489,8 @@ def send_state(transport: StateTransport, state: Any, *,
             is not a dense tensor with data, a tensor hides inside a non-container object, a
             plain value does not pickle, or the manifest exceeds ``max_manifest_bytes``.
             Nothing was sent.
-        TransferError: the peer rejected the manifest or a chunk, the peer died or went
+        TransferError: the peer rejected the manifest (a plain value of a type outside the
+            allow-list: see "Trust" in the module docstring) or a chunk, the peer died or went
             silent, or the transfer was aborted.
     """
     start = time.perf_counter()
@@ -535,7 +545,8 @@ def receive_into(transport: StateTransport, target: Any, *,
     None.
 
     Raises:
-        TransferError: the manifest is malformed, foreign or over ``max_manifest_bytes``, a
+        TransferError: the manifest is malformed, foreign, over ``max_manifest_bytes`` or
+            holds a type outside the allow-list (nothing was written to ``target`` then), a
             chunk fails its checksum, the peer died or went silent, or the transfer was
             aborted. ``target``'s tensors are then partly written.
     """
@@ -646,39 +657,32 @@ class _SkeletonPickler(pickle.Pickler):
         return None
 
 
-class _SkeletonUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, tensors: list[torch.Tensor]) -> None:
-        super().__init__(io.BytesIO(data))
-        self._tensors = tensors
-
-    def persistent_load(self, pid: Any) -> Any:
-        if not isinstance(pid, int) or not 0 <= pid < len(self._tensors):
-            raise pickle.UnpicklingError(f"the skeleton refers to tensor {pid!r}, which the "
-                                         f"manifest does not list")
-        return self._tensors[pid]
-
-
 def _dump_manifest(skeleton: Any, entries: list[_Entry], chunk_bytes: int,
                    staged: list[int]) -> bytes:
     buf = io.BytesIO()
     try:
         _SkeletonPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(skeleton)
-        return pickle.dumps({
+        manifest = pickle.dumps({
             "version": VERSION, "chunk_bytes": chunk_bytes, "align": ALIGN, "checksum": CHECKSUM,
             "entries": [(e.path, e.dtype, e.shape, e.device_type) for e in entries],
             "staged": staged,
             "skeleton": buf.getvalue()}, protocol=pickle.HIGHEST_PROTOCOL)
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
         raise ValueError(f"the state's plain values do not pickle: {exc}") from exc
+    return manifest
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+#: every dtype by its name without ``torch.``; a peer's name is looked up here, never with getattr
+_DTYPES = {name: v for name, v in vars(torch).items() if isinstance(v, torch.dtype)}
+
+
 def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
+    dtype = _DTYPES.get(name) if isinstance(name, str) else None
+    if dtype is None:
         raise ValueError(f"unknown dtype {name!r}")
     return dtype
 
@@ -996,15 +1000,20 @@ class _Receiver(_End):
             self._reject("the manifest failed its checksum")
         try:
             state, chunk_bytes = self._load(manifest, target)
-        except (ValueError, TypeError, KeyError, IndexError, pickle.UnpicklingError, EOFError,
-                AttributeError, ImportError) as exc:
+        except safe_unpickle.RefusedGlobal as exc:
+            self._reject(f"{exc}")
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError,
+                pickle.UnpicklingError, RuntimeError, OverflowError, MemoryError) as exc:
+            # RuntimeError, MemoryError: the entries' tensors could not be allocated
             self._reject(f"the manifest is malformed: {exc}")
         self.wait(self.send(_reply(_OK, "", self.device)))
         self._stream(*self.plan(chunk_bytes), self.leaver_staged)
         return state
 
     def _load(self, manifest: bytes, target: Any) -> tuple[Any, int]:
-        m = pickle.loads(manifest)
+        m = safe_unpickle.load(manifest)
+        if type(m) is not dict or type(m.get("skeleton")) is not bytes:
+            raise ValueError("the manifest is not a dict with a skeleton")
         chunk_bytes = m["chunk_bytes"]
         self.leaver_staged = [int(i) for i in m["staged"]]
         if self.leaver_staged != sorted(set(self.leaver_staged)):
@@ -1027,7 +1036,7 @@ class _Receiver(_End):
                 dev = torch.device("cpu") if e.device_type == "cpu" else self.alloc_device
                 public.append(torch.empty(e.shape, dtype=dtype, device=dev))
         self.tensors = [t.detach() for t in public]
-        state = _SkeletonUnpickler(m["skeleton"], public).load()
+        state = safe_unpickle.load(m["skeleton"], public)
         self.stats.entries = len(self.entries)
         self.stats.chunk_bytes = chunk_bytes
         return state, chunk_bytes

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import io
 import itertools
 import multiprocessing
 import os
@@ -261,8 +262,23 @@ def realistic_state(seed: int = 0, steps: int = 3) -> tuple[dict[str, Any], Any,
         },
         "pair": (1, torch.ones(2), "x"),
         "nested": [{"a": torch.zeros(3, dtype=torch.int32)}, [torch.full((2, 2), 3.0)]],
+        "plain": plain_values(),
     }
     return state, model, opt
+
+
+def plain_values() -> dict[str, Any]:
+    """A value of every plain type a state may hold (the allow-list of
+    ``understudy.worker.safe_unpickle``), tensors among them."""
+    return {
+        "containers": [{"k": (1, [2, 3])}, {4, 5}, frozenset({"a", b"b"}),
+                       collections.OrderedDict([("x", 1), ("y", torch.arange(3))])],
+        "scalars": ["text", b"\x00\xff", bytearray(b"buf"), 2**80, -7, 1.5, True, False, None,
+                    complex(1.0, -2.0)],
+        "torch": [torch.Size([2, 3]), torch.float16, torch.bfloat16, torch.int64,
+                  torch.device("cpu"), torch.device("cuda", 1)],
+        "keys": {(1, "a"): 1, frozenset({1}): 2, torch.float32: 3, 7: torch.ones(1)},
+    }
 
 
 def chunky_state(chunk_bytes: int) -> dict[str, Any]:
@@ -534,12 +550,35 @@ def sc_rate(rank: int, t: StateTransport, pids: list[int], mib: int, reps: int,
     return dict(rates)
 
 
+class Shell:
+    """A plain value that, unpickled, runs a shell command: what a hostile leaver would send."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (self.command,))
+
+
+def sc_hostile_manifest(rank: int, t: StateTransport, pids: list[int],
+                        marker: str) -> dict[str, Any]:
+    """The leaver's state carries a value whose unpickling would run ``touch marker``; the
+    joiner receives into its own tensors."""
+    if rank == SENDER:
+        return _timed_failure(lambda: send_state(t, {"w": torch.ones(3),
+                                                     "x": Shell(f"touch {marker}")}))
+    target = {"w": torch.full((3,), 7.0)}
+    out = _timed_failure(lambda: receive_into(t, target))
+    out["untouched"] = torch.equal(target["w"], torch.full((3,), 7.0))
+    return out
+
+
 SCENARIOS: dict[str, Callable[..., Any]] = {
     "messages": sc_messages, "silent_peer": sc_silent_peer, "abort": sc_abort,
     "peer_dies": sc_peer_dies, "peer_closes": sc_peer_closes, "round_trip": sc_round_trip,
     "receive_into": sc_receive_into, "into_strided": sc_into_strided,
     "corrupt": sc_corrupt, "killed": sc_killed, "should_abort": sc_should_abort,
-    "manifest_cap": sc_manifest_cap, "rate": sc_rate,
+    "manifest_cap": sc_manifest_cap, "rate": sc_rate, "hostile_manifest": sc_hostile_manifest,
 }
 
 
@@ -676,6 +715,19 @@ def test_an_oversized_manifest_is_refused_by_the_joiner(pair: _Pair, kind: str) 
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_a_manifest_that_would_run_code_is_refused_and_changes_nothing(
+        pair: _Pair, kind: str, tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    leaver, joiner = pair.ok("hostile_manifest", kind, marker=str(marker))
+    refused = f"refers to {os.system.__module__}.system, which a joiner does not load"
+    assert joiner["error"] and refused in joiner["error"], joiner
+    assert leaver["error"] and "rejected the manifest" in leaver["error"] and \
+        refused in leaver["error"], leaver
+    assert joiner["untouched"], "the joiner's tensors were written"
+    assert not marker.exists(), "the manifest ran a command in the joiner"
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_rate_against_raw_send_recv(pair: _Pair, kind: str,
                                     capsys: pytest.CaptureFixture[str]) -> None:
     """Prints the rate; the target (>= 70 % of raw) is judged by benchmarks, not here."""
@@ -731,6 +783,175 @@ def test_send_state_rejects_bad_arguments_before_any_io(state: Any, kwargs: dict
                                                         match: str) -> None:
     with pytest.raises(ValueError, match=match):
         send_state(_NoTransport(), state, should_abort=lambda: False, **kwargs)
+
+
+# --- the manifest's loader (understudy.worker.safe_unpickle), without processes ---------------
+
+
+class _Popen:
+    def __init__(self, argv: list[str]) -> None:
+        self.argv = argv
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        import subprocess
+        return (subprocess.Popen, (self.argv,))
+
+
+def _hostile(marker: Path) -> list[tuple[bytes, str]]:
+    """Pickles that, loaded with plain ``pickle.loads``, would create ``marker``; and the
+    global each must be refused for."""
+    cmd = f"touch {marker}"
+    return [
+        (pickle.dumps(Shell(cmd)), f"{os.system.__module__}.system"),
+        (pickle.dumps({"ok": 1, "x": [Shell(cmd)]}), f"{os.system.__module__}.system"),
+        (pickle.dumps(_Popen(["touch", str(marker)])), "subprocess.Popen"),
+        (f"cos\nsystem\n(S'{cmd}'\ntR.".encode(), "os.system"),           # GLOBAL, protocol 0
+        (f"(S'{cmd}'\nios\nsystem\n.".encode(), "os.system"),             # INST
+        (f"cbuiltins\neval\n(S'__import__(\"os\").system(\"{cmd}\")'\ntR.".encode(),
+         "builtins.eval"),
+        (f"cbuiltins\ngetattr\n(cos\nsystem\nS'__call__'\ntR(S'{cmd}'\ntR.".encode(),
+         "builtins.getattr"),
+        (b"\x80\x04\x8c\x02os\x8c\x06system\x93" + f"\x8c{chr(len(cmd))}{cmd}\x85R."
+         .encode("latin-1"), "os.system"),                                     # STACK_GLOBAL
+        (pickle.dumps(collections.Counter("ab")), "collections.Counter"),
+        (pickle.dumps(collections.defaultdict(list)), "collections.defaultdict"),
+        (pickle.dumps(_Holder(torch.ones(1))), f"{__name__}._Holder"),
+    ]
+
+
+def test_the_manifest_loader_refuses_every_global_outside_the_allow_list(
+        tmp_path: Path) -> None:
+    from understudy.worker import safe_unpickle
+
+    marker = tmp_path / "pwned"
+    for data, name in _hostile(marker):
+        with pytest.raises(safe_unpickle.RefusedGlobal) as info:
+            safe_unpickle.load(data)
+        assert info.value.name == name
+        assert str(info.value).startswith(f"the manifest refers to {name}, which a joiner does "
+                                          f"not load")
+        assert not marker.exists(), f"loading the pickle for {name} ran it"
+    # What is allowed is the same pickles' harmless part: the loader is the thing refusing.
+    pickle.loads(pickle.dumps(Shell(f"touch {marker}")))
+    assert marker.exists(), "the hostile pickle does run under plain pickle.loads"
+
+
+class _Refs(pickle.Pickler):
+    """Pickles ``_Id(i)`` as persistent id ``i``, as the leaver's skeleton does."""
+
+    def persistent_id(self, obj: Any) -> Any:
+        return obj.i if type(obj) is _Id else None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Id:
+    i: Any
+
+
+def _skeleton(obj: Any, protocol: int = pickle.HIGHEST_PROTOCOL) -> bytes:
+    buf = io.BytesIO()
+    _Refs(buf, protocol=protocol).dump(obj)
+    return buf.getvalue()
+
+
+def _shadowing_keys() -> collections.OrderedDict[str, int]:
+    od = collections.OrderedDict(a=1)
+    od.__dict__["keys"] = 5  # an instance attribute named like a method: od.keys() would fail
+    return od
+
+
+def _deep_list(depth: int) -> bytes:
+    """Lists nested ``depth`` deep, tensor 0 in the innermost (the C unpickler builds it)."""
+    return b"\x80\x02" + b"]" * depth + b"K\x00Q" + b"a" * depth + b"."
+
+
+def test_the_manifest_loader_refuses_malformed_skeletons_and_leaves_tensors_alone() -> None:
+    from understudy.worker import safe_unpickle
+
+    one = torch.zeros(2)
+    with_attr = collections.OrderedDict(a=1)
+    with_attr.extra = [_Id(0)]  # type: ignore[attr-defined]
+    cycle: list[Any] = [_Id(0)]
+    cycle.append(cycle)
+    cases: list[tuple[bytes, list[torch.Tensor], str]] = [
+        (_skeleton({"a": _Id(0), "b": _Id(0)}), [one], "uses tensor 0 twice"),
+        (_skeleton({"a": _Id(0)}), [one, torch.ones(1)], "places 1 of its 2 tensors"),
+        (_skeleton({"a": _Id(1)}), [one], "tensor 1, which it does not list"),
+        (_skeleton({"a": _Id("0")}), [one], "tensor '0', which it does not list"),
+        (_skeleton({_Id(0): 1}), [one], "elsewhere than in a dict value"),
+        (_skeleton([{_Id(0)}]), [one], "elsewhere than in a dict value"),
+        (_skeleton(frozenset({(1, _Id(0))})), [one], "elsewhere than in a dict value"),
+        (_skeleton(with_attr), [one], "elsewhere than in a dict value"),
+        (_skeleton(_shadowing_keys()), [], "attribute 'keys' of an OrderedDict"),
+        (_skeleton(cycle), [one], "reference cycle"),
+        # An opcode that would write into the joiner's tensor: SETITEM on its placeholder.
+        (b"\x80\x02K\x00QK\x00G@\x1c\x00\x00\x00\x00\x00\x00s.", [one],
+         "not a valid pickle"),
+        # BUILD that would patch OrderedDict itself (setattr on the class).
+        (b"ccollections\nOrderedDict\n(N}S'keys'\nI1\nstb.", [], "not a valid pickle"),
+        (b"\x80\x02\x82\x01.", [], "not a valid pickle"),                  # EXT1: no registry
+        (_skeleton({"a": 1})[:-3], [], "not a valid pickle"),                 # truncated
+        (_deep_list(100_000), [one], "nested too deeply"),
+    ]
+    for data, tensors, match in cases:
+        with pytest.raises(pickle.UnpicklingError, match=match):
+            safe_unpickle.load(data, tensors)
+    assert torch.equal(one, torch.zeros(2)), "a refused skeleton wrote into a tensor"
+    assert callable(collections.OrderedDict.keys), "a refused pickle patched OrderedDict"
+
+
+def test_every_global_the_loader_allows_is_an_immutable_builtin_or_a_dtype() -> None:
+    """What makes BUILD harmless: no allowed class can be patched through setattr."""
+    from understudy.worker import safe_unpickle
+
+    for (module, name), value in safe_unpickle.ALLOWED.items():
+        if isinstance(value, type):
+            with pytest.raises(TypeError):
+                value.patched = 1  # type: ignore[attr-defined]
+        else:
+            assert isinstance(value, torch.dtype) and module == "torch", (module, name)
+            with pytest.raises(AttributeError):
+                value.patched = 1  # type: ignore[attr-defined]
+
+
+def _round_trip(state: Any) -> Any:
+    """Flatten and pickle ``state`` as the leaver does, load it as the joiner does."""
+    from understudy.worker import safe_unpickle
+
+    tensors: list[tuple[Any, torch.Tensor]] = []
+    skeleton = transfer._flatten(state, (), tensors)
+    entries = [transfer._Entry(p, transfer._dtype_name(t.dtype), tuple(t.shape), "cpu")
+               for p, t in tensors]
+    m = safe_unpickle.load(transfer._dump_manifest(skeleton, entries, 4096, []))
+    assert [tuple(e[0]) for e in m["entries"]] == [p for p, _ in tensors]
+    return safe_unpickle.load(m["skeleton"], [t for _, t in tensors])
+
+
+def test_every_documented_kind_of_state_loads_through_the_restricted_loader() -> None:
+    """The runtime's state (RNG states with numpy loaded, counters), a module's and an
+    optimizer's state dicts, LR schedules, a grad scaler, and every allowed plain type: what
+    the worker API and the examples put in a state (``worker/api.py``, ``worker/rng.py``,
+    ``examples/``)."""
+    import numpy  # noqa: F401  # rng.capture() takes numpy's state once numpy is loaded
+
+    from understudy.worker import rng
+
+    state, model, opt = realistic_state()
+    schedules = [torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                 torch.optim.lr_scheduler.CosineAnnealingLR(opt, 10),
+                 torch.optim.lr_scheduler.OneCycleLR(opt, 0.1, total_steps=10),
+                 torch.optim.lr_scheduler.ReduceLROnPlateau(opt)]
+    documented = {
+        "job": {"model": model.state_dict(), "optimizer": opt.state_dict(),
+                "schedules": [s.state_dict() for s in schedules],
+                "scaler": torch.amp.GradScaler("cpu").state_dict(),
+                "data": {"position": 3}, "step": 3},
+        "rng": rng.capture(),
+        "runtime": {"step": 3, "redone": 0},
+        "transfer_test": state,
+    }
+    assert "numpy" in documented["rng"]
+    assert_bitwise(_round_trip(documented), documented)
 
 
 class _FakeGroup:
