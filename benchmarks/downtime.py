@@ -9,22 +9,31 @@ same model, seed, data, TP=2 x DP=2 on gloo) runs once under each system and is 
   each; two standby nodes, warmed in the sandbox), as ``benchmarks/recovery.py`` sets it up.
   Planned drain: ``understudy drain node-b`` (its two ranks move live to the standbys). Worker
   crash: kill -9 of rank 1's worker. Node loss: kill -9 of ``node-b``'s daemon and workers at
-  once (detected when its lease expires). The crash and node-loss scenarios are
-  ``recovery.worker_crash`` and ``recovery.node_loss``.
+  once (the controller's probe finds its port closed and revokes its lease). Silent node:
+  ``node-b``'s daemon and workers frozen with SIGSTOP and left so: nothing dies and no
+  connection closes, as when a machine loses power or its switch port (the probes go
+  unanswered). The crash and node-loss scenarios are ``recovery.worker_crash`` and
+  ``recovery.node_loss``.
 - **torchrun**: two elastic agents of two workers each on a c10d rendezvous
   (``benchmarks/baseline/``), the job checkpointing with ``torch.distributed.checkpoint`` every
   ``--ckpt-every`` steps, resuming from the newest checkpoint on restart, with a careful team's
   drain handler. Planned drain: SIGTERM to agent 1 (its ranks and the others save at an agreed
   step and stop; a replacement agent is started once agent 1 has left). Worker crash: kill -9 of
   rank 1's worker. Node loss: kill -9 of agent 1 and its workers, a replacement agent started at
-  once.
+  once. Silent node: agent 1 and its workers frozen (SIGSTOP), a replacement started at once.
 - **torchft**: each DP replica (two TP ranks) is one torchft replica group under its own
   torchrun, with a ``Manager`` and a ``Lighthouse`` (``benchmarks/baseline/torchft_run.py``):
   gradients all-reduced across the groups through torchft, a lost group restarted and healed
   live from the other, no checkpoints. Worker crash: kill -9 of rank 1 (its group restarts).
-  Node loss: kill -9 of the group of ranks 2 and 3, a replacement started at once. Planned
+  Node loss: kill -9 of the group of ranks 2 and 3, a replacement started at once (silent
+  node: the group frozen instead). Planned
   drain: torchft has no planned-migration path; the group stops gracefully at an agreed step
   and a replacement is started once it has left.
+
+A baseline that does not train again by itself within ``--silent-limit`` seconds of a silent
+node has the frozen processes killed then, as an operator would power the machine off (their
+connections close, which it does notice); its downtime still counts from the freeze, and the
+result records when the kill came (``frozen_killed_after_s``).
 
 Every rank logs a line per committed step; from those lines, the same way for every system
 (``benchmarks/steplog.py``): **downtime** = (first step completed after the interruption) -
@@ -78,7 +87,7 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "downtime.json"
 # Smoke results are throwaway: *.tmp under benchmarks/results is git-ignored.
 SMOKE_OUT = REPO / "benchmarks" / "results" / "downtime.smoke.tmp"
-EVENTS = ("planned-drain", "worker-crash", "node-loss")
+EVENTS = ("planned-drain", "worker-crash", "node-loss", "silent-node")
 SYSTEMS = ("understudy", "torchrun", "torchft")
 #: The baselines whose downtime is divided by understudy's, per event type.
 BASELINES = ("torchrun", "torchft")
@@ -94,6 +103,7 @@ UNDERSTUDY_PHASES = {
     "planned-drain": ("switch_boundary", "switch_step_rest"),
     "worker-crash": recovery.PHASES,
     "node-loss": recovery.PHASES,
+    "silent-node": recovery.PHASES,
 }
 
 
@@ -118,6 +128,9 @@ class BenchConfig:
     systems: tuple[str, ...] = SYSTEMS
     #: the torchft Lighthouse's heartbeat timeout (torchft's default: 5000 ms)
     torchft_heartbeat_ms: int = 5000
+    #: silent node: a baseline that does not train again by itself within this many seconds
+    #: has its frozen processes killed (see silent_wait)
+    silent_limit: float = 60.0
 
 
 # -- understudy --------------------------------------------------------------------------------
@@ -172,8 +185,8 @@ def run_understudy(event: str, cfg: BenchConfig, base: Path) -> dict[str, Any]:
         details["runtime_downtime_s"] = details.pop("downtime_s")  # the migration benchmark's
         lost = list(migration.LEAVERS)
     else:
-        res = (recovery.worker_crash if event == "worker-crash" else recovery.node_loss)(
-            rcfg, base)
+        res = recovery.worker_crash(rcfg, base) if event == "worker-crash" else \
+            recovery.node_loss(rcfg, base, silent=event == "silent-node")
         event_at = res["kill_at"]
         phases = dict(res["phases_s"])
         details = {k: res[k] for k in ("end_to_end_s", "milestones_s", "transfers",
@@ -196,6 +209,20 @@ def run_understudy(event: str, cfg: BenchConfig, base: Path) -> dict[str, Any]:
 
 
 # -- torchrun ----------------------------------------------------------------------------------
+
+
+def silent_wait(run: ElasticRun | TorchftRun, step: int, limit: float,
+                frozen_at: float) -> float | None:
+    """After a baseline's node was frozen: wait up to ``limit`` s for every rank to train
+    ``step`` on its own. None if it did; else the frozen processes are killed (an operator
+    powering the silent machine off, which closes their connections) and the seconds from the
+    freeze to that kill are returned: the downtime then counts from the freeze all the same."""
+    try:
+        run.wait_step(step, timeout=limit)
+        return None
+    except TorchrunError:
+        run.kill_frozen()
+        return time.time() - frozen_at
 
 
 def restarted_processes(records: list[dict[str, Any]], event_at: float,
@@ -260,6 +287,7 @@ def run_torchrun(event: str, cfg: BenchConfig, base: Path) -> dict[str, Any]:
     load_before = os.getloadavg()[0]
     t0 = time.monotonic()
     drained_left = None
+    powered_off: float | None = None
     try:
         run.start()
         victim = run.agents[1]
@@ -273,7 +301,9 @@ def run_torchrun(event: str, cfg: BenchConfig, base: Path) -> dict[str, Any]:
             if event == "planned-drain":
                 event_at, drained_left, _ = run.drain(victim)
             else:
-                event_at, _ = run.kill_node(victim)
+                event_at, _ = run.kill_node(victim, freeze=event == "silent-node")
+                if event == "silent-node":
+                    powered_off = silent_wait(run, cfg.event_at, cfg.silent_limit, event_at)
         codes = run.wait_finished(timeout=600)
     except TorchrunError as exc:
         raise BenchmarkError(f"torchrun {event}: {exc}\n{run.agent_log_tail()}") from exc
@@ -298,6 +328,7 @@ def run_torchrun(event: str, cfg: BenchConfig, base: Path) -> dict[str, Any]:
     saves = [r for r in records if r.get("kind") == "saved"]
     restored = sorted({r["step"] for r in records if r.get("kind") == "restored"})
     return {"system": "torchrun", "event": event, "event_at": event_at, "lost_ranks": lost,
+            "frozen_killed_after_s": powered_off,
             **figures,
             "phases_s": torchrun_phases(records, event_at, figures["at"]["first_step"],
                                         drain_exit),
@@ -366,6 +397,7 @@ def run_torchft(event: str, cfg: BenchConfig, base: Path) -> dict[str, Any]:
     load_before = os.getloadavg()[0]
     t0 = time.monotonic()
     victim = WORLD // recovery.TP - 1  # the replica group of ranks 2 and 3
+    powered_off: float | None = None
     try:
         run.start()
         # Every rank, not only the victim: the replica groups commit each on its own, and a
@@ -379,7 +411,9 @@ def run_torchft(event: str, cfg: BenchConfig, base: Path) -> dict[str, Any]:
             if event == "planned-drain":
                 event_at, _, _ = run.drain(victim)
             else:
-                event_at, _ = run.kill_node(victim)
+                event_at, _ = run.kill_node(victim, freeze=event == "silent-node")
+                if event == "silent-node":
+                    powered_off = silent_wait(run, cfg.event_at, cfg.silent_limit, event_at)
         codes = run.wait_finished(timeout=600)
     except TorchrunError as exc:
         raise BenchmarkError(f"torchft {event}: {exc}\n{run.log_tail()}") from exc
@@ -409,6 +443,7 @@ def run_torchft(event: str, cfg: BenchConfig, base: Path) -> dict[str, Any]:
     figures = steplog.interruption(done, event_at, normal, inside)
     healed = [r for r in records if r.get("kind") == "healed"]
     return {"system": "torchft", "event": event, "event_at": event_at, "lost_ranks": lost,
+            "frozen_killed_after_s": powered_off,
             **figures,
             "phases_s": torchft_phases(records, event_at, figures["at"]["first_step"],
                                        drain_exit),
@@ -651,6 +686,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--torchft-heartbeat-ms", type=int,
                    help="torchft's Lighthouse heartbeat timeout (default 5000: torchft's own; "
                         "smoke 1000)")
+    p.add_argument("--silent-limit", type=float,
+                   help="silent node: seconds a baseline may take to train again by itself "
+                        "before its frozen processes are killed, as an operator would power "
+                        "the machine off (default 60; smoke 20)")
     p.add_argument("--smoke", action="store_true", help="one repeat, short runs: for the tests")
     p.add_argument("--out", type=Path, help=f"JSON results (default {DEFAULT_OUT.relative_to(REPO)}"
                    f"; smoke {SMOKE_OUT.relative_to(REPO)})")
@@ -676,6 +715,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--systems must name some of {', '.join(SYSTEMS)}, got {args.systems!r}")
     args.systems = tuple(x for x in SYSTEMS if x in named)
     args.torchft_heartbeat_ms = pick(args.torchft_heartbeat_ms, 5000, 1000)
+    args.silent_limit = pick(args.silent_limit, 60.0, 20.0)
+    if args.silent_limit <= 0:
+        p.error(f"--silent-limit must be positive, got {args.silent_limit}")
     if "torchft" in args.systems and importlib.util.find_spec("torchft") is None:
         p.error("torchft is not installed in this environment: install it with "
                 "`pip install -c constraints.txt torchft` (scripts/setup does), or leave it out "
@@ -700,7 +742,8 @@ def main(argv: list[str] | None = None) -> int:
                       ckpt_every=args.ckpt_every, ckpt_mode=args.ckpt_mode, ttl=args.ttl,
                       keepalive_interval_s=args.keepalive[0],
                       keepalive_attempts=args.keepalive[1], smoke=args.smoke,
-                      systems=args.systems, torchft_heartbeat_ms=args.torchft_heartbeat_ms)
+                      systems=args.systems, torchft_heartbeat_ms=args.torchft_heartbeat_ms,
+                      silent_limit=args.silent_limit)
     os.environ.update(recovery.ONE_THREAD)  # every process it starts inherits it
     # SIGTERM takes the Ctrl-C path, so the finally blocks below stop every process.
     signal.signal(signal.SIGTERM, signal.default_int_handler)

@@ -429,12 +429,15 @@ def worker_crash(cfg: BenchConfig, base: Path) -> dict[str, Any]:
             "daemon_log_tracebacks": seen["tracebacks"]}
 
 
-def node_loss(cfg: BenchConfig, base: Path) -> dict[str, Any]:
-    """Scenario 2 on a fresh cluster."""
+def node_loss(cfg: BenchConfig, base: Path, silent: bool = False) -> dict[str, Any]:
+    """Scenario 2 on a fresh cluster. ``silent``: the node's daemon and ranks are frozen
+    (SIGSTOP) instead of killed: no process dies and no connection is closed, as when a
+    machine loses power or its switch port, and they stay frozen to the end."""
     etcd, cluster = new_cluster(cfg, base)
     out = base / "out"
     load_before = os.getloadavg()[0]
     t0 = time.monotonic()
+    frozen: list[int] = []
     try:
         bring_up(etcd, cluster)
         submit(cluster, cfg, out)
@@ -447,15 +450,22 @@ def node_loss(cfg: BenchConfig, base: Path) -> dict[str, Any]:
         pids = {worker_pid(d, f"{JOB}.r{r}") for r in lost}
         pids |= {p.pid for p in train_processes(cluster, (LOST_NODE,))}
         controller = cluster.status().controller
+        sig = signal.SIGSTOP if silent else signal.SIGKILL
+        if silent:
+            frozen = [d.pid, *pids]
         kill_at = time.time()
-        os.kill(d.pid, signal.SIGKILL)
+        os.kill(d.pid, sig)
         for pid in pids:  # each worker leads a process group of its own
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
-        d.wait(timeout=10)
+                os.killpg(pid, sig)
+        if not silent:
+            d.wait(timeout=10)
         recovery = finish(cluster)
         seen = snapshot(cluster)
     finally:
+        for pid in frozen:  # past saving: stop_cluster would only ask them to stop
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         stop_cluster(etcd, cluster)
     failed = [e for e in seen["events"] if e["kind"] == "node-failed" and e["node"] == LOST_NODE
               and e["time"] >= kill_at]

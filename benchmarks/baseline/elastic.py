@@ -155,6 +155,9 @@ class ElasticRun:
     cfg: TorchrunConfig
     base: Path
     agents: list[Agent] = field(default_factory=list)
+    #: indices of agents frozen by kill_node(freeze=True): never waited for, killed by stop()
+    frozen: set[int] = field(default_factory=set)
+    frozen_procs: list[psutil.Process] = field(default_factory=list)
     port: int = 0
     run_id: str = ""
     tail: RecordTail | None = None
@@ -248,15 +251,27 @@ class ElasticRun:
         left = time.time()
         return t, left, self.add_agent()
 
-    def kill_node(self, agent: Agent) -> tuple[float, Agent]:
-        """kill -9 of ``agent`` and its workers at once, then a replacement agent."""
+    def kill_node(self, agent: Agent, freeze: bool = False) -> tuple[float, Agent]:
+        """kill -9 of ``agent`` and its workers at once (``freeze``: SIGSTOP, a node gone
+        silent: nothing dies, no connection closes), then a replacement agent."""
         victims = [psutil.Process(agent.pid), *agent.workers()]
         t = time.time()
         for p in victims:
             with contextlib.suppress(psutil.Error):
-                p.kill()
-        psutil.wait_procs(victims, timeout=10)
+                p.suspend() if freeze else p.kill()
+        if freeze:
+            self.frozen.add(agent.index)
+            self.frozen_procs += victims
+        else:
+            psutil.wait_procs(victims, timeout=10)
         return t, self.add_agent()
+
+    def kill_frozen(self) -> None:
+        """kill -9 of what kill_node froze (an operator powering the silent machine off)."""
+        for p in self.frozen_procs:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        psutil.wait_procs(self.frozen_procs, timeout=10)
 
     # -- the end ----------------------------------------------------------------------------
 
@@ -270,12 +285,13 @@ class ElasticRun:
             TorchrunError: agents still running past ``timeout``.
         """
         deadline = time.monotonic() + timeout
-        codes = {a.index: a.proc.poll() for a in self.agents}
+        live = [a for a in self.agents if a.index not in self.frozen]
+        codes = {a.index: a.proc.poll() for a in live}
         while time.monotonic() < deadline and any(c is None for c in codes.values()):
             if fail_fast and any(c not in (None, 0) for c in codes.values()):
                 return codes
             time.sleep(0.1)
-            codes = {a.index: a.proc.poll() for a in self.agents}
+            codes = {a.index: a.proc.poll() for a in live}
         if any(c is None for c in codes.values()):
             raise TorchrunError(f"torchrun agents still running after {timeout:.0f}s: {codes} "
                                 f"(logs in {self.base})")

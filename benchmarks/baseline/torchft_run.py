@@ -91,6 +91,8 @@ class TorchftRun:
     lighthouse: subprocess.Popen[bytes] | None = None
     lighthouse_addr: str = ""
     tail: RecordTail | None = None
+    #: what kill_node(freeze=True) froze
+    frozen_procs: list[psutil.Process] = field(default_factory=list)
 
     def start(self, timeout: float = 60.0) -> None:
         self.base.mkdir(parents=True, exist_ok=True)
@@ -178,16 +180,27 @@ class TorchftRun:
         left = time.time()
         return t, left, self.add_group(replica)
 
-    def kill_node(self, replica: int) -> tuple[float, Agent]:
-        """kill -9 of the group's agent and workers at once, then a replacement."""
+    def kill_node(self, replica: int, freeze: bool = False) -> tuple[float, Agent]:
+        """kill -9 of the group's agent and workers at once (``freeze``: SIGSTOP, a node gone
+        silent: nothing dies, no connection closes; killed at the end), then a replacement."""
         agent = self.groups[replica]
         victims = [psutil.Process(agent.pid), *agent.workers()]
         t = time.time()
         for p in victims:
             with contextlib.suppress(psutil.Error):
-                p.kill()
-        psutil.wait_procs(victims, timeout=10)
+                p.suspend() if freeze else p.kill()
+        if freeze:
+            self.frozen_procs += victims
+        else:
+            psutil.wait_procs(victims, timeout=10)
         return t, self.add_group(replica)
+
+    def kill_frozen(self) -> None:
+        """kill -9 of what kill_node froze (an operator powering the silent machine off)."""
+        for p in self.frozen_procs:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        psutil.wait_procs(self.frozen_procs, timeout=10)
 
     # -- the end ----------------------------------------------------------------------------
 
