@@ -135,6 +135,9 @@ class Config:
     run_dir: Path = Path("/run/understudy")
     #: host:port for the Prometheus endpoint; empty disables it.
     metrics_listen: str = "127.0.0.1:9464"
+    #: Honour ``UNDERSTUDY_FAILPOINTS`` (fault injection, daemon/failpoints.py) in the daemon and
+    #: its workers. Off in production: a stray variable then only logs a warning.
+    failpoints_enabled: bool = False
     lease: LeaseConfig = LeaseConfig()
     drain: DrainConfig = DrainConfig()
     health: HealthConfig = HealthConfig()
@@ -172,7 +175,7 @@ _SECTIONS: dict[str, type] = {
     "log": LogConfig,
 }
 _TOP_LEVEL = {"node", "etcd", "role", "slots", "failure_domain", "addresses", "run_dir",
-              "metrics_listen"}
+              "metrics_listen", "failpoints_enabled"}
 _ETCD_KEYS = {"endpoints", "prefix", "timeout", "ca", "cert", "key", "user", "password",
               "password_file"}
 
@@ -283,6 +286,7 @@ def _build(raw: dict[str, Any], require_node: bool) -> Config:
         _, sep, port = metrics_listen.rpartition(":")
         if not sep or not port.isdigit() or int(port) > 65535:
             raise ConfigError(f"metrics_listen {metrics_listen!r} is not HOST:PORT or empty")
+    failpoints_enabled = _bool("failpoints_enabled", raw.get("failpoints_enabled", False))
     sections = {name: _section(name, cls, raw.get(name, {})) for name, cls in _SECTIONS.items()}
     cfg = Config(
         node=node,
@@ -293,6 +297,7 @@ def _build(raw: dict[str, Any], require_node: bool) -> Config:
         addresses=tuple(addresses),
         run_dir=Path(str(raw.get("run_dir", "/run/understudy"))),
         metrics_listen=metrics_listen,
+        failpoints_enabled=failpoints_enabled,
         **sections,
     )
     validate(cfg)
@@ -350,10 +355,7 @@ def _section(name: str, cls: type, values: dict[str, Any]) -> Any:
         default = f.default
         label = f"{name}.{f.name}"
         if isinstance(default, bool):
-            if isinstance(v, str) and v.lower() in ("true", "false", "1", "0"):
-                v = v.lower() in ("true", "1")
-            if not isinstance(v, bool):
-                raise ConfigError(f"{label} must be true or false, got {v!r}")
+            v = _bool(label, v)
         elif isinstance(default, int):
             v = _int(label, v)
         elif isinstance(default, float) or f.name.startswith("max_"):
@@ -368,6 +370,14 @@ def _section(name: str, cls: type, values: dict[str, Any]) -> Any:
             v = str(v)
         kwargs[f.name] = v
     return cls(**kwargs)
+
+
+def _bool(label: str, v: Any) -> bool:
+    if isinstance(v, str) and v.lower() in ("true", "false", "1", "0"):
+        v = v.lower() in ("true", "1")
+    if not isinstance(v, bool):
+        raise ConfigError(f"{label} must be true or false, got {v!r}")
+    return v
 
 
 def _int(label: str, v: Any, minimum: int | None = None) -> int:

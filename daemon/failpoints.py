@@ -23,7 +23,16 @@ Actions:
 Each armed failpoint fires once per process and logs ``failpoint <name> fired: <action>``
 (warning) first. Nothing is armed unless the variable is set; an unarmed ``hit`` is one dict
 lookup. A malformed value raises :class:`FailpointError` naming the part that is wrong, at the
-first ``hit`` (or at :func:`check`, which entry points call at start-up).
+first ``hit`` (or at :func:`configure` / :func:`check`, which entry points call at start-up).
+
+**Off unless the daemon's configuration enables them.** Failpoints are a test facility compiled
+into production binaries (as gofail's are only in test builds), so the variable alone arms
+nothing. The daemon decides at start from its configuration (``failpoints_enabled = true``, or
+``understudyd --enable-failpoints``; :func:`configure`), and gives its decision to every worker
+it starts in ``UNDERSTUDY_FAILPOINTS_ENABLED`` (``"1"`` or ``"0"``, set by the supervisor after
+the job's environment, which cannot set it), which :func:`check` reads in the worker. With
+failpoints off, ``UNDERSTUDY_FAILPOINTS`` in a process's environment logs one warning and
+arms nothing; the daemon does not pass its own copy on to its workers then.
 """
 
 from __future__ import annotations
@@ -82,13 +91,38 @@ _lock = threading.Lock()
 _armed: dict[str, Action] | None = None
 
 
+def configure(enabled: bool, decided_by: str) -> dict[str, Action]:
+    """Decide what this process arms: with ``enabled``, what ``UNDERSTUDY_FAILPOINTS`` says;
+    without, nothing, and one warning if the variable is set anyway. ``decided_by`` names the
+    decision's source in that warning. Returns what is armed.
+
+    Raises:
+        FailpointError: failpoints are enabled and the variable is malformed.
+    """
+    with _lock:
+        return dict(_decide(enabled, decided_by))
+
+
 def check() -> dict[str, Action]:
-    """Parse (once) and return what the environment arms. Raises FailpointError."""
-    global _armed
+    """What this process arms, decided once: by an earlier :func:`configure` (the daemon's), or
+    else from the environment a daemon gives its workers (armed only where
+    ``UNDERSTUDY_FAILPOINTS_ENABLED`` is ``"1"``). Raises FailpointError."""
     with _lock:
         if _armed is None:
-            _armed = parse(os.environ.get(env.FAILPOINTS, ""))
+            return dict(_decide(os.environ.get(env.FAILPOINTS_ENABLED) == "1",
+                                f"the daemon that started this process "
+                                f"(${env.FAILPOINTS_ENABLED})"))
         return dict(_armed)
+
+
+def _decide(enabled: bool, decided_by: str) -> dict[str, Action]:
+    global _armed
+    spec = os.environ.get(env.FAILPOINTS, "")
+    _armed = parse(spec) if enabled else {}
+    if not enabled and spec.strip():
+        logs.get().warning(f"{env.FAILPOINTS} is set, but failpoints are not enabled by "
+                           f"{decided_by}: nothing is armed.", failpoints=spec, pid=os.getpid())
+    return _armed
 
 
 def hit(name: str) -> None:

@@ -2,6 +2,10 @@
 
 Used by the demo (``scripts/demo``), the end-to-end tests and the benchmarks. Each daemon is a
 real ``understudyd`` process with its own run directory, metrics port and log file.
+
+Failpoints are enabled (``--enable-failpoints``), unlike a production daemon's default: fault
+tests arm them through a daemon's environment (``add(env=...)``). Pass ``failpoints=False`` for
+daemons as production runs them.
 """
 
 from __future__ import annotations
@@ -92,6 +96,8 @@ class LocalCluster:
     extra_args: Sequence[str] = ()
     python: str = sys.executable
     daemons: dict[str, DaemonProcess] = field(default_factory=dict)
+    #: start the daemons with ``--enable-failpoints``
+    failpoints: bool = True
 
     def daemon_argv(self, name: str, role: str, run_dir: Path,
                     extra: Sequence[str] = ()) -> list[str]:
@@ -101,6 +107,7 @@ class LocalCluster:
             "--role", role, "--run-dir", str(run_dir),
             "--metrics-listen", "127.0.0.1:0", "--address", "127.0.0.1",
             "--lease-ttl", str(self.lease_ttl), "--log-format", "json",
+            *(["--enable-failpoints"] if self.failpoints else []),
             *self.extra_args, *extra,
         ]
 

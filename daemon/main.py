@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from understudy.daemon import config as config_mod
-from understudy.daemon import logs
+from understudy.daemon import failpoints, logs
 from understudy.daemon.config import Config
 from understudy.daemon.controller import Controller
 from understudy.daemon.errors import ConfigError, StoreError, UnderstudyError
@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-deadline", type=float, help="default drain deadline in seconds")
     p.add_argument("--migration-timeout", type=float,
                    help="abort a live migration not switched this long after it was planned")
+    p.add_argument("--enable-failpoints", action="store_true", default=None,
+                   help="honour UNDERSTUDY_FAILPOINTS (fault tests; never in production)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
     p.add_argument("--log-format", choices=("auto", "json", "console"))
     p.add_argument("--check-config", action="store_true",
@@ -73,6 +75,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         "lease.keepalive_interval": args.keepalive_interval,
         "lease.fence_margin": args.fence_margin, "drain.deadline": args.drain_deadline,
         "drain.migration_timeout": args.migration_timeout,
+        "failpoints_enabled": args.enable_failpoints,
         "log.level": args.log_level, "log.format": args.log_format,
     })
 
@@ -88,7 +91,8 @@ class Daemon:
         self.store = EtcdStore(cfg.etcd, on_request=lambda op: self.metrics.etcd_requests
                                .labels(op=op).inc())
         self.events = EventLog(self.store, Keys(cfg.etcd.prefix), cfg.node, self.metrics)
-        self.supervisor = Supervisor(cfg.run_dir, on_exit=self._on_child_exit)
+        self.supervisor = Supervisor(cfg.run_dir, on_exit=self._on_child_exit,
+                                     failpoints=cfg.failpoints_enabled)
         self.agent = NodeAgent(cfg, self.store, self.metrics, self.events, self.supervisor,
                                self.stop)
         self.controller = Controller(self.agent, self.store, self.metrics, self.events,
@@ -300,6 +304,12 @@ def main(argv: list[str] | None = None) -> int:
         print(cfg)
         return 0
     logs.configure(cfg.log.level, cfg.log.format, node=cfg.node)
+    try:
+        failpoints.configure(cfg.failpoints_enabled,
+                             "this daemon's configuration (failpoints_enabled)")
+    except failpoints.FailpointError as exc:
+        print(f"understudyd: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     try:
         return asyncio.run(Daemon(cfg).run())
     except ConfigError as exc:  # found only on use: a metrics address already taken

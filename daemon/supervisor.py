@@ -155,8 +155,10 @@ class Supervisor:
 
     def __init__(self, run_dir: Path, on_exit: OnExit,
                  clock: Callable[[], float] = time.time,
-                 kill_timeout: float = KILL_TIMEOUT_S) -> None:
+                 kill_timeout: float = KILL_TIMEOUT_S, failpoints: bool = False) -> None:
         self.run_dir = Path(run_dir)
+        #: the daemon's configuration enables failpoints: its children may arm them
+        self.failpoints = failpoints
         self.error_dir = self.run_dir / "errors"
         self.on_exit = on_exit
         self.clock = clock
@@ -206,9 +208,12 @@ class Supervisor:
         """Start ``argv`` as child ``name`` and return its pid.
 
         The child gets the daemon's environment plus ``env``, plus ``UNDERSTUDY_CHILD=name``,
-        ``UNDERSTUDY_ERROR_FILE`` (a fresh file under ``<run_dir>/errors``) and
-        ``UNDERSTUDY_DAEMON_PID`` (a worker dies with its daemon: ``worker.lifeline``). Its stdin is
-        /dev/null; stdout and stderr are the daemon's (the journal), or ``log_path`` (appended).
+        ``UNDERSTUDY_ERROR_FILE`` (a fresh file under ``<run_dir>/errors``),
+        ``UNDERSTUDY_DAEMON_PID`` (a worker dies with its daemon: ``worker.lifeline``) and
+        ``UNDERSTUDY_FAILPOINTS_ENABLED`` (the daemon's decision, ``daemon/failpoints.py``; with
+        failpoints off, the daemon's own ``UNDERSTUDY_FAILPOINTS`` is not passed on). Its stdin
+        is /dev/null; stdout and stderr are the daemon's (the journal), or ``log_path``
+        (appended).
 
         Raises:
             ValueError: ``name`` is not a plain file-name-safe word, a child of that name is
@@ -221,8 +226,8 @@ class Supervisor:
                              "'-', starting with a letter or digit")
         if not argv:
             raise ValueError(f"child {name!r} has an empty argv")
-        owned = {envvars.CHILD_NAME, envvars.CHILD_ERROR_FILE, envvars.DAEMON_PID} & set(
-            env or {})
+        owned = {envvars.CHILD_NAME, envvars.CHILD_ERROR_FILE, envvars.DAEMON_PID,
+                 envvars.FAILPOINTS_ENABLED} & set(env or {})
         if owned:
             raise ValueError(f"env of child {name!r} sets {sorted(owned)}, which the supervisor "
                              "sets itself")
@@ -237,9 +242,13 @@ class Supervisor:
         try:
             self.error_dir.mkdir(parents=True, exist_ok=True)
             error_file = self.error_dir / f"{name}-{uuid.uuid4().hex[:12]}.json"
-            child_env = {**os.environ, **(env or {}), envvars.CHILD_NAME: name,
+            inherited = dict(os.environ)
+            if not self.failpoints:  # the daemon ignored it (and said so): so do its workers
+                inherited.pop(envvars.FAILPOINTS, None)
+            child_env = {**inherited, **(env or {}), envvars.CHILD_NAME: name,
                          envvars.CHILD_ERROR_FILE: str(error_file),
-                         envvars.DAEMON_PID: str(os.getpid())}
+                         envvars.DAEMON_PID: str(os.getpid()),
+                         envvars.FAILPOINTS_ENABLED: "1" if self.failpoints else "0"}
             out: IO[bytes] | None = None
             try:
                 if log_path is not None:

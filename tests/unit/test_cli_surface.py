@@ -22,11 +22,10 @@ CLI = {
     "run": ["--cwd", "--dp", "--env", "--job", "--no-wait", "--pp", "--standby", "--tp", "argv"],
 }
 
-DAEMON = ["--address", "--check-config", "--config", "--drain-deadline", "--etcd",
-          "--failure-domain", "--fence-margin", "--keepalive-interval", "--lease-ttl",
+DAEMON = ["--address", "--check-config", "--config", "--drain-deadline", "--enable-failpoints",
+          "--etcd", "--failure-domain", "--fence-margin", "--keepalive-interval", "--lease-ttl",
           "--log-format", "--log-level", "--metrics-listen", "--migration-timeout", "--node",
-          "--prefix", "--role",
-          "--run-dir", "--slots"]
+          "--prefix", "--role", "--run-dir", "--slots"]
 
 
 def _options(p: argparse.ArgumentParser) -> list[str]:

@@ -91,6 +91,41 @@ def test_clean_exit_is_seen_with_the_child_environment(tmp_path: Path) -> None:
     run(tmp_path, body)
 
 
+@pytest.mark.parametrize("enabled", [False, True])
+def test_children_inherit_the_daemons_failpoint_decision(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, enabled: bool) -> None:
+    """The daemon's own UNDERSTUDY_FAILPOINTS reaches its workers only where its configuration
+    enables failpoints; a job's env may set the spec but not the decision."""
+    monkeypatch.setenv(env.FAILPOINTS, "joiner.switch=exit(3)")  # the daemon's environment
+    out = tmp_path / "env.json"
+    dump = py(f"""
+        import json, os
+        keys = ({env.FAILPOINTS!r}, {env.FAILPOINTS_ENABLED!r})
+        json.dump({{k: os.environ.get(k) for k in keys}}, open({str(out)!r}, "w"))
+        """)
+
+    async def main() -> None:
+        exits = Exits()
+        sup = Supervisor(tmp_path / "run", exits, failpoints=enabled)
+        try:
+            await sup.spawn("w", dump)
+            assert (await exits.next()).returncode == 0
+            seen = json.loads(out.read_text())
+            assert seen == {env.FAILPOINTS: "joiner.switch=exit(3)" if enabled else None,
+                            env.FAILPOINTS_ENABLED: "1" if enabled else "0"}
+            await sup.spawn("job", dump, env={env.FAILPOINTS: "leaver.send=exit(9)"})
+            assert (await exits.next()).returncode == 0
+            assert json.loads(out.read_text()) == {env.FAILPOINTS: "leaver.send=exit(9)",
+                                                   env.FAILPOINTS_ENABLED: seen[
+                                                       env.FAILPOINTS_ENABLED]}
+            with pytest.raises(ValueError, match=env.FAILPOINTS_ENABLED):
+                await sup.spawn("forged", dump, env={env.FAILPOINTS_ENABLED: "1"})
+        finally:
+            await sup.close(grace=0.5)
+
+    asyncio.run(main())
+
+
 def test_recorded_exception_is_the_root_cause(tmp_path: Path) -> None:
     async def body(sup: Supervisor, exits: Exits) -> None:
         pid = await sup.spawn("rank-3", py("""
