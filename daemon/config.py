@@ -7,6 +7,7 @@ Every problem is a :class:`ConfigError` whose message names the offending settin
 from __future__ import annotations
 
 import dataclasses
+import grp
 import os
 import re
 import tomllib
@@ -135,6 +136,9 @@ class Config:
     run_dir: Path = Path("/run/understudy")
     #: host:port for the Prometheus endpoint; empty disables it.
     metrics_listen: str = "127.0.0.1:9464"
+    #: A group (name or number) whose members may use the workers' socket besides the daemon's
+    #: own workers (its descendants); empty: none. The socket file gets this group.
+    socket_group: str = ""
     #: Honour ``UNDERSTUDY_FAILPOINTS`` (fault injection, daemon/failpoints.py) in the daemon and
     #: its workers. Off in production: a stray variable then only logs a warning.
     failpoints_enabled: bool = False
@@ -175,7 +179,7 @@ _SECTIONS: dict[str, type] = {
     "log": LogConfig,
 }
 _TOP_LEVEL = {"node", "etcd", "role", "slots", "failure_domain", "addresses", "run_dir",
-              "metrics_listen", "failpoints_enabled"}
+              "metrics_listen", "socket_group", "failpoints_enabled"}
 _ETCD_KEYS = {"endpoints", "prefix", "timeout", "ca", "cert", "key", "user", "password",
               "password_file"}
 
@@ -286,6 +290,9 @@ def _build(raw: dict[str, Any], require_node: bool) -> Config:
         _, sep, port = metrics_listen.rpartition(":")
         if not sep or not port.isdigit() or int(port) > 65535:
             raise ConfigError(f"metrics_listen {metrics_listen!r} is not HOST:PORT or empty")
+    socket_group = str(raw.get("socket_group", ""))
+    if socket_group:
+        group_id(socket_group)  # a group this machine does not know stops the daemon here
     failpoints_enabled = _bool("failpoints_enabled", raw.get("failpoints_enabled", False))
     sections = {name: _section(name, cls, raw.get(name, {})) for name, cls in _SECTIONS.items()}
     cfg = Config(
@@ -297,6 +304,7 @@ def _build(raw: dict[str, Any], require_node: bool) -> Config:
         addresses=tuple(addresses),
         run_dir=Path(str(raw.get("run_dir", "/run/understudy"))),
         metrics_listen=metrics_listen,
+        socket_group=socket_group,
         failpoints_enabled=failpoints_enabled,
         **sections,
     )
@@ -378,6 +386,20 @@ def _bool(label: str, v: Any) -> bool:
     if not isinstance(v, bool):
         raise ConfigError(f"{label} must be true or false, got {v!r}")
     return v
+
+
+def group_id(group: str) -> int:
+    """The id of ``group``, a group name or a number (which need not be in the group database).
+
+    Raises:
+        ConfigError: no group of that name on this machine.
+    """
+    if group.isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ConfigError(f"socket_group {group!r} is not a group on this machine") from None
 
 
 def _int(label: str, v: Any, minimum: int | None = None) -> int:

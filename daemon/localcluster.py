@@ -3,9 +3,12 @@
 Used by the demo (``scripts/demo``), the end-to-end tests and the benchmarks. Each daemon is a
 real ``understudyd`` process with its own run directory, metrics port and log file.
 
-Failpoints are enabled (``--enable-failpoints``), unlike a production daemon's default: fault
-tests arm them through a daemon's environment (``add(env=...)``). Pass ``failpoints=False`` for
-daemons as production runs them.
+Two settings differ from a production daemon's defaults, both for the harness's sake and both
+visible in each daemon's command line: failpoints are enabled (``--enable-failpoints``: fault
+tests arm them through a daemon's environment, ``add(env=...)``), and the workers' socket
+admits the harness's own group (``--socket-group``, the effective group of the process that
+builds the cluster), so that a test or a demo can talk to a daemon's socket as its workers do.
+Pass ``failpoints=False`` or ``socket_group=""`` for daemons as production runs them.
 """
 
 from __future__ import annotations
@@ -98,6 +101,8 @@ class LocalCluster:
     daemons: dict[str, DaemonProcess] = field(default_factory=dict)
     #: start the daemons with ``--enable-failpoints``
     failpoints: bool = True
+    #: the ``--socket-group`` of the daemons ("": none, only their workers use the socket)
+    socket_group: str = field(default_factory=lambda: str(os.getegid()))
 
     def daemon_argv(self, name: str, role: str, run_dir: Path,
                     extra: Sequence[str] = ()) -> list[str]:
@@ -108,6 +113,7 @@ class LocalCluster:
             "--metrics-listen", "127.0.0.1:0", "--address", "127.0.0.1",
             "--lease-ttl", str(self.lease_ttl), "--log-format", "json",
             *(["--enable-failpoints"] if self.failpoints else []),
+            *(["--socket-group", self.socket_group] if self.socket_group else []),
             *self.extra_args, *extra,
         ]
 

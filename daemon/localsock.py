@@ -7,6 +7,12 @@ bootstrap: ``<job>/<group>/v<version>``) and an ``epoch``; every key then lives 
 ``<prefix>/kv/<namespace>/``. A hello whose epoch the daemon refuses (``epoch_check``) closes the
 connection: a process of an old epoch cannot reach the job's store. Values are base64.
 
+**Who may connect** (``daemon/peers.py``): the daemon's own workers and their children, and
+members of the configured ``socket_group``, as the kernel reports the connecting process
+(``SO_PEERCRED``). Anyone else gets one line, ``{"id": <its first request's id>, "ok": false,
+"error": sentence}``, and the connection is closed; the daemon logs one warning per refused
+process.
+
 The key-value operations are those a ``torch.distributed.Store`` needs: set, get (waiting up to
 a timeout), add, compare_set, check, delete, num_keys.
 
@@ -37,6 +43,7 @@ import contextlib
 import enum
 import hashlib
 import json
+import os
 import re
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -45,6 +52,7 @@ from typing import Any, NoReturn
 from understudy.daemon import logs
 from understudy.daemon.errors import RecordError, StoreError
 from understudy.daemon.keys import Keys
+from understudy.daemon.peers import PeerGate
 from understudy.daemon.records import Assignment
 from understudy.daemon.snapshot_tiers import HOLDER_ID_RE
 from understudy.daemon.store import EtcdStore, WatchEvent
@@ -52,6 +60,8 @@ from understudy.daemon.store import EtcdStore, WatchEvent
 MAX_LINE = 1024 * 1024
 NAMESPACE_RE = re.compile(r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$")
 MAX_WAIT = 600.0
+#: how long a refused connection may take to send its first request, answered with the refusal
+REFUSAL_READ_S = 2.0
 
 
 class Op(enum.StrEnum):
@@ -147,10 +157,13 @@ def _warmth(req: dict[str, Any]) -> dict[str, Any]:
 
 
 class LocalServer:
+    """The socket's server. ``socket_group``: the id of the group whose members may connect
+    besides the daemon's descendants (None: none); the socket file gets it."""
+
     def __init__(self, path: Path, store: EtcdStore, keys: Keys, node: str,
                  epoch_check: EpochCheck = _accept_all, job_info: JobInfo = _no_jobs,
                  standby_report: StandbyReport = _ignore_standby,
-                 next_view: NextView | None = None) -> None:
+                 next_view: NextView | None = None, socket_group: int | None = None) -> None:
         self.path, self.store, self.keys = path, store, keys
         self.epoch_check = epoch_check
         self.job_info = job_info
@@ -158,6 +171,8 @@ class LocalServer:
         self.next_view: NextView = next_view or (lambda: quiet)
         self.standby_report = standby_report
         self.log = logs.get(node=node)
+        self.socket_group = socket_group
+        self.gate = PeerGate(socket_group, self.log)
         self._server: asyncio.AbstractServer | None = None
         self._conns: set[asyncio.Task[None]] = set()
 
@@ -167,6 +182,9 @@ class LocalServer:
             self.path.unlink()
         self._server = await asyncio.start_unix_server(self._serve, path=str(self.path),
                                                        limit=MAX_LINE)
+        # The mode is a first gate only: every connection's process is checked (PeerGate).
+        if self.socket_group is not None:
+            os.chown(self.path, -1, self.socket_group)
         self.path.chmod(0o660)
 
     async def close(self) -> None:
@@ -186,6 +204,13 @@ class LocalServer:
         task = asyncio.current_task()
         assert task is not None
         self._conns.add(task)
+        refused = self.gate.check(writer.get_extra_info("socket"))
+        if refused is not None:
+            try:
+                await self._refuse(reader, writer, refused)
+            finally:
+                self._conns.discard(task)
+            return
         namespace: str | None = None
         epoch = 0  # the hello's
         standby_of: str | None = None  # the job, once this connection reported warmth
@@ -235,6 +260,25 @@ class LocalServer:
             pass
         finally:
             self._conns.discard(task)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(writer.wait_closed(), 1)
+
+    async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      why: str) -> None:
+        """Answer a refused process's first request (or, if it sends none soon, the
+        connection) with ``why``, and close. Nothing it sends is acted on."""
+        rid: Any = None
+        with contextlib.suppress(Exception):  # whatever it sent, it gets the same answer
+            line = await asyncio.wait_for(reader.readline(), REFUSAL_READ_S)
+            req = json.loads(line)
+            rid = req.get("id") if isinstance(req, dict) else None
+        try:
+            writer.write(json.dumps({"id": rid, "ok": False, "error": why}).encode() + b"\n")
+            await writer.drain()
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
             writer.close()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(writer.wait_closed(), 1)

@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-deadline", type=float, help="default drain deadline in seconds")
     p.add_argument("--migration-timeout", type=float,
                    help="abort a live migration not switched this long after it was planned")
+    p.add_argument("--socket-group",
+                   help="a group whose members may use the workers' socket besides the workers")
     p.add_argument("--enable-failpoints", action="store_true", default=None,
                    help="honour UNDERSTUDY_FAILPOINTS (fault tests; never in production)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
@@ -75,7 +77,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         "lease.keepalive_interval": args.keepalive_interval,
         "lease.fence_margin": args.fence_margin, "drain.deadline": args.drain_deadline,
         "drain.migration_timeout": args.migration_timeout,
-        "failpoints_enabled": args.enable_failpoints,
+        "socket_group": args.socket_group, "failpoints_enabled": args.enable_failpoints,
         "log.level": args.log_level, "log.format": args.log_format,
     })
 
@@ -104,7 +106,9 @@ class Daemon:
         self.local = LocalServer(cfg.socket_path, self.store, Keys(cfg.etcd.prefix), cfg.node,
                                  epoch_check=self.jobs.epoch_check,
                                  job_info=self.jobs.job_info, next_view=self.jobs.next_view,
-                                 standby_report=self.jobs.standby_report)
+                                 standby_report=self.jobs.standby_report,
+                                 socket_group=config_mod.group_id(cfg.socket_group)
+                                 if cfg.socket_group else None)
         self.probe = ProbeResponder(cfg.node, lambda: self.agent.incarnation)
         self.notifier = Notifier.from_env()
         self.log = logs.get(node=cfg.node)

@@ -75,6 +75,8 @@ class DaemonClient:
         if not line:
             raise DaemonError(f"the daemon closed the connection during {op}")
         reply: dict[str, Any] = json.loads(line)
+        if reply.get("id") is None and not reply.get("ok"):  # the daemon refused the connection
+            raise DaemonError(str(reply.get("error")))
         if reply.get("id") != rid:
             raise DaemonError(f"daemon answered request {reply.get('id')} instead of {rid}")
         if not reply.get("ok"):

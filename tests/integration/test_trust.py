@@ -1,13 +1,18 @@
-"""The node's trust boundary with real daemons: failpoints that only a daemon's configuration
-arms.
+"""The node's trust boundary with real daemons: who may use a daemon's workers' socket, and
+failpoints that only a daemon's configuration arms.
 
-The daemons here run as production runs them (``LocalCluster(failpoints=False)``) unless a test
-says otherwise; the harness's usual setting (``daemon/localcluster.py``) honours every
+The daemons here run as production runs them (``LocalCluster(failpoints=False,
+socket_group="")``) unless a test says otherwise; the harness's usual settings
+(``daemon/localcluster.py``) would admit this test process through its group and honour every
 failpoint. The state transfer's restricted loader is tested in ``tests/unit/test_transfer.py``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -16,20 +21,108 @@ from pathlib import Path
 import pytest
 
 from tests.integration.scenarios import assert_no_tracebacks, wait_log
-from understudy.daemon import env
+from understudy.daemon import config, env
 from understudy.daemon.embedded_etcd import EmbeddedEtcd
-from understudy.daemon.localcluster import LocalCluster
+from understudy.daemon.localcluster import DaemonProcess, LocalCluster
+from understudy.daemon.store import EtcdStore
+from understudy.worker.daemon_client import DaemonClient, DaemonError
 
 pytestmark = pytest.mark.slow
 PROBE = str(Path(__file__).parents[1] / "workers" / "probe.py")
+#: a group id no account here uses, for the tests of ``socket_group``
+GROUP = 48213
+REFUSED = "Refused a connection to the workers' socket."
 
 
 @pytest.fixture
 def production(etcd: EmbeddedEtcd, tmp_path: Path) -> Iterator[LocalCluster]:
     c = LocalCluster(etcd_endpoint=etcd.endpoint, base_dir=tmp_path / "cluster",
-                     failpoints=False)
+                     failpoints=False, socket_group="")
     try:
         yield c
+    finally:
+        c.stop_all(timeout=5)
+        assert_no_tracebacks(c)
+
+
+def _socket(d: DaemonProcess) -> str:
+    return str(d.run_dir / "understudyd.sock")
+
+
+def _kv(etcd: EmbeddedEtcd, key: str) -> bytes | None:
+    async def read() -> bytes | None:
+        s = EtcdStore(config.load(overrides={"etcd.endpoints": etcd.endpoint}, environ={},
+                                  require_node=False).etcd)
+        try:
+            kv = await s.get(key)
+        finally:
+            await s.close()
+        return None if kv is None else kv.value
+
+    return asyncio.run(read())
+
+
+def _connect(path: str, **popen: object) -> dict[str, object]:
+    """Connect from a new process of this test (not a descendant of the daemon), with the
+    credentials ``popen`` gives it (``group=``, ``extra_groups=``); its pid and what it got."""
+    code = ("import json, os, sys\n"
+            "from understudy.worker.daemon_client import DaemonClient, DaemonError\n"
+            "try:\n"
+            "    with DaemonClient('j/probe', path=sys.argv[1], timeout=5) as c:\n"
+            "        c.set('from-outside', b'1')\n"
+            "    out = 'admitted'\n"
+            "except DaemonError as exc:\n"
+            "    out = str(exc)\n"
+            "print(json.dumps({'pid': os.getpid(), 'result': out}))\n")
+    done = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True,
+                          timeout=60, **popen)  # type: ignore[call-overload]
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def test_only_the_daemons_own_workers_use_its_socket(production: LocalCluster,
+                                                      etcd: EmbeddedEtcd) -> None:
+    d = production.add("node-a", "active")
+    production.wait_state("node-a", "active")
+    production.wait_for("a controller", lambda s: s.controller is not None)
+    # A worker the daemon started reaches the job's store through the socket.
+    out = production.cli("run", "--job", "j", "--tp", "1", "--dp", "1", "--",
+                         sys.executable, PROBE)
+    assert out.returncode == 0, out.stderr
+    production.wait_for("j done", lambda s: s.job("j") is not None
+                        and s.job("j").state == "done", timeout=60)  # type: ignore[union-attr]
+    assert _kv(etcd, f"{production.prefix}/kv/j/probe/rank0") == b"1,1,1,0,0,node-a"
+    # This test process runs as root, as the daemon does, and is refused all the same: twice,
+    # with one warning in the daemon's log.
+    for _ in range(2):
+        with pytest.raises(DaemonError) as info:
+            DaemonClient("j/probe", epoch=1, path=_socket(d), timeout=5)
+        assert str(info.value) == (
+            f"process {os.getpid()} (uid {os.geteuid()}, gid {os.getegid()}) is not a worker of "
+            f"this daemon (pid {d.pid}); besides its workers it admits no other process "
+            f"(socket_group is not set)")
+    other = _connect(_socket(d))
+    assert "is not a worker of this daemon" in str(other["result"])
+    assert _kv(etcd, f"{production.prefix}/kv/j/probe/from-outside") is None
+    refusals = [json.loads(line) for line in d.log_text().splitlines() if REFUSED in line]
+    assert sorted(r["pid"] for r in refusals) == sorted([os.getpid(), other["pid"]])
+    assert d.alive()
+
+
+@pytest.mark.root
+def test_members_of_the_socket_group_are_admitted_and_no_one_else(etcd: EmbeddedEtcd,
+                                                                   tmp_path: Path) -> None:
+    c = LocalCluster(etcd_endpoint=etcd.endpoint, base_dir=tmp_path / "cluster",
+                     failpoints=False, socket_group=str(GROUP))
+    try:
+        d = c.add("node-a", "active")
+        c.wait_state("node-a", "active")
+        assert os.stat(_socket(d)).st_gid == GROUP
+        with pytest.raises(DaemonError, match=f"admits members of group {GROUP}"):
+            DaemonClient("j/probe", path=_socket(d), timeout=5)  # root, but not in the group
+        assert _connect(_socket(d), group=GROUP)["result"] == "admitted"
+        assert _connect(_socket(d), extra_groups=[GROUP])["result"] == "admitted"
+        assert "not a worker" in str(_connect(_socket(d), group=GROUP + 1)["result"])
     finally:
         c.stop_all(timeout=5)
         assert_no_tracebacks(c)
@@ -58,7 +151,7 @@ def test_a_stray_failpoint_variable_does_nothing_but_warn(production: LocalClust
 def test_an_enabled_daemon_arms_failpoints_and_refuses_a_malformed_spec(
         etcd: EmbeddedEtcd, tmp_path: Path) -> None:
     c = LocalCluster(etcd_endpoint=etcd.endpoint, base_dir=tmp_path / "cluster",
-                     failpoints=True)
+                     failpoints=True, socket_group="")
     try:
         bad = c.add("node-b", "active", env={env.FAILPOINTS: "controller.round=explode"})
         assert bad.wait(30) == 2

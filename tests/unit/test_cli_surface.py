@@ -25,7 +25,7 @@ CLI = {
 DAEMON = ["--address", "--check-config", "--config", "--drain-deadline", "--enable-failpoints",
           "--etcd", "--failure-domain", "--fence-margin", "--keepalive-interval", "--lease-ttl",
           "--log-format", "--log-level", "--metrics-listen", "--migration-timeout", "--node",
-          "--prefix", "--role", "--run-dir", "--slots"]
+          "--prefix", "--role", "--run-dir", "--slots", "--socket-group"]
 
 
 def _options(p: argparse.ArgumentParser) -> list[str]:

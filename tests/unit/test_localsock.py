@@ -1,12 +1,20 @@
 """The daemon's local socket fences writes by epoch on every request, not only at hello: a
 connection whose epoch the job's assignment moved past can no longer write a snapshot report
-or a holder advertisement, even while the daemon's own view still lags behind etcd. A real
-etcd (the shared fixture), a real Unix socket, the workers' own client; no daemon around it."""
+or a holder advertisement, even while the daemon's own view still lags behind etcd. And it
+serves only the daemon's own process tree (or a configured group): a process that does not
+descend from the daemon is refused. A real etcd (the shared fixture), a real Unix socket, real
+processes, the workers' own client; no daemon around it."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -19,6 +27,7 @@ from understudy.daemon import config, env
 from understudy.daemon.embedded_etcd import EmbeddedEtcd
 from understudy.daemon.keys import Keys
 from understudy.daemon.localsock import LocalServer, fenced
+from understudy.daemon.peers import Peer, ancestors, read_peer, refusal
 from understudy.daemon.records import Assignment
 from understudy.daemon.snapshot_tiers import SnapshotReport
 from understudy.daemon.store import EtcdStore
@@ -172,3 +181,90 @@ def test_a_replaced_rank_writes_on_but_its_reports_are_refused_and_it_deletes_no
     # It wrote step 6 (nobody reads it: no counted report names it) and pruned nothing.
     assert complete_copies(snap, 0) == [(3, 4), (6, 4)]
     assert SnapshotReport.parse(daemon.value("j/snapshots/0") or b"") == taken
+
+
+# --- who may connect (daemon/peers.py) --------------------------------------------------------
+
+
+def test_the_peer_decision_admits_descendants_and_the_group_only() -> None:
+    worker = Peer(pid=200, uid=0, gid=0, groups=())
+    assert refusal(worker, (150, 100, 1), daemon_pid=100, group=None) is None  # a grandchild
+    assert refusal(Peer(100, 0, 0, ()), (1,), daemon_pid=100, group=None) is None  # itself
+    root = Peer(pid=300, uid=0, gid=0, groups=(4, 24))
+    assert refusal(root, (1,), daemon_pid=100, group=None) == (
+        "process 300 (uid 0, gid 0) is not a worker of this daemon (pid 100); besides its "
+        "workers it admits no other process (socket_group is not set)")
+    assert refusal(root, (1,), daemon_pid=100, group=24) is None      # supplementary group
+    assert refusal(Peer(300, 1000, 77, ()), (1,), daemon_pid=100, group=77) is None
+    assert refusal(root, (1,), daemon_pid=100, group=77) == (
+        "process 300 (uid 0, gid 0) is not a worker of this daemon (pid 100); besides its "
+        "workers it admits members of group 77")
+    assert refusal(root, (), daemon_pid=100, group=None) is not None  # gone: no ancestry
+
+
+def test_the_kernel_reports_a_peers_credentials_and_ancestry() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with a, b:
+        peer = read_peer(a)
+    assert (peer.pid, peer.uid, peer.gid) == (os.getpid(), os.geteuid(), os.getegid())
+    assert set(peer.groups) == set(os.getgroups())
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert ancestors(child.pid)[0] == os.getpid()
+        assert os.getppid() in ancestors(os.getpid())
+    finally:
+        child.kill()
+        child.wait(10)
+    assert ancestors(child.pid) == ()
+
+
+_ORPHAN = """
+import json, os, sys, time
+parent = os.getpid()
+if os.fork():
+    os._exit(0)  # the child is orphaned and re-parented: no longer below the test process
+deadline = time.monotonic() + 10
+while os.getppid() == parent and time.monotonic() < deadline:
+    time.sleep(0.01)
+from understudy.worker.daemon_client import DaemonClient, DaemonError
+results = []
+for _ in range(2):
+    try:
+        DaemonClient("j/snapshots", epoch=1, path=sys.argv[1], timeout=5).close()
+        results.append("admitted")
+    except DaemonError as exc:
+        results.append(str(exc))
+with open(sys.argv[2] + ".tmp", "w") as f:
+    json.dump({"pid": os.getpid(), "results": results}, f)
+os.rename(sys.argv[2] + ".tmp", sys.argv[2])
+"""
+
+
+def test_a_process_that_does_not_descend_from_the_daemon_is_refused(
+        daemon: _Daemon, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The daemon is this test process (its server runs on a thread here): a client in it, and
+    a process it starts, are admitted; a process orphaned on purpose is refused (twice, with
+    one warning), whatever its uid."""
+    with _client(daemon, "j/snapshots", 1) as c:
+        c.ping()
+    child = subprocess.run([sys.executable, "-c", _ORPHAN.replace("os.fork()", "False"),
+                            str(daemon.path), str(tmp_path / "child.json")], timeout=60)
+    assert child.returncode == 0
+    assert json.loads((tmp_path / "child.json").read_text())["results"] == ["admitted"] * 2
+    out = tmp_path / "orphan.json"
+    subprocess.run([sys.executable, "-c", _ORPHAN, str(daemon.path), str(out)], timeout=60,
+                   check=True)
+    deadline = time.monotonic() + 30
+    while not out.exists():
+        assert time.monotonic() < deadline, "the orphan never reported"
+        time.sleep(0.05)
+    orphan = json.loads(out.read_text())
+    assert orphan["results"] == [
+        f"process {orphan['pid']} (uid {os.geteuid()}, gid {os.getegid()}) is not a worker of "
+        f"this daemon (pid {os.getpid()}); besides its workers it admits no other process "
+        f"(socket_group is not set)"] * 2
+    logged = capsys.readouterr()
+    warnings = [line for line in (logged.out + logged.err).splitlines()
+                if "Refused a connection to the workers' socket" in line]
+    assert len(warnings) == 1 and str(orphan["pid"]) in warnings[0], warnings
+    assert daemon.value("j/snapshots/x") is None
