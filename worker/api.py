@@ -333,6 +333,15 @@ class TrainingJob(abc.ABC):
         """This rank's full training state, after the last committed step: parameters,
         optimizer, schedule, data position, and RNGs the job owns beyond the process-global
         ones. Tensors may be the live ones; the caller is done with them before the next step.
+
+        What it may hold (what a joiner loads from its peer, ``worker/safe_unpickle.py``, and
+        what ``torch.load(weights_only=True)`` loads for the snapshots): dense tensors in
+        dicts, lists and tuples; ``dict``, ``list``, ``tuple``, ``set``, ``frozenset``,
+        ``str``, ``bytes``, ``bytearray``, ``int``, ``float``, ``bool``, ``None``, ``complex``,
+        ``collections.OrderedDict``, ``torch.Size``, ``torch.device`` and torch dtypes. So
+        ``module.state_dict()``, ``optimizer.state_dict()``, an LR scheduler's or a grad
+        scaler's ``state_dict()`` all fit; a namedtuple, a dataclass or a numpy array does not
+        (a migration of such a state is called off, with a sentence naming the type).
         """
 
     @abc.abstractmethod

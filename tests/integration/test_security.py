@@ -25,6 +25,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.certs import CertAuthority, CertPair, have_openssl
+from tests.integration.scenarios import wait_log
 from understudy.cli.cluster import ClusterStatus, read_cluster
 from understudy.daemon import config
 from understudy.daemon import env as env_vars
@@ -487,3 +489,86 @@ def test_wrong_password_and_missing_permission_are_refused_clearly(
         d.signal(signal.SIGTERM)
     for name, d in cluster.daemons.items():
         assert d.wait(timeout=10) == 0, f"{name}: {d.log_text()[-2000:]}"
+
+
+# -- the least-privilege roles of docs/security.md --------------------------------------------
+
+#: user -> the role of docs/security.md it gets
+ROLE_USERS = {"node": "understudy-node", "submitter": "understudy-submitter",
+              "operator": "understudy-operator", "viewer": "understudy-viewer"}
+PROBE = str(Path(__file__).parents[1] / "workers" / "probe.py")
+
+
+def doc_role_commands() -> list[list[str]]:
+    """The ``etcdctl role ...`` lines of docs/security.md, for the prefix ``PREFIX``."""
+    text = (Path(__file__).parents[2] / "docs" / "security.md").read_text()
+    out = []
+    for line in text.splitlines():
+        words = line.split("#", 1)[0].split()
+        if words[:2] == ["etcdctl", "role"]:
+            out.append([w.replace("P/", f"{PREFIX}/") for w in words[1:]])
+    assert len(out) > 10, "docs/security.md lost its etcdctl role commands"
+    return out
+
+
+def test_the_roles_of_docs_security_md_are_enough_and_no_more(auth_etcd: EmbeddedEtcd,
+                                                              pki: Pki, tmp_path: Path) -> None:
+    """Every command of the page, run as written: daemons with the node role register, elect
+    a controller, run a job's workers and revoke a dead node's lease; the submitter runs a job,
+    the operator cordons and drains, the viewer reads; the viewer may not drain and the
+    operator may not run a job."""
+    root = f"root:{ROOT_PASSWORD}"
+    for cmd in doc_role_commands():
+        res = etcdctl(auth_etcd, pki, *cmd, user=root)
+        assert res.returncode == 0, f"etcdctl {' '.join(cmd)}: {res.stderr.strip()}"
+    for user, role in ROLE_USERS.items():
+        for cmd in (("user", "add", f"{user}:{user}-secret"),
+                    ("user", "grant-role", user, role)):
+            res = etcdctl(auth_etcd, pki, *cmd, user=root)
+            assert res.returncode == 0, res.stderr
+    c = SecureCluster(
+        etcd_endpoint=auth_etcd.endpoint, base_dir=tmp_path / "cluster", prefix=PREFIX,
+        etcd_cfg=_cfg(auth_etcd, pki.ca.cert, pki.client, "viewer", "viewer-secret"),
+        cli_flags=("--ca", str(pki.ca.cert), "--cert", str(pki.client.cert),
+                   "--key", str(pki.client.key)))
+
+    def cli(command: str, user: str, *args: str) -> subprocess.CompletedProcess[str]:
+        return c.cli(command, "--user", user, *args,
+                     env={env_vars.ETCD_PASSWORD: f"{user}-secret"})
+
+    try:
+        for name, role in (("node-a", "active"), ("node-s", "standby")):
+            c.add(name, role, env=_daemon_env(pki, "node", "node-secret"))
+        c.wait_state("node-a", "active", timeout=15)
+        c.wait_state("node-s", "standby", timeout=15)
+        c.wait_for("a controller", lambda s: s.controller is not None, timeout=15)
+        leader = c.status().controller
+        assert leader is not None
+        victim = "node-s" if leader == "node-a" else "node-a"
+        refused = cli("run", "operator", "--job", "j", "--tp", "1", "--dp", "1", "--",
+                      sys.executable, PROBE)
+        assert refused.returncode == 1 and "permission denied" in refused.stderr, refused
+        ran = cli("run", "submitter", "--job", "j", "--tp", "1", "--dp", "1", "--",
+                  sys.executable, PROBE)
+        assert ran.returncode == 0, ran.stdout + ran.stderr
+        c.wait_for("j done", lambda s: s.job("j") is not None
+                   and s.job("j").state == "done", timeout=60)  # type: ignore[union-attr]
+        status = cli("status", "viewer", "--json")
+        assert status.returncode == 0, status.stderr
+        no_drain = cli("drain", "viewer", "node-s")
+        assert no_drain.returncode == 1 and "permission denied" in no_drain.stderr, no_drain
+        cordon = cli("cordon", "operator", victim)
+        assert cordon.returncode == 0, cordon.stdout + cordon.stderr
+        drained = cli("drain", "operator", victim, "--deadline", "10", "--wait")
+        assert drained.returncode == 0 and f"{victim}: drained" in drained.stdout, drained
+        # The controller revokes the lease of a node killed with -9: that needs write
+        # permission on the keys bound to that lease.
+        c.daemons[victim].kill9()
+        wait_log(c.daemons[leader], f"Node {victim} is lost", timeout=15)
+        log = c.daemons[leader].log_text()
+        assert "Revoked its lease." in log and "Could not revoke" not in log
+        assert "permission denied" not in log
+    finally:
+        c.stop_all(timeout=5)
+        for name, d in c.daemons.items():
+            assert "Traceback" not in d.log_text(), f"{name} logged a traceback"
