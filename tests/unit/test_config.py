@@ -69,3 +69,17 @@ def test_missing_node_or_etcd() -> None:
         config.load(overrides={"etcd.endpoints": "h:1"}, environ={})
     with pytest.raises(ConfigError, match="no etcd endpoint"):
         config.load(overrides={"node": "n1"}, environ={})
+
+
+def test_trust_settings_are_off_by_default_and_checked(tmp_path: Path) -> None:
+    cfg = config.load(overrides=BASE, environ={"UNDERSTUDY_FAILPOINTS": "x=raise"})
+    assert cfg.failpoints_enabled is False and cfg.socket_group == ""
+    f = tmp_path / "c.toml"
+    f.write_text('failpoints_enabled = true\nsocket_group = "0"\n')
+    cfg = config.load(f, overrides=BASE, environ={})
+    assert cfg.failpoints_enabled is True and config.group_id(cfg.socket_group) == 0
+    assert config.group_id("root") == 0
+    with pytest.raises(ConfigError, match="socket_group 'no-such-group' is not a group"):
+        config.load(overrides={**BASE, "socket_group": "no-such-group"}, environ={})
+    with pytest.raises(ConfigError, match="failpoints_enabled must be true or false"):
+        config.load(overrides={**BASE, "failpoints_enabled": "sometimes"}, environ={})
