@@ -510,7 +510,8 @@ class JobRunner:
         epoch = self._held_epoch.get(child.name, 0)
         self._ended.add((m["job"], rank, epoch))
         code = child.returncode if child.returncode is not None else -(child.signal or 0)
-        await self._write_exit(m["job"], rank, epoch, code, code != 0, child.describe())
+        await self._write_exit(m["job"], rank, epoch, code, code != 0, child.describe(),
+                               child.error.exc_type if child.error else "")
 
     async def _joiner_gone(self, job: str, child: ChildExit) -> None:
         """A standby that was chosen as a joiner ended before the switch: the migration cannot
@@ -574,12 +575,13 @@ class JobRunner:
                                "(it ended during a migration, or the daemon restarted)")
 
     async def _write_exit(self, job: str, rank: int, epoch: int, code: int, failed: bool,
-                          description: str) -> None:
+                          description: str, error_type: str = "") -> None:
         """Record how a rank's process ended. Retried until etcd takes it (an outage of any
         length) or the daemon stops: the rank is in ``_ended`` already, so an exit that never
         reached etcd would leave the job waiting for a rank nobody runs."""
         record = RankExit(job=job, rank=rank, epoch=epoch, node=self.node, returncode=code,
-                          failed=failed, description=description, time=self.wall())
+                          failed=failed, description=description, time=self.wall(),
+                          error_type=error_type)
         delay, warned = 0.2, False
         while True:
             try:

@@ -360,6 +360,13 @@ def _plan_recovery(job: JobView, a: Assignment, gone: dict[int, str], view: Clus
         break
     free = _free_standbys(job, a, view)
     what = "; ".join(gone.values())
+    own = [r for r in gone if r in job.exits and job.exits[r].own_error]
+    if own and len(free) < len(gone):
+        # The job's own code failed: it is retried on the job's free standbys (each retry
+        # takes one), never waited for; with none left the job fails with its cause.
+        return [SetJobState(name, JobState.FAILED, f"{what}; the job's own code failed "
+                                                   f"(rank {own[0]}) and no standby of its "
+                                                   "pool is free to retry it")]
     if len(free) < len(gone):
         # A job short of standbys takes as many as it needs, whatever its --standby count
         # (0 included): its survivors wait with their state in memory until they come.

@@ -298,6 +298,17 @@ class RankExit(Record):
     failed: bool
     description: str
     time: float
+    #: the exception class the rank's process recorded when it exited with an error of its own
+    #: (``module.Class``, or the builtin's name); empty: none recorded, or killed by a signal
+    error_type: str = ""
+
+    @property
+    def own_error(self) -> bool:
+        """The job's own code failed (an exception the training script raised, not a signal,
+        a lost node or one of understudy's errors): running the rank elsewhere would fail the
+        same way."""
+        return self.failed and self.returncode > 0 and bool(self.error_type) and \
+            not self.error_type.startswith("understudy.")
 
 
 class MigrationPhase(enum.StrEnum):

@@ -232,6 +232,17 @@ def test_job_ends_done_or_pauses_without_a_standby_pool() -> None:
     assert paused.state == JobState.RUNNING and paused.event == "job-paused"
     assert "rank 1 failed on a: code 3; waiting for a standby to take over (0 free, 1 needed)" \
         in paused.reason
+    # The job's own code failed (an exception it raised, not a signal, a lost node or one of
+    # understudy's errors): with no standby of its pool free it fails with the cause, never
+    # waits, and never takes standbys beyond its pool to retry.
+    raised = dataclasses.replace(exit_(1, 1), error_type="RuntimeError",
+                                 description="code 1: RuntimeError: bad batch")
+    (failed,) = plan(_cluster(j=JobView(spec, running, a, {1: raised})), 1.0)
+    assert isinstance(failed, SetJobState) and failed.state == JobState.FAILED
+    assert "RuntimeError: bad batch; the job's own code failed (rank 1)" in failed.reason
+    ours = dataclasses.replace(raised, error_type="understudy.groups.errors.GroupBuildError")
+    (refill,) = plan(_cluster(j=JobView(spec, running, a, {1: ours})), 1.0)
+    assert isinstance(refill, AddStandbys)
     lost_view = _cluster(j=JobView(spec, running, a))
     del lost_view.live["s"], lost_view.live["b"]  # type: ignore[attr-defined]
     actions = plan(lost_view, 1.0)
@@ -351,6 +362,10 @@ def test_an_exhausted_pool_pauses_the_job_once_and_a_refill_resumes_it() -> None
     refilled = _recovery_view({1: _crash(1)}, standbys=("s1",), status_reason=paused.reason)
     (start,) = plan(refilled, 8.0)
     assert isinstance(start, StartMigration) and start.migration.joiners == ("s1",)
+    # A failure of the job's own code is retried on a free standby of its pool, like a crash.
+    raised = dataclasses.replace(_crash(1), returncode=1, error_type="ValueError")
+    (retry,) = plan(_recovery_view({1: raised}, standbys=("s1",)), 8.0)
+    assert isinstance(retry, StartMigration) and retry.migration.joiners == ("s1",)
     healed = _recovery_view(standbys=(), status_reason=paused.reason)
     resumed = [x for x in plan(healed, 9.0) if isinstance(x, SetJobState)]
     assert resumed and resumed[0].event == "job-resumed"
