@@ -589,3 +589,48 @@ def test_scale_smoke(tmp_path: Path) -> None:
     fo = size["failover_summary"]
     assert fo["lease_gone_to_plan_s"]["p50"] <= fo["lease_gone_to_plan_s"]["p99"]
     assert fo["target_p99_s"] == 0.5
+
+
+@pytest.mark.timeout(360)
+def test_soak_smoke(tmp_path: Path) -> None:
+    if shutil.which("etcd") is None:
+        pytest.fail("etcd is not installed: the test command installs it (scripts/test)")
+    out_file = tmp_path / "soak.json"
+    res = run_benchmark("soak.py", "--smoke", "--out", str(out_file), timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "final state bitwise equal to an uninterrupted run: True" in res.stdout
+
+    data = json.loads(out_file.read_text())
+    assert {"benchmark", "command", "machine", "config", "passed", "totals", "by_kind",
+            "schedule", "faults", "outcome", "bitwise"} <= set(data)
+    assert "--smoke" in data["command"] and data["config"]["smoke"] is True
+    t = data["totals"]
+    assert t["faults_planned"] == t["faults_fired"] == t["faults_survived"] >= 6
+    assert t["hangs"] == 0 and t["jobs_failed"] == 0 and t["job_done"] is True
+    assert t["bitwise_equal"] is True and data["passed"] is True
+    assert t["steps_completed"] == data["config"]["steps"]
+    # Several kinds, the pool refilled by fresh standbys as the faults used it.
+    kinds = {f["kind"] for f in data["faults"]}
+    assert {"worker-kill", "node-loss", "drain", "two-at-once", "etcd-restart",
+            "while-paused"} <= kinds
+    assert t["standbys_joined"] >= 2
+    for f in data["faults"]:
+        assert f["survived"] and f["fired_at"] < f["served_at"], f
+        assert f["downtime_s"] is not None and f["downtime_s"] > -f["normal_step_s"], f
+        hit = {h["action"] for h in f["hits"]}
+        if f["kind"] == "two-at-once":
+            # Two nodes, fired within a blink of each other.
+            assert len({h["node"] for h in f["hits"]}) == 2
+            assert f["hits"][1]["at"] - f["hits"][0]["done_at"] < 0.1
+        if f["kind"] == "while-paused":
+            assert f["notes"]["paused"] and f["notes"]["paused_after_second"], f["notes"]
+            assert "waiting for a standby" in f["notes"]["reason_after_second"]
+            assert len(f["hits"]) == 2 and f["notes"]["standbys_joined"]
+        if f["kind"] == "etcd-restart":
+            assert hit == {"restart-etcd"} and 2 <= f["hits"][0]["down_s"] <= 5
+    for kind, k in data["by_kind"].items():
+        assert k["count"] == k["survived"] == k["measured"] >= 1, kind
+        d = k["downtime_s"]
+        assert d["min"] <= d["median"] <= d["max"] and d["spread"] == pytest.approx(
+            d["max"] - d["min"], abs=1e-5)
+    assert all(v is None for v in data["outcome"].values())
