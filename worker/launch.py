@@ -55,7 +55,7 @@ from understudy.worker.migration import (
     member,
     wait_for_plan,
 )
-from understudy.worker.recovery import recover, wait_for_recovery
+from understudy.worker.recovery import recover, wait_for_recovery, wait_while_replaced
 from understudy.worker.runtime import Outcome, Runtime
 from understudy.worker.snapshots import SNAPSHOTS, start_holder, start_snapshotter
 from understudy.worker.transfer import TransferError
@@ -255,6 +255,11 @@ def _train(runtime: Runtime, hook: MigrationHook, steps: int, stop: threading.Ev
                     record_error(exc)
                     hook.control.close()
                     os._exit(1)
+                if hook.rank in plan.moves:
+                    log.warning(f"Recovery {plan.id} replaces this rank: it takes no part and "
+                                "waits to be stopped.", rank=hook.rank)
+                    wait_while_replaced(hook, plan, stop)
+                    continue
                 if recover(runtime, hook, plan, timeout=timeout, snapshots=snapshots):
                     runtime.announce = f"First step after recovery {plan.id}"
                     break

@@ -82,6 +82,18 @@ def wait_for_recovery(hook: MigrationHook, stop: threading.Event,
     return None
 
 
+def wait_while_replaced(hook: MigrationHook, plan: Plan, stop: threading.Event) -> None:
+    """``plan`` replaces this very rank (its node lost its lease, and the rank is still running
+    until its daemon finds out and kills it): it takes no part, since its joiner takes the
+    state from a replica. Returns once the plan is no longer the job's recovery (done or
+    called off: the caller looks again) or ``stop`` is set."""
+    while not stop.is_set():
+        current = hook.recovery()
+        if current is None or current.id != plan.id:
+            return
+        stop.wait(POLL_S)
+
+
 def recover(runtime: Runtime, hook: MigrationHook, plan: Plan, *, timeout: float,
             snapshots: Path | None = None) -> bool:
     """This survivor's part of ``plan`` (see the module docstring). True: the joiners hold

@@ -97,4 +97,6 @@ def wait_log(d: DaemonProcess, text: str, timeout: float = 60, times: int = 1) -
 
 
 def events(c: LocalCluster) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in c.cli("events", "--json").stdout.splitlines()]
+    """Every event of the cluster, oldest first."""
+    out = c.cli("events", "--json", "--limit", "0").stdout
+    return [json.loads(line) for line in out.splitlines()]
