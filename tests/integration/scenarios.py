@@ -17,15 +17,19 @@ from understudy.daemon.localcluster import DaemonProcess, LocalCluster
 
 def start(etcd: EmbeddedEtcd | str, base: Path, active: dict[str, int],
           standby: tuple[str, ...], extra: tuple[str, ...] = (),
-          env: dict[str, dict[str, str]] | None = None) -> LocalCluster:
+          env: dict[str, dict[str, str]] | None = None, leader: str | None = None
+          ) -> LocalCluster:
     """Daemons for ``active`` (name -> slots) and ``standby`` nodes, around ``etcd`` (a server,
     or the endpoints ``--etcd`` takes); ``env[name]`` is added to that daemon's environment
-    (and so to its workers')."""
+    (and so to its workers'). ``leader``: an active node started first and made the controller
+    before the others start (a test that loses another node then measures no election)."""
     env = env or {}
     endpoints = etcd if isinstance(etcd, str) else etcd.endpoint
     c = LocalCluster(etcd_endpoint=endpoints, base_dir=base)
-    for n, slots in active.items():
+    for n, slots in sorted(active.items(), key=lambda item: item[0] != leader):
         c.add(n, "active", extra=["--slots", str(slots), *extra], env=env.get(n))
+        if n == leader:
+            c.wait_for(f"{n} to lead", lambda s: s.controller == leader)
     for n in standby:
         c.add(n, "standby", extra=list(extra), env=env.get(n))
     for n in active:

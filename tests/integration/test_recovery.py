@@ -46,10 +46,11 @@ STANDBYS = ("node-s1", "node-s2")
 @contextlib.contextmanager
 def training(etcd: EmbeddedEtcd, tmp_path: Path, active: dict[str, int],
              standbys: tuple[str, ...], armed: dict[str, dict[str, str]] | None = None,
-             **job: Any) -> Iterator[tuple[LocalCluster, Path]]:
-    """A cluster (``armed``: extra daemon environments) running the plain job (``job``: as
-    ``_run_job``) with every standby worker up; yields it and the job's output directory."""
-    c = start(etcd, tmp_path / "cluster", active, standbys, env=armed)
+             leader: str | None = None, **job: Any) -> Iterator[tuple[LocalCluster, Path]]:
+    """A cluster (``armed``: extra daemon environments; ``leader``: as ``start``) running the
+    plain job (``job``: as ``_run_job``) with every standby worker up; yields it and the job's
+    output directory."""
+    c = start(etcd, tmp_path / "cluster", active, standbys, env=armed, leader=leader)
     try:
         out = tmp_path / "out"
         _run_job(c, out, **job)
@@ -93,7 +94,10 @@ def test_a_killed_rank_is_replaced_from_its_replica_and_the_result_is_bitwise_id
 
 def test_a_crashed_node_is_found_by_its_closed_probe_port_and_replaced(
         etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:
-    with training(etcd, tmp_path, {"node-a": 2, "node-b": 2}, STANDBYS) as (c, out):
+    # node-a leads: the controller's own node is not probed (its loss is the TTL's, and an
+    # election's), and this test is about a node the controller probes.
+    with training(etcd, tmp_path, {"node-a": 2, "node-b": 2}, STANDBYS,
+                  leader="node-a") as (c, out):
         _wait_steps(c.daemons["node-b"], 2, 50)
         ranks = [worker_pid(c.daemons["node-b"], f"mig.r{r}") for r in (2, 3)]
         c.daemons["node-b"].kill9()  # the daemon and both its ranks, at once
@@ -122,7 +126,8 @@ def test_a_frozen_node_is_replaced_fences_itself_on_waking_and_rejoins_clean(
     # SIGSTOP of the daemon and its ranks: no process dies, no connection is reset. The
     # survivors wait in their collectives until the controller finds the node silent (its
     # probes go unanswered), revokes its lease and plans the recovery.
-    c = start(etcd, tmp_path / "cluster", {"node-a": 2, "node-b": 2}, ("node-s1", "node-s2"))
+    c = start(etcd, tmp_path / "cluster", {"node-a": 2, "node-b": 2}, ("node-s1", "node-s2"),
+              leader="node-a")
     b = c.daemons["node-b"]
     frozen: list[int] = []
     try:
