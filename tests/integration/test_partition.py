@@ -16,7 +16,14 @@ import pytest
 
 from tests.integration import netns
 from tests.integration.bitwise import assert_bitwise_equal
-from tests.integration.scenarios import events, wait_gone, wait_log, wait_standbys, worker_pid
+from tests.integration.scenarios import (
+    events,
+    start,
+    wait_gone,
+    wait_log,
+    wait_standbys,
+    worker_pid,
+)
 from tests.integration.test_migration import _finish
 from tests.integration.test_outage import _run, _wait_step, step_records
 from understudy.daemon.embedded_etcd import EmbeddedEtcd, free_port
@@ -118,16 +125,10 @@ def test_a_node_whose_probes_vanish_is_revoked_by_the_controller_fences_and_rejo
     # replaced ranks and joins again. Nothing unsafe comes of a wrong verdict.
     if netns.available():
         pytest.skip(f"nftables unavailable: {netns.available()}")
-    c = LocalCluster(etcd_endpoint=etcd.endpoint, base_dir=tmp_path / "cluster")
+    c = start(etcd, tmp_path / "cluster", {"node-a": 2, "node-b": 2}, ("node-s1", "node-s2"),
+              leader="node-a")
     cut = netns.AddressCut("127.0.0.1", 0, proto="udp")
     try:
-        c.add("node-a", "active", extra=["--slots", "2"])
-        c.wait_for("node-a to lead", lambda s: s.controller == "node-a")
-        c.add("node-b", "active", extra=["--slots", "2"])
-        for n in ("node-s1", "node-s2"):
-            c.add(n, "standby")
-        for n, s in (("node-b", "active"), ("node-s1", "standby"), ("node-s2", "standby")):
-            c.wait_state(n, s)
         out, steps = tmp_path / "out", tmp_path / "steps"
         _run(c, out, steps, step_sleep=0.1)
         wait_standbys(c, ("node-s1", "node-s2"))
