@@ -44,14 +44,14 @@ from typing import Any
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from understudy.daemon import config as config_mod
-from understudy.daemon.embedded_etcd import EmbeddedEtcd, EtcdStartError
-from understudy.daemon.errors import RecordError, StoreError, UnderstudyError
-from understudy.daemon.keys import Keys
-from understudy.daemon.localcluster import LocalCluster
-from understudy.daemon.records import ControllerRecord, NodeRecord, RegistryEntry
-from understudy.daemon.states import NodeState
-from understudy.daemon.store import EtcdStore
+from understudy.common import config as config_mod
+from understudy.common.errors import RecordError, StoreError, UnderstudyError
+from understudy.common.keys import Keys
+from understudy.common.records import ControllerRecord, NodeRecord, RegistryEntry
+from understudy.common.states import NodeState
+from understudy.common.store import EtcdStore
+from understudy.testing.embedded_etcd import EmbeddedEtcd, EtcdStartError
+from understudy.testing.localcluster import LocalCluster
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "control_plane.json"

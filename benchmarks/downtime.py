@@ -76,12 +76,12 @@ import recovery
 import steplog
 from baseline.elastic import ElasticRun, TorchrunConfig, TorchrunError, read_records
 from baseline.torchft_run import TorchftConfig, TorchftRun
-from common import check_side_by_side, run_repeats, write_results
 from control_plane import machine, summarize  # the sibling benchmarks' helpers
 
-from understudy.daemon import config as config_mod
-from understudy.daemon.embedded_etcd import EtcdStartError
-from understudy.daemon.errors import StoreError, UnderstudyError
+from common import check_side_by_side, run_repeats, write_results
+from understudy.common import config as config_mod
+from understudy.common.errors import StoreError, UnderstudyError
+from understudy.testing.embedded_etcd import EtcdStartError
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "downtime.json"

@@ -57,13 +57,13 @@ import recovery
 import steplog
 import volatile
 from baseline.elastic import ElasticRun, RecordTail, TorchrunConfig, TorchrunError
-from common import check_side_by_side, run_repeats, write_results
 from control_plane import machine, summarize
 from downtime import compare_losses, losses
 
-from understudy.daemon import config as config_mod
-from understudy.daemon.embedded_etcd import EtcdStartError
-from understudy.daemon.errors import StoreError, UnderstudyError
+from common import check_side_by_side, run_repeats, write_results
+from understudy.common import config as config_mod
+from understudy.common.errors import StoreError, UnderstudyError
+from understudy.testing.embedded_etcd import EtcdStartError
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "goodput.json"

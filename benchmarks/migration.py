@@ -53,9 +53,9 @@ from typing import Any
 import psutil
 from control_plane import machine, rounded, summarize  # the sibling benchmark's helpers
 
-from understudy.daemon.embedded_etcd import EmbeddedEtcd, EtcdStartError
-from understudy.daemon.errors import StoreError, UnderstudyError
-from understudy.daemon.localcluster import LocalCluster
+from understudy.common.errors import StoreError, UnderstudyError
+from understudy.testing.embedded_etcd import EmbeddedEtcd, EtcdStartError
+from understudy.testing.localcluster import LocalCluster
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "examples" / "plain_torch" / "train.py"

@@ -53,12 +53,12 @@ import psutil
 import recovery
 import steplog
 from baseline.elastic import ElasticRun, TorchrunConfig, TorchrunError, read_records
-from common import run_repeats, write_results
 from control_plane import machine, summarize  # the sibling benchmarks' helpers
 
-from understudy.daemon.embedded_etcd import EmbeddedEtcd, EtcdStartError
-from understudy.daemon.errors import StoreError, UnderstudyError
-from understudy.daemon.localcluster import LocalCluster
+from common import run_repeats, write_results
+from understudy.common.errors import StoreError, UnderstudyError
+from understudy.testing.embedded_etcd import EmbeddedEtcd, EtcdStartError
+from understudy.testing.localcluster import LocalCluster
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "examples" / "plain_torch" / "train.py"

@@ -68,13 +68,13 @@ import psutil
 from control_plane import machine, rounded, summarize  # the sibling benchmarks' helpers
 from migration import log_records, train_processes, wait, wall
 
-from understudy.daemon import config as config_mod
-from understudy.daemon.embedded_etcd import EmbeddedEtcd, EtcdStartError
-from understudy.daemon.errors import RecordError, StoreError, UnderstudyError
-from understudy.daemon.keys import Keys
-from understudy.daemon.localcluster import DaemonProcess, LocalCluster
-from understudy.daemon.records import MigrationPhase, RankExit
-from understudy.daemon.store import EtcdStore
+from understudy.common import config as config_mod
+from understudy.common.errors import RecordError, StoreError, UnderstudyError
+from understudy.common.keys import Keys
+from understudy.common.records import MigrationPhase, RankExit
+from understudy.common.store import EtcdStore
+from understudy.testing.embedded_etcd import EmbeddedEtcd, EtcdStartError
+from understudy.testing.localcluster import DaemonProcess, LocalCluster
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "examples" / "plain_torch" / "train.py"

@@ -43,7 +43,6 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from common import write_results
 from control_plane import (
     BenchmarkError,
     Probe,
@@ -57,20 +56,21 @@ from control_plane import (
 )
 from scale_sim import Fleet, NoWorkers
 
-from understudy.daemon import config as config_mod
-from understudy.daemon import logs
+from common import write_results
+from understudy.common import config as config_mod
+from understudy.common import logs
+from understudy.common.errors import StoreError
+from understudy.common.keys import Keys
+from understudy.common.records import Assignment, JobSpec, Migration
+from understudy.common.states import NodeState
+from understudy.common.store import EtcdStore, WatchEvent
 from understudy.daemon.controller import Controller
-from understudy.daemon.embedded_etcd import EmbeddedEtcd, EtcdStartError
-from understudy.daemon.errors import StoreError
 from understudy.daemon.events import EventLog
-from understudy.daemon.keys import Keys
-from understudy.daemon.localcluster import LocalCluster
 from understudy.daemon.metrics import Metrics
 from understudy.daemon.node import NodeAgent
 from understudy.daemon.planner import plan
-from understudy.daemon.records import Assignment, JobSpec, Migration
-from understudy.daemon.states import NodeState
-from understudy.daemon.store import EtcdStore, WatchEvent
+from understudy.testing.embedded_etcd import EmbeddedEtcd, EtcdStartError
+from understudy.testing.localcluster import LocalCluster
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "scale.json"

@@ -39,15 +39,15 @@ from typing import Any
 import grpc
 from aetcd import rpc
 
-from understudy.daemon import config as config_mod
-from understudy.daemon.errors import StoreError
+from understudy.common import config as config_mod
+from understudy.common.errors import StoreError
+from understudy.common.keys import Keys
+from understudy.common.records import ControllerRecord
+from understudy.common.states import NodeState
+from understudy.common.store import EtcdStore
 from understudy.daemon.events import EventLog
-from understudy.daemon.keys import Keys
 from understudy.daemon.metrics import Metrics
 from understudy.daemon.node import NodeAgent
-from understudy.daemon.records import ControllerRecord
-from understudy.daemon.states import NodeState
-from understudy.daemon.store import EtcdStore
 
 #: the daemon's reconcile and resync periods (``watch_own_keys``, ``JobRunner``)
 DAEMON_RESYNC_S = 5.0

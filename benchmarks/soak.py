@@ -73,18 +73,18 @@ import soak_plan
 import steplog
 import volatile
 from baseline.elastic import read_records
-from common import write_results
 from control_plane import machine
 from migration import log_records
 from soak_plan import Hit, Picture, Planned
 
+from common import write_results
 from understudy.cli.cluster import ClusterStatus, JobView, read_events
-from understudy.daemon import config as config_mod
-from understudy.daemon.errors import StoreError, UnderstudyError
-from understudy.daemon.keys import Keys
+from understudy.common import config as config_mod
+from understudy.common.errors import StoreError, UnderstudyError
+from understudy.common.keys import Keys
+from understudy.common.layout import Layout
+from understudy.common.store import EtcdStore
 from understudy.daemon.planner import PAUSED
-from understudy.daemon.store import EtcdStore
-from understudy.groups.layout import Layout
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = recovery.TRAIN

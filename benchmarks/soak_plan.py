@@ -25,7 +25,7 @@ from typing import Any
 
 from control_plane import summarize
 
-from understudy.groups.layout import Layout
+from understudy.common.layout import Layout
 
 KINDS = ("worker-kill", "daemon-kill", "node-loss", "silent-node", "drain", "two-at-once",
          "during-migration", "while-paused", "etcd-restart", "controller-kill")

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from understudy.daemon.errors import RecordError
-from understudy.daemon.keys import Keys
-from understudy.daemon.records import (
+from understudy.common.errors import RecordError
+from understudy.common.keys import Keys
+from understudy.common.records import (
     Assignment,
     ControllerRecord,
     DrainRequest,
@@ -18,7 +18,7 @@ from understudy.daemon.records import (
     NodeRecord,
     RegistryEntry,
 )
-from understudy.daemon.store import EtcdStore
+from understudy.common.store import EtcdStore
 
 
 @dataclass

@@ -20,11 +20,11 @@ import time
 from typing import Any
 
 from understudy.cli.cluster import ClusterStatus, read_cluster, read_events
-from understudy.daemon import config as config_mod
-from understudy.daemon.errors import ConfigError, UnderstudyError
-from understudy.daemon.keys import Keys
-from understudy.daemon.records import DrainRequest, Event, JobSpec, RegistryEntry, warmth_line
-from understudy.daemon.store import EtcdStore, WatchEvent
+from understudy.common import config as config_mod
+from understudy.common.errors import ConfigError, UnderstudyError
+from understudy.common.keys import Keys
+from understudy.common.records import DrainRequest, Event, JobSpec, RegistryEntry, warmth_line
+from understudy.common.store import EtcdStore, WatchEvent
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2

@@ -16,10 +16,26 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from understudy.daemon import failpoints, logs
-from understudy.daemon.errors import RecordError, StoreError
+from understudy.common import failpoints, logs
+from understudy.common.errors import RecordError, StoreError
+from understudy.common.keys import Keys
+from understudy.common.records import (
+    Assignment,
+    ControllerRecord,
+    DrainRequest,
+    JobSpec,
+    JobState,
+    JobStatus,
+    Migration,
+    MigrationPhase,
+    NodeRecord,
+    RankExit,
+    RegistryEntry,
+)
+from understudy.common.snapshot_tiers import MemoryCopies, SnapshotReport, counted_copies
+from understudy.common.states import NodeState
+from understudy.common.store import KV, EtcdStore, WatchEvent, wait_any
 from understudy.daemon.events import EventLog
-from understudy.daemon.keys import Keys
 from understudy.daemon.metrics import Metrics
 from understudy.daemon.node import NodeAgent
 from understudy.daemon.planner import (
@@ -35,22 +51,6 @@ from understudy.daemon.planner import (
     plan,
 )
 from understudy.daemon.probe import Prober
-from understudy.daemon.records import (
-    Assignment,
-    ControllerRecord,
-    DrainRequest,
-    JobSpec,
-    JobState,
-    JobStatus,
-    Migration,
-    MigrationPhase,
-    NodeRecord,
-    RankExit,
-    RegistryEntry,
-)
-from understudy.daemon.snapshot_tiers import MemoryCopies, SnapshotReport, counted_copies
-from understudy.daemon.states import NodeState
-from understudy.daemon.store import KV, EtcdStore, WatchEvent, wait_any
 
 
 class Controller:

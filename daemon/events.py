@@ -9,11 +9,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from understudy.daemon.errors import StoreError
-from understudy.daemon.keys import Keys
+from understudy.common.errors import StoreError
+from understudy.common.keys import Keys
+from understudy.common.records import Event, event_id
+from understudy.common.store import EtcdStore
 from understudy.daemon.metrics import Metrics
-from understudy.daemon.records import Event, event_id
-from understudy.daemon.store import EtcdStore
 
 
 class EventLog:

@@ -27,8 +27,8 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import psutil
 
-from understudy.daemon.config import HealthConfig
-from understudy.daemon.errors import UnderstudyError
+from understudy.common.config import HealthConfig
+from understudy.common.errors import UnderstudyError
 
 T = TypeVar("T")
 

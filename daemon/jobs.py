@@ -2,7 +2,7 @@
 how each rank's process ended (``jobs/<job>/exits/<epoch>/<rank>``) for the controller.
 
 A rank is spawned only while the node is ``active`` and the job ``running``. Each worker gets
-its coordinates and the daemon's socket in its environment (names in ``daemon/env.py``); it
+its coordinates and the daemon's socket in its environment (names in ``common/env.py``); it
 reaches etcd only through that socket.
 """
 
@@ -17,11 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from understudy.daemon import env, logs
-from understudy.daemon.errors import RecordError, StoreError
-from understudy.daemon.keys import Keys
-from understudy.daemon.node import NodeAgent
-from understudy.daemon.records import (
+from understudy.common import env, logs
+from understudy.common.errors import RecordError, StoreError
+from understudy.common.keys import Keys
+from understudy.common.records import (
     Assignment,
     JobSpec,
     JobState,
@@ -30,8 +29,9 @@ from understudy.daemon.records import (
     MigrationPhase,
     RankExit,
 )
-from understudy.daemon.states import NodeState
-from understudy.daemon.store import EtcdStore, wait_any
+from understudy.common.states import NodeState
+from understudy.common.store import EtcdStore, wait_any
+from understudy.daemon.node import NodeAgent
 from understudy.daemon.supervisor import ChildExit, ChildState, Supervisor
 
 _CHILD_RE = re.compile(r"^(?P<job>[a-z0-9-]+)\.(r(?P<rank>\d+)|standby)$")

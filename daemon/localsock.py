@@ -38,9 +38,7 @@ by its survivors and leaver, and the leaver's ``transferred`` may land after the
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
-import enum
 import hashlib
 import json
 import os
@@ -49,41 +47,21 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-from understudy.daemon import logs
-from understudy.daemon.errors import RecordError, StoreError
-from understudy.daemon.keys import Keys
+from understudy.common import logs
+from understudy.common.errors import RecordError, StoreError
+from understudy.common.keys import Keys
+from understudy.common.records import Assignment
+from understudy.common.snapshot_tiers import HOLDER_ID_RE
+from understudy.common.sockproto import MAX_LINE, WRITES, Op, decode_value, encode_value, frame
+from understudy.common.store import EtcdStore, WatchEvent
 from understudy.daemon.peers import PeerGate
-from understudy.daemon.records import Assignment
-from understudy.daemon.snapshot_tiers import HOLDER_ID_RE
-from understudy.daemon.store import EtcdStore, WatchEvent
 
-MAX_LINE = 1024 * 1024
 NAMESPACE_RE = re.compile(r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$")
 MAX_WAIT = 600.0
 #: how long a refused connection may take to send its first request, answered with the refusal
 REFUSAL_READ_S = 2.0
 
 
-class Op(enum.StrEnum):
-    HELLO = "hello"
-    PING = "ping"
-    SET = "set"
-    GET = "get"
-    ADD = "add"
-    COMPARE_SET = "compare_set"
-    CHECK = "check"
-    DELETE = "delete"
-    NUM_KEYS = "num_keys"
-    #: the job's assignment, status and migration, as the daemon last saw them (no etcd call)
-    JOB = "job"
-    #: a standby worker says what it has warmed: ``{"mode": str, "roles": [str], "detail":
-    #: str}``, and ``"holder"``, the id of its snapshot holder, if it runs one; every later
-    #: request on that connection counts as a sign of life
-    WARMTH = "warmth"
-
-
-#: the operations that change a key
-WRITES = frozenset({Op.SET, Op.ADD, Op.COMPARE_SET, Op.DELETE})
 #: a job's namespaces (``<job>/<name>``) whose writes are fenced, beside ``<job>`` itself
 FENCED_SUBSPACES = frozenset({"snapshots"})
 #: how often a fenced or compare-and-swap write is tried against concurrent changes
@@ -250,11 +228,11 @@ class LocalServer:
                 except (RequestError, ValueError) as exc:
                     out = {"id": rid, "ok": False, "error": str(exc)}
                     if namespace is None:
-                        writer.write(json.dumps(out).encode() + b"\n")
+                        writer.write(frame(out))
                         break
                 except StoreError as exc:
                     out = {"id": rid, "ok": False, "error": f"etcd unavailable: {exc}"}
-                writer.write(json.dumps(out).encode() + b"\n")
+                writer.write(frame(out))
                 await writer.drain()
         except (ConnectionError, asyncio.CancelledError):
             pass
@@ -274,7 +252,7 @@ class LocalServer:
             req = json.loads(line)
             rid = req.get("id") if isinstance(req, dict) else None
         try:
-            writer.write(json.dumps({"id": rid, "ok": False, "error": why}).encode() + b"\n")
+            writer.write(frame({"id": rid, "ok": False, "error": why}))
             await writer.drain()
         except (ConnectionError, asyncio.CancelledError):
             pass
@@ -382,7 +360,7 @@ class LocalServer:
             value = await self._get_waiting(key, _timeout_arg(req))
             if value is None:
                 raise RequestError(f"key {req['key']!r} did not appear within the timeout")
-            return {"value": base64.b64encode(value).decode()}
+            return {"value": encode_value(value)}
         if op == Op.DELETE:
             if fence is None:
                 return {"deleted": await self.store.delete(key)}
@@ -392,7 +370,7 @@ class LocalServer:
         if op == Op.COMPARE_SET:
             value = await self._compare_set(key, _bytes_arg(req, "expected"),
                                             _bytes_arg(req, "desired"), fence)
-            return {"value": base64.b64encode(value).decode()}
+            return {"value": encode_value(value)}
         raise RequestError(f"unknown op {op!r}")
 
     async def _cas(self, key: str, value: bytes, mod_revision: int,
@@ -483,7 +461,7 @@ def _bytes_arg(req: dict[str, Any], name: str) -> bytes:
     if not isinstance(raw, str):
         raise RequestError(f"{name} must be a base64 string")
     try:
-        return base64.b64decode(raw, validate=True)
+        return decode_value(raw)
     except ValueError:
         raise RequestError(f"{name} is not valid base64") from None
 

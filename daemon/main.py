@@ -17,22 +17,22 @@ import sys
 import time
 from typing import Any
 
-from understudy.daemon import config as config_mod
-from understudy.daemon import failpoints, logs
-from understudy.daemon.config import Config
+from understudy.common import config as config_mod
+from understudy.common import failpoints, logs
+from understudy.common.config import Config
+from understudy.common.errors import ConfigError, StoreError, UnderstudyError
+from understudy.common.keys import Keys
+from understudy.common.store import EtcdStore, wait_any
 from understudy.daemon.controller import Controller
-from understudy.daemon.errors import ConfigError, StoreError, UnderstudyError
 from understudy.daemon.events import EventLog
 from understudy.daemon.health import HealthMonitor
 from understudy.daemon.jobs import JobRunner
-from understudy.daemon.keys import Keys
 from understudy.daemon.localsock import LocalServer
 from understudy.daemon.metrics import Metrics
 from understudy.daemon.node import NodeAgent
 from understudy.daemon.notices import Notice, NoticeWatcher, pollers_from_config
 from understudy.daemon.probe import ProbeResponder
 from understudy.daemon.sdnotify import Notifier
-from understudy.daemon.store import EtcdStore, wait_any
 from understudy.daemon.supervisor import ChildExit, Supervisor
 
 EXIT_CONFIG = 2

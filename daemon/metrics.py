@@ -6,8 +6,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from understudy.daemon.errors import ConfigError
-from understudy.daemon.states import NodeState
+from understudy.common.errors import ConfigError
+from understudy.common.states import NodeState
 
 
 class Metrics:

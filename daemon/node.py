@@ -34,16 +34,16 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from understudy.daemon import logs
-from understudy.daemon.config import Config
-from understudy.daemon.errors import RecordError, StoreError
+from understudy.common import logs
+from understudy.common.config import Config
+from understudy.common.errors import RecordError, StoreError
+from understudy.common.keys import Keys
+from understudy.common.records import DrainRequest, NodeRecord, RegistryEntry
+from understudy.common.states import NodeLifecycle, NodeState
+from understudy.common.store import EtcdStore, WatchEvent, wait_any
 from understudy.daemon.events import EventLog
 from understudy.daemon.fencing import FenceTimer
-from understudy.daemon.keys import Keys
 from understudy.daemon.metrics import Metrics
-from understudy.daemon.records import DrainRequest, NodeRecord, RegistryEntry
-from understudy.daemon.states import NodeLifecycle, NodeState
-from understudy.daemon.store import EtcdStore, WatchEvent, wait_any
 
 VERSION = "0.1.0"
 

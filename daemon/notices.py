@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
-from understudy.daemon.config import NoticesConfig
-from understudy.daemon.errors import UnderstudyError
+from understudy.common.config import NoticesConfig
+from understudy.common.errors import UnderstudyError
 
 #: Bodies past this size are not metadata answers; refusing them bounds memory and parse time.
 MAX_BODY = 64 * 1024

@@ -27,7 +27,7 @@ from typing import Any
 
 import psutil
 
-from understudy.daemon import logs
+from understudy.common import logs
 
 #: ``SO_PEERGROUPS`` (Linux 4.13), which Python's socket module does not name
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)

@@ -11,7 +11,8 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from understudy.daemon.records import (
+from understudy.common.layout import Layout
+from understudy.common.records import (
     Assignment,
     JobSpec,
     JobState,
@@ -22,14 +23,13 @@ from understudy.daemon.records import (
     RankExit,
     RegistryEntry,
 )
-from understudy.daemon.snapshot_tiers import (
+from understudy.common.snapshot_tiers import (
     MemoryCopies,
     RollbackPoint,
     live_holders,
     rollback_point,
 )
-from understudy.daemon.states import NodeState
-from understudy.groups.layout import Layout
+from understudy.common.states import NodeState
 
 #: how a running job's status reason starts while it waits for a standby to recover a rank
 PAUSED = "paused: "

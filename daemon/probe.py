@@ -33,9 +33,9 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping
 
-from understudy.daemon import logs
-from understudy.daemon.config import ProbeConfig
-from understudy.daemon.records import NodeRecord
+from understudy.common import logs
+from understudy.common.config import ProbeConfig
+from understudy.common.records import NodeRecord
 
 
 class ProbeResponder(asyncio.DatagramProtocol):

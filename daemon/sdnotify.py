@@ -22,7 +22,7 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from understudy.daemon import env
+from understudy.common import env
 
 #: Variables systemd sets for the main process only; strip them from a child's environment.
 SYSTEMD_ENV = (env.NOTIFY_SOCKET, env.WATCHDOG_USEC, env.WATCHDOG_PID)

@@ -7,7 +7,7 @@ reaches the whole tree (data-loader processes, compile workers); the group is al
 SIGKILL when its leader exits, so no orphan keeps a GPU busy.
 
 Each child writes its root cause to its own error file (``$UNDERSTUDY_ERROR_FILE``, see
-:mod:`understudy.worker.errors`); the supervisor reads it when it sees the exit and keeps the
+:mod:`understudy.common.errorfile`); the supervisor reads it when it sees the exit and keeps the
 first failure of the node.
 """
 
@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, NamedTuple
 
-from understudy.daemon import env as envvars
-from understudy.daemon import logs
-from understudy.daemon.errors import UnderstudyError
-from understudy.worker.errors import ErrorRecord, read_error
+from understudy.common import env as envvars
+from understudy.common import logs
+from understudy.common.errorfile import ErrorRecord, read_error
+from understudy.common.errors import UnderstudyError
 
 #: How long a child may take to die after SIGKILL before it is reported stuck (a process in
 #: uninterruptible sleep, typically inside a GPU driver, ignores even SIGKILL until it wakes).
@@ -210,7 +210,7 @@ class Supervisor:
         The child gets the daemon's environment plus ``env``, plus ``UNDERSTUDY_CHILD=name``,
         ``UNDERSTUDY_ERROR_FILE`` (a fresh file under ``<run_dir>/errors``),
         ``UNDERSTUDY_DAEMON_PID`` (a worker dies with its daemon: ``worker.lifeline``) and
-        ``UNDERSTUDY_FAILPOINTS_ENABLED`` (the daemon's decision, ``daemon/failpoints.py``; with
+        ``UNDERSTUDY_FAILPOINTS_ENABLED`` (the daemon's decision, ``common/failpoints.py``; with
         failpoints off, the daemon's own ``UNDERSTUDY_FAILPOINTS`` is not passed on). Its stdin
         is /dev/null; stdout and stderr are the daemon's (the journal), or ``log_path``
         (appended).

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from understudy.daemon.embedded_etcd import EmbeddedEtcd
-from understudy.daemon.localcluster import LocalCluster
+from understudy.testing.embedded_etcd import EmbeddedEtcd
+from understudy.testing.localcluster import LocalCluster
 
 TRAIN = str(Path(__file__).parent / "plain_torch" / "train.py")
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}

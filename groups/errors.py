@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from understudy.daemon.errors import UnderstudyError
+from understudy.common.errors import UnderstudyError
 
 
 class GroupError(UnderstudyError):

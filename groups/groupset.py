@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from understudy.daemon import logs
+from understudy.common import logs
 from understudy.groups.errors import GroupBuildError
 from understudy.groups.store import DaemonStore
 from understudy.groups.versioned import (

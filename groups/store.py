@@ -26,8 +26,8 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
+from understudy.common.daemon_client import DaemonClient, DaemonError
 from understudy.groups.errors import GroupStoreError, StoreCancelled, StoreTimeout
-from understudy.worker.daemon_client import DaemonClient, DaemonError
 
 #: Longest single wait sent to the daemon; bounds how late a cancellation is noticed.
 WAIT_SLICE = 0.5

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from understudy.daemon.errors import UnderstudyError
+from understudy.common.errors import UnderstudyError
 from understudy.worker.api import CollectiveAborted
 
 

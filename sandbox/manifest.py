@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from understudy.groups.layout import Layout
+from understudy.common.layout import Layout
 from understudy.sandbox.errors import RecordingError, RecordingMismatch
 
 #: Bumped whenever the manifest or the data file changes shape; readers refuse other formats.

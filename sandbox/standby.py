@@ -29,12 +29,12 @@ from pathlib import Path
 
 import structlog
 
+from understudy.common.daemon_client import DaemonClient, DaemonError
+from understudy.common.layout import Layout
 from understudy.groups.groupset import GroupSet
-from understudy.groups.layout import Layout
 from understudy.sandbox.manifest import MANIFEST, RoleType, recording_ranks, role_directory
 from understudy.sandbox.warmup import SandboxTarget, Warmed, WarmupOutcome, warm_up
 from understudy.worker.api import TrainingJob
-from understudy.worker.daemon_client import DaemonClient, DaemonError
 from understudy.worker.migration import Plan, chosen_rank, member
 
 #: The job's environment variable naming the recording directory (shared by every node).

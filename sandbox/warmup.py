@@ -52,8 +52,8 @@ from typing import Any
 import structlog
 import torch
 
+from understudy.common.layout import Layout
 from understudy.groups.groupset import GroupSet
-from understudy.groups.layout import Layout
 from understudy.sandbox.errors import RecordingError, RecordingMismatch, ReplayDiverged
 from understudy.sandbox.manifest import CodeVersion, Expectation, RoleType
 from understudy.sandbox.replay import Recording, ReplayGroups

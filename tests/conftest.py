@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from understudy.daemon.embedded_etcd import EmbeddedEtcd
+from understudy.testing.embedded_etcd import EmbeddedEtcd
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

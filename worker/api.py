@@ -59,7 +59,7 @@ without noticing. A job that keeps a group from ``build`` keeps talking to the o
 hangs or fails. (Megatron-core modules hold their groups; their adapter deals with that.)
 
 **Layout.** Ranks form a TP x DP x PP grid, TP fastest, PP slowest:
-``rank = (pp_index * dp + dp_index) * tp + tp_index`` (:mod:`understudy.groups.layout`). A TP
+``rank = (pp_index * dp + dp_index) * tp + tp_index`` (:mod:`understudy.common.layout`). A TP
 group is ``tp`` consecutive ranks; a DP group takes every ``tp``-th rank of one stage; a PP group
 (``pp >= 2`` only) takes one rank of each stage, and :mod:`understudy.worker.pipeline` runs the
 micro-batch schedule over it.
@@ -77,8 +77,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from understudy.daemon.errors import UnderstudyError
-from understudy.groups.layout import LOGICAL, Layout
+from understudy.common.errors import UnderstudyError
+from understudy.common.layout import LOGICAL, Layout
 
 #: The groups a job can have. ``world`` is every rank of the job; ``pp`` (the stages of one
 #: pipeline) exists only with pipeline parallelism.

@@ -69,8 +69,8 @@ from typing import Any
 
 import structlog
 
-from understudy.daemon import env
-from understudy.daemon.snapshot_tiers import HOLDER_ID_RE
+from understudy.common import env
+from understudy.common.snapshot_tiers import HOLDER_ID_RE
 
 MAGIC = b"USSH"
 VERSION = 1

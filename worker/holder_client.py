@@ -9,8 +9,8 @@ import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from understudy.daemon.snapshot_tiers import MemoryCopies
-from understudy.worker.daemon_client import DaemonClient, DaemonError
+from understudy.common.daemon_client import DaemonClient, DaemonError
+from understudy.common.snapshot_tiers import MemoryCopies
 from understudy.worker.holder import (
     MAX_FETCH,
     HolderAddress,

@@ -26,10 +26,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from understudy.daemon import env, failpoints
-from understudy.daemon import logs as daemon_logs
+from understudy.common import env, failpoints
+from understudy.common import logs as daemon_logs
+from understudy.common.daemon_client import DaemonClient
+from understudy.common.errorfile import record_error
+from understudy.common.layout import Layout
 from understudy.groups.groupset import GroupSet
-from understudy.groups.layout import Layout
 from understudy.sandbox.manifest import CodeVersion
 from understudy.sandbox.recording import Recorder, should_record
 from understudy.sandbox.standby import (
@@ -44,8 +46,7 @@ from understudy.worker.api import (
     JobContext,
     TrainingJob,
 )
-from understudy.worker.daemon_client import DaemonClient
-from understudy.worker.errors import install_excepthook, record_error
+from understudy.worker.errors import install_excepthook
 from understudy.worker.lifeline import tie_to_daemon
 from understudy.worker.migration import (
     JobGroups,

@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 
-from understudy.daemon import env
+from understudy.common import env
 
 #: prctl(2) option: the signal this process gets when its parent exits.
 PR_SET_PDEATHSIG = 1

@@ -31,14 +31,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from understudy.daemon import failpoints, logs
+from understudy.common import failpoints, logs
+from understudy.common.daemon_client import DaemonClient, DaemonError
+from understudy.common.layout import Layout
+from understudy.common.snapshot_tiers import STORAGE
 from understudy.daemon.planner import PAUSED
-from understudy.daemon.snapshot_tiers import STORAGE
 from understudy.groups.errors import GroupError
 from understudy.groups.groupset import GroupSet
-from understudy.groups.layout import Layout
 from understudy.worker.api import CollectiveAborted
-from understudy.worker.daemon_client import DaemonClient, DaemonError
 from understudy.worker.holder import SnapshotHolder
 from understudy.worker.holder_client import HolderDirectory
 from understudy.worker.runtime import Action, Runtime

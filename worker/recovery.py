@@ -38,10 +38,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from understudy.daemon import logs
+from understudy.common import logs
+from understudy.common.daemon_client import DaemonClient, DaemonError
 from understudy.groups.errors import GroupError
 from understudy.groups.groupset import GroupSet
-from understudy.worker.daemon_client import DaemonClient, DaemonError
 from understudy.worker.holder_client import HolderDirectory
 from understudy.worker.migration import (
     MigrationHook,

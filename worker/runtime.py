@@ -41,7 +41,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from understudy.groups.layout import Layout
+from understudy.common.layout import Layout
 from understudy.worker import rng
 from understudy.worker.api import (
     CollectiveAborted,

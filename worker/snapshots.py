@@ -18,7 +18,7 @@ a background thread then keeps it in two tiers:
   marker last), the newest ``keep`` kept.
 
 After each tier, the rank reports what it holds to the daemon under ``<job>/snapshots/<rank>``
-(a :class:`~understudy.daemon.snapshot_tiers.SnapshotReport`: storage steps, and the memory
+(a :class:`~understudy.common.snapshot_tiers.SnapshotReport`: storage steps, and the memory
 steps with their holder), for the controller to pick the rollback step and each rank's source:
 memory when a live holder has the copy, storage otherwise (:func:`restore`). A snapshot still
 being kept when the next one is due makes that one skipped, never a stall; a push that fails
@@ -62,9 +62,9 @@ from typing import Any
 import structlog
 import torch
 
-from understudy.daemon import env
-from understudy.daemon.snapshot_tiers import MemoryCopies, SnapshotReport, source_of
-from understudy.worker.daemon_client import DaemonClient, DaemonError
+from understudy.common import env
+from understudy.common.daemon_client import DaemonClient, DaemonError
+from understudy.common.snapshot_tiers import MemoryCopies, SnapshotReport, source_of
 from understudy.worker.holder import HolderAddress, HolderError, SnapshotHolder, node_address
 from understudy.worker.holder_client import HolderDirectory, fetch, push_to_any
 from understudy.worker.runtime import Runtime

@@ -131,7 +131,7 @@ from typing import Any, NoReturn, Protocol
 
 import torch
 
-from understudy.daemon.errors import UnderstudyError
+from understudy.common.errors import UnderstudyError
 from understudy.worker import safe_unpickle
 
 #: Bytes per chunk unless the caller says otherwise; 8 MiB measured best on gloo here.

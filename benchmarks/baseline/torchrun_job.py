@@ -44,7 +44,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
 
-from understudy.groups.layout import Layout  # noqa: E402
+from understudy.common.layout import Layout  # noqa: E402
 from understudy.worker.api import Communicator, JobContext, Work  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]

@@ -45,7 +45,7 @@ with warnings.catch_warnings():
                             category=DeprecationWarning)
     from understudy.worker.megatron.adapter import GPTShape, MegatronJob, file_store_groups
 
-from understudy.daemon import logs
+from understudy.common import logs
 from understudy.worker.api import JobContext
 from understudy.worker.errors import record
 from understudy.worker.runtime import Runtime

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from understudy.daemon import logs
+from understudy.common import logs
 from understudy.worker import rng
 from understudy.worker.api import JobContext, TrainingJob, allreduce_options
 from understudy.worker.errors import record

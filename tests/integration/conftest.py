@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from tests.integration.scenarios import assert_no_tracebacks
-from understudy.daemon.embedded_etcd import EmbeddedEtcd
-from understudy.daemon.localcluster import LocalCluster
+from understudy.testing.embedded_etcd import EmbeddedEtcd
+from understudy.testing.localcluster import LocalCluster
 
 
 @pytest.fixture

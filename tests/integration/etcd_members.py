@@ -18,7 +18,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from understudy.daemon.embedded_etcd import EmbeddedEtcd, EtcdStartError
+from understudy.testing.embedded_etcd import EmbeddedEtcd, EtcdStartError
 
 # Raft timings with slack: a loaded 2-core machine must not miss heartbeats for a whole election
 # timeout (a spurious election would be a fault the test did not inject), yet a lost leader is

@@ -11,8 +11,8 @@ from typing import Any
 import psutil
 import pytest
 
-from understudy.daemon.embedded_etcd import EmbeddedEtcd
-from understudy.daemon.localcluster import DaemonProcess, LocalCluster
+from understudy.testing.embedded_etcd import EmbeddedEtcd
+from understudy.testing.localcluster import DaemonProcess, LocalCluster
 
 
 def start(etcd: EmbeddedEtcd | str, base: Path, active: dict[str, int],

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from tests.integration.scenarios import wait_log
-from understudy.daemon.embedded_etcd import EmbeddedEtcd
-from understudy.daemon.localcluster import LocalCluster
+from understudy.testing.embedded_etcd import EmbeddedEtcd
+from understudy.testing.localcluster import LocalCluster
 
 pytestmark = pytest.mark.slow
 
@@ -174,8 +174,8 @@ def test_a_lease_gone_at_etcd_is_evidence_the_node_fences_and_rejoins(
         cluster: LocalCluster, etcd: EmbeddedEtcd) -> None:
     import asyncio
 
-    from understudy.daemon import config
-    from understudy.daemon.store import EtcdStore
+    from understudy.common import config
+    from understudy.common.store import EtcdStore
 
     _three(cluster)
 
@@ -202,8 +202,8 @@ def test_a_lease_gone_at_etcd_is_evidence_the_node_fences_and_rejoins(
 def test_bad_values_are_ignored_and_counted(cluster: LocalCluster, etcd: EmbeddedEtcd) -> None:
     import asyncio
 
-    from understudy.daemon import config
-    from understudy.daemon.store import EtcdStore
+    from understudy.common import config
+    from understudy.common.store import EtcdStore
 
     _three(cluster)
     p = cluster.prefix

@@ -5,17 +5,17 @@ from __future__ import annotations
 import asyncio
 import time
 
-from understudy.daemon import config
+from understudy.common import config
+from understudy.common.keys import Keys
+from understudy.common.records import NodeRecord, RegistryEntry
+from understudy.common.states import NodeState
+from understudy.common.store import EtcdStore
 from understudy.daemon.controller import Controller
-from understudy.daemon.embedded_etcd import EmbeddedEtcd
 from understudy.daemon.events import EventLog
-from understudy.daemon.keys import Keys
 from understudy.daemon.metrics import Metrics
 from understudy.daemon.node import NodeAgent
 from understudy.daemon.planner import MarkFailed, plan
-from understudy.daemon.records import NodeRecord, RegistryEntry
-from understudy.daemon.states import NodeState
-from understudy.daemon.store import EtcdStore
+from understudy.testing.embedded_etcd import EmbeddedEtcd
 
 
 class _NoWorkers:

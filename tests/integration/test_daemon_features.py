@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from tests.cloud_metadata import AwsHandler, AwsState, serve
-from understudy.daemon.localcluster import LocalCluster
-from understudy.worker.daemon_client import DaemonClient, DaemonError
+from understudy.common.daemon_client import DaemonClient, DaemonError
+from understudy.testing.localcluster import LocalCluster
 
 pytestmark = pytest.mark.slow
 

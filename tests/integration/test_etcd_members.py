@@ -20,7 +20,7 @@ from tests.integration.scenarios import (
     wait_standbys,
 )
 from tests.integration.test_migration import _finish, _run_job
-from understudy.daemon.localcluster import LocalCluster
+from understudy.testing.localcluster import LocalCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -21,7 +21,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from understudy.daemon import env
+from understudy.common import env
+from understudy.common.daemon_client import DaemonClient
 from understudy.groups import abortable
 from understudy.groups.errors import (
     CollectiveAborted,
@@ -33,10 +34,9 @@ from understudy.groups.errors import (
 )
 from understudy.groups.groupset import GroupSet
 from understudy.groups.store import DaemonStore
-from understudy.worker.daemon_client import DaemonClient
 
 if TYPE_CHECKING:
-    from understudy.daemon.embedded_etcd import EmbeddedEtcd
+    from understudy.testing.embedded_etcd import EmbeddedEtcd
 
 # Spawned workers import this module: the daemon side (etcd client, grpc, the local cluster) is
 # imported inside the tests that need it, so that each worker starts on torch alone.
@@ -48,7 +48,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 def socket_path(etcd: EmbeddedEtcd, tmp_path: Path,
                 monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """A real daemon's worker socket, exported to the workers this test spawns."""
-    from understudy.daemon.localcluster import LocalCluster
+    from understudy.testing.localcluster import LocalCluster
 
     cluster = LocalCluster(etcd_endpoint=etcd.endpoint, base_dir=tmp_path / "cluster")
     try:
@@ -122,10 +122,10 @@ def test_gloo_bootstraps_through_the_daemon_and_a_stale_epoch_is_refused(
         etcd: EmbeddedEtcd, tmp_path: Path) -> None:
     """The daemon's local server, run in this process with an epoch check that fences every
     epoch below 5 (which epochs are stale is the daemon's decision, not the store's)."""
-    from understudy.daemon import config
-    from understudy.daemon.keys import Keys
+    from understudy.common import config
+    from understudy.common.keys import Keys
+    from understudy.common.store import EtcdStore
     from understudy.daemon.localsock import LocalServer
-    from understudy.daemon.store import EtcdStore
 
     path = tmp_path / "kv.sock"
     ready, stop = threading.Event(), threading.Event()

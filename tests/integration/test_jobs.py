@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 
 from tests.integration.scenarios import wait_log, worker_pid
-from understudy.daemon import config
-from understudy.daemon.embedded_etcd import EmbeddedEtcd
-from understudy.daemon.localcluster import LocalCluster
-from understudy.daemon.store import EtcdStore
+from understudy.common import config
+from understudy.common.store import EtcdStore
+from understudy.testing.embedded_etcd import EmbeddedEtcd
+from understudy.testing.localcluster import LocalCluster
 
 pytestmark = pytest.mark.slow
 PROBE = str(Path(__file__).parents[1] / "workers" / "probe.py")
@@ -104,7 +104,7 @@ def test_submissions_that_cannot_be_satisfied_change_nothing(cluster: LocalClust
 
 
 def test_workers_see_their_job_and_a_stale_epoch_is_refused(cluster: LocalCluster) -> None:
-    from understudy.worker.daemon_client import DaemonClient, DaemonError
+    from understudy.common.daemon_client import DaemonClient, DaemonError
 
     out = cluster.cli("run", "--job", "j3", "--tp", "1", "--dp", "1", "--env", "PROBE_SLEEP=30",
                       "--", sys.executable, PROBE)
@@ -133,7 +133,7 @@ def test_a_worker_hears_of_its_job_changing_by_a_long_poll(cluster: LocalCluster
     leave the connection usable."""
     import threading
 
-    from understudy.worker.daemon_client import DaemonClient, DaemonError
+    from understudy.common.daemon_client import DaemonClient, DaemonError
 
     sock = str(cluster.daemons["node-a"].run_dir / "understudyd.sock")
     with DaemonClient("j5/control", epoch=0, path=sock, timeout=5) as c:

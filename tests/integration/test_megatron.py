@@ -42,8 +42,8 @@ from tests.integration import bitwise, scenarios
 from tests.integration.bitwise import load_state
 from tests.integration.scenarios import events, start, wait_log, wait_standbys, worker_pid
 from tests.unit.test_sandbox import replay_without_a_network
-from understudy.daemon.embedded_etcd import EmbeddedEtcd
-from understudy.daemon.localcluster import LocalCluster
+from understudy.testing.embedded_etcd import EmbeddedEtcd
+from understudy.testing.localcluster import LocalCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

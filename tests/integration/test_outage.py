@@ -32,8 +32,8 @@ from tests.integration.scenarios import (
     worker_pid,
 )
 from tests.integration.test_migration import ONE_THREAD, _finish, _job_args
-from understudy.daemon.embedded_etcd import EmbeddedEtcd
-from understudy.daemon.localcluster import LocalCluster
+from understudy.testing.embedded_etcd import EmbeddedEtcd
+from understudy.testing.localcluster import LocalCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

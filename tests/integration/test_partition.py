@@ -26,8 +26,8 @@ from tests.integration.scenarios import (
 )
 from tests.integration.test_migration import _finish
 from tests.integration.test_outage import _run, _wait_step, step_records
-from understudy.daemon.embedded_etcd import EmbeddedEtcd, free_port
-from understudy.daemon.localcluster import LocalCluster
+from understudy.testing.embedded_etcd import EmbeddedEtcd, free_port
+from understudy.testing.localcluster import LocalCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.root, pytest.mark.timeout(600)]
 

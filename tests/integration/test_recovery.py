@@ -34,8 +34,8 @@ from tests.integration.test_migration import (
     standalone_run,
 )
 from understudy.cli.cluster import ClusterStatus
-from understudy.daemon.embedded_etcd import EmbeddedEtcd
-from understudy.daemon.localcluster import DaemonProcess, LocalCluster
+from understudy.testing.embedded_etcd import EmbeddedEtcd
+from understudy.testing.localcluster import DaemonProcess, LocalCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -36,14 +36,14 @@ import pytest
 from tests.integration.certs import CertAuthority, CertPair, have_openssl
 from tests.integration.scenarios import wait_log
 from understudy.cli.cluster import ClusterStatus, read_cluster
-from understudy.daemon import config
-from understudy.daemon import env as env_vars
-from understudy.daemon.config import EtcdConfig
-from understudy.daemon.embedded_etcd import EmbeddedEtcd, TlsFiles
-from understudy.daemon.errors import StoreError
-from understudy.daemon.keys import Keys
-from understudy.daemon.localcluster import LocalCluster
-from understudy.daemon.store import EtcdStore
+from understudy.common import config
+from understudy.common import env as env_vars
+from understudy.common.config import EtcdConfig
+from understudy.common.errors import StoreError
+from understudy.common.keys import Keys
+from understudy.common.store import EtcdStore
+from understudy.testing.embedded_etcd import EmbeddedEtcd, TlsFiles
+from understudy.testing.localcluster import LocalCluster
 
 pytestmark = pytest.mark.slow
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from understudy.daemon import config
-from understudy.daemon.embedded_etcd import EmbeddedEtcd
-from understudy.daemon.errors import StoreError
-from understudy.daemon.store import RESYNC, EtcdStore, WatchEvent
+from understudy.common import config
+from understudy.common.errors import StoreError
+from understudy.common.store import RESYNC, EtcdStore, WatchEvent
+from understudy.testing.embedded_etcd import EmbeddedEtcd
 
 
 def _store(endpoints: str, **etcd: object) -> EtcdStore:
@@ -127,7 +127,7 @@ def test_embedded_etcd_picks_new_ports_when_one_is_taken_before_it_binds(
     # The port picked for the peer listener is taken by another process before etcd binds it
     # (a real socket holds it): etcd exits with "address already in use", and the start is
     # tried again on fresh picks.
-    from understudy.daemon import embedded_etcd
+    from understudy.testing import embedded_etcd
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -3,7 +3,7 @@ failpoints that only a daemon's configuration arms.
 
 The daemons here run as production runs them (``LocalCluster(failpoints=False,
 socket_group="")``) unless a test says otherwise; the harness's usual settings
-(``daemon/localcluster.py``) would admit this test process through its group and honour every
+(``testing/localcluster.py``) would admit this test process through its group and honour every
 failpoint. The state transfer's restricted loader is tested in ``tests/unit/test_transfer.py``.
 """
 
@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 
 from tests.integration.scenarios import assert_no_tracebacks, wait_log
-from understudy.daemon import config, env
-from understudy.daemon.embedded_etcd import EmbeddedEtcd
-from understudy.daemon.localcluster import DaemonProcess, LocalCluster
-from understudy.daemon.store import EtcdStore
-from understudy.worker.daemon_client import DaemonClient, DaemonError
+from understudy.common import config, env
+from understudy.common.daemon_client import DaemonClient, DaemonError
+from understudy.common.store import EtcdStore
+from understudy.testing.embedded_etcd import EmbeddedEtcd
+from understudy.testing.localcluster import DaemonProcess, LocalCluster
 
 pytestmark = pytest.mark.slow
 PROBE = str(Path(__file__).parents[1] / "workers" / "probe.py")
@@ -66,7 +66,7 @@ def _connect(path: str, **popen: object) -> dict[str, object]:
     """Connect from a new process of this test (not a descendant of the daemon), with the
     credentials ``popen`` gives it (``group=``, ``extra_groups=``); its pid and what it got."""
     code = ("import json, os, sys\n"
-            "from understudy.worker.daemon_client import DaemonClient, DaemonError\n"
+            "from understudy.common.daemon_client import DaemonClient, DaemonError\n"
             "try:\n"
             "    with DaemonClient('j/probe', path=sys.argv[1], timeout=5) as c:\n"
             "        c.set('from-outside', b'1')\n"

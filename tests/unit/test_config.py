@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from understudy.daemon import config
-from understudy.daemon.errors import ConfigError
+from understudy.common import config
+from understudy.common.errors import ConfigError
 
 BASE = {"node": "n1", "etcd.endpoints": "127.0.0.1:2379"}
 

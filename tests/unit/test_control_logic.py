@@ -7,7 +7,21 @@ import json
 
 import pytest
 
-from understudy.daemon.errors import RecordError
+from understudy.common.errors import RecordError
+from understudy.common.records import (
+    MAX_VALUE_BYTES,
+    Assignment,
+    DrainRequest,
+    JobSpec,
+    JobState,
+    JobStatus,
+    Migration,
+    MigrationPhase,
+    NodeRecord,
+    RankExit,
+    RegistryEntry,
+)
+from understudy.common.states import IllegalTransition, NodeLifecycle, NodeState
 from understudy.daemon.fencing import FenceTimer
 from understudy.daemon.planner import (
     PAUSED,
@@ -22,20 +36,6 @@ from understudy.daemon.planner import (
     StartMigration,
     plan,
 )
-from understudy.daemon.records import (
-    MAX_VALUE_BYTES,
-    Assignment,
-    DrainRequest,
-    JobSpec,
-    JobState,
-    JobStatus,
-    Migration,
-    MigrationPhase,
-    NodeRecord,
-    RankExit,
-    RegistryEntry,
-)
-from understudy.daemon.states import IllegalTransition, NodeLifecycle, NodeState
 from understudy.worker.migration import _paused
 from understudy.worker.recovery import wait_for_recovery
 
@@ -131,7 +131,7 @@ def test_decoding_resolves_a_record_class_s_field_types_once(
     # records on each re-list (seconds of a blocked event loop at 4,096 nodes).
     import typing
 
-    from understudy.daemon import records
+    from understudy.common import records
 
     monkeypatch.setattr(records, "_FIELD_TYPES", {})
     calls: list[object] = []

@@ -1,4 +1,4 @@
-"""Failpoints (``daemon/failpoints.py``): the spec is parsed strictly, an armed point fires once
+"""Failpoints (``common/failpoints.py``): the spec is parsed strictly, an armed point fires once
 per process, ``exit`` ends a real process at exactly that point, and nothing is armed unless
 the daemon's configuration enables failpoints (a stray variable logs one warning)."""
 
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from understudy.daemon import env, failpoints
+from understudy.common import env, failpoints
 
 
 def test_specs_parse_and_bad_ones_name_the_culprit() -> None:
@@ -46,7 +46,7 @@ def test_an_armed_point_fires_once_and_others_do_nothing(monkeypatch: pytest.Mon
 
 
 def test_exit_ends_the_process_at_that_point() -> None:
-    code = ("from understudy.daemon import failpoints\n"
+    code = ("from understudy.common import failpoints\n"
             "print('before', flush=True)\n"
             "failpoints.hit('boom')\n"
             "print('after', flush=True)\n")
@@ -64,7 +64,7 @@ def test_without_the_daemons_word_the_variable_arms_nothing_and_says_so_once(
     """A worker started by a daemon whose configuration leaves failpoints off (``"0"``), or a
     process no daemon started: the variable is ignored, with one warning, however often the
     points are hit."""
-    code = ("from understudy.daemon import failpoints\n"
+    code = ("from understudy.common import failpoints\n"
             "assert failpoints.check() == {}\n"
             "for _ in range(3):\n"
             "    failpoints.hit('boom')\n"

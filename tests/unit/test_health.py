@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from understudy.daemon.config import HealthConfig
+from understudy.common.config import HealthConfig
 from understudy.daemon.health import (
     CRITICAL_XIDS,
     DrainDecision,

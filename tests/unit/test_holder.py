@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from understudy.daemon.snapshot_tiers import MemoryCopies
+from understudy.common.snapshot_tiers import MemoryCopies
 from understudy.worker.holder import (
     MAGIC,
     MAX_HEADER,

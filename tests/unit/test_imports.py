@@ -8,7 +8,7 @@ import sys
 
 def test_daemon_and_cli_do_not_import_torch() -> None:
     code = ("import sys, understudy.daemon.main, understudy.cli.main, "
-            "understudy.worker.daemon_client, understudy.worker.errors\n"
+            "understudy.common.daemon_client, understudy.common.errorfile\n"
             "heavy = sorted(m for m in sys.modules if m.split('.')[0] in "
             "('torch', 'megatron', 'numpy'))\n"
             "assert not heavy, heavy")

@@ -10,7 +10,7 @@ import psutil
 import pytest
 
 from tests.integration.scenarios import wait_gone
-from understudy.daemon import env
+from understudy.common import env
 from understudy.worker.lifeline import LifelineError, tie_to_daemon
 
 CHILD = ("import time; from understudy.worker.lifeline import tie_to_daemon; "

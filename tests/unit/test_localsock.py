@@ -23,16 +23,16 @@ import pytest
 
 from tests.unit.test_runtime import solo  # noqa: F401
 from tests.unit.test_snapshots import _runtime
-from understudy.daemon import config, env
-from understudy.daemon.embedded_etcd import EmbeddedEtcd
-from understudy.daemon.keys import Keys
+from understudy.common import config, env
+from understudy.common.daemon_client import DaemonClient, DaemonError
+from understudy.common.keys import Keys
+from understudy.common.records import Assignment
+from understudy.common.snapshot_tiers import SnapshotReport
+from understudy.common.store import EtcdStore
 from understudy.daemon.localsock import LocalServer, fenced
 from understudy.daemon.peers import Peer, ancestors, read_peer, refusal
-from understudy.daemon.records import Assignment
-from understudy.daemon.snapshot_tiers import SnapshotReport
-from understudy.daemon.store import EtcdStore
+from understudy.testing.embedded_etcd import EmbeddedEtcd
 from understudy.worker.api import JobContext
-from understudy.worker.daemon_client import DaemonClient, DaemonError
 from understudy.worker.snapshots import Snapshotter, _reporter, complete_copies
 
 T = TypeVar("T")
@@ -226,7 +226,7 @@ if os.fork():
 deadline = time.monotonic() + 10
 while os.getppid() == parent and time.monotonic() < deadline:
     time.sleep(0.01)
-from understudy.worker.daemon_client import DaemonClient, DaemonError
+from understudy.common.daemon_client import DaemonClient, DaemonError
 results = []
 for _ in range(2):
     try:

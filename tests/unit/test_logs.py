@@ -23,7 +23,7 @@ def test_library_records_with_tracebacks_are_one_json_line_each() -> None:
     # In a child: configure() replaces process-wide hooks, which pytest relies on here.
     code = textwrap.dedent("""
         import asyncio, gc, logging, sys, threading
-        from understudy.daemon import logs
+        from understudy.common import logs
         logs.configure("info", "json", stream=sys.stdout, node="node-x")
         try:
             1 / 0
@@ -67,7 +67,7 @@ def test_library_records_with_tracebacks_are_one_json_line_each() -> None:
 
 
 def test_the_level_filters_library_records_too() -> None:
-    from understudy.daemon import logs
+    from understudy.common import logs
 
     root = logging.getLogger()
     saved = (root.handlers[:], root.level, sys.unraisablehook)
@@ -92,7 +92,7 @@ def test_the_daemon_reports_what_asyncio_could_hand_to_nobody(tmp_path: Path) ->
 
     from structlog.testing import capture_logs
 
-    from understudy.daemon import config
+    from understudy.common import config
     from understudy.daemon.main import Daemon
 
     cfg = config.load(overrides={"node": "n1", "etcd.endpoints": "127.0.0.1:1",

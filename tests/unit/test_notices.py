@@ -32,8 +32,8 @@ from tests.cloud_metadata import (
     Handler,
     serve,
 )
-from understudy.daemon.config import NoticesConfig
-from understudy.daemon.errors import StoreError, UnderstudyError
+from understudy.common.config import NoticesConfig
+from understudy.common.errors import StoreError, UnderstudyError
 from understudy.daemon.notices import (
     AWS_TOKEN_TTL,
     AwsPoller,

@@ -8,10 +8,10 @@ import asyncio
 import socket
 import time
 
-from understudy.daemon.config import ProbeConfig
+from understudy.common.config import ProbeConfig
+from understudy.common.records import NodeRecord
+from understudy.common.states import NodeState
 from understudy.daemon.probe import Prober, ProbeResponder, parse_address
-from understudy.daemon.records import NodeRecord
-from understudy.daemon.states import NodeState
 
 FAST = ProbeConfig(interval=0.02, silence=0.2, confirm=0.1)
 

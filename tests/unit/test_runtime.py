@@ -21,8 +21,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from understudy.daemon import env
-from understudy.groups.layout import Layout
+from understudy.common import env
+from understudy.common.errorfile import read_error
+from understudy.common.layout import Layout
 from understudy.worker import rng
 from understudy.worker.api import (
     CollectiveAborted,
@@ -30,7 +31,6 @@ from understudy.worker.api import (
     TrainingJob,
     wait_abortable,
 )
-from understudy.worker.errors import read_error
 from understudy.worker.runtime import (
     Action,
     NoMigration,

@@ -10,12 +10,9 @@ import json
 import pytest
 
 from tests.unit.test_control_logic import _crash, _recovery_view, _spec
-from understudy.daemon.controller import _JobTables
-from understudy.daemon.errors import RecordError
-from understudy.daemon.localsock import RequestError, _warmth
-from understudy.daemon.planner import ClusterView, SetJobState, StartMigration, plan
-from understudy.daemon.records import Assignment, JobState, Migration, MigrationPhase
-from understudy.daemon.snapshot_tiers import (
+from understudy.common.errors import RecordError
+from understudy.common.records import Assignment, JobState, Migration, MigrationPhase
+from understudy.common.snapshot_tiers import (
     STORAGE,
     MemoryCopies,
     RollbackPoint,
@@ -29,7 +26,10 @@ from understudy.daemon.snapshot_tiers import (
     source_of,
     storage_source,
 )
-from understudy.daemon.store import KV
+from understudy.common.store import KV
+from understudy.daemon.controller import _JobTables
+from understudy.daemon.localsock import RequestError, _warmth
+from understudy.daemon.planner import ClusterView, SetJobState, StartMigration, plan
 
 S1, S2 = "1111aaaa2222bbbb", "3333cccc4444dddd"
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from tests.unit.test_runtime import assert_bitwise_equal, solo  # noqa: F401
-from understudy.daemon.snapshot_tiers import (
+from understudy.common.daemon_client import DaemonError
+from understudy.common.snapshot_tiers import (
     STORAGE,
     MemoryCopies,
     SnapshotReport,
@@ -23,7 +24,6 @@ from understudy.daemon.snapshot_tiers import (
 )
 from understudy.worker import rng
 from understudy.worker.api import JobContext, TrainingJob
-from understudy.worker.daemon_client import DaemonError
 from understudy.worker.holder import SnapshotHolder
 from understudy.worker.holder_client import push
 from understudy.worker.runtime import Runtime

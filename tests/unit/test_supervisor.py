@@ -15,15 +15,15 @@ from pathlib import Path
 import psutil
 import pytest
 
-from understudy.daemon import env
-from understudy.daemon.supervisor import ChildExit, ChildState, Supervisor
-from understudy.worker.errors import (
+from understudy.common import env
+from understudy.common.errorfile import (
     MAX_RECORD_BYTES,
     ErrorRecord,
     read_error,
-    record,
     record_error,
 )
+from understudy.daemon.supervisor import ChildExit, ChildState, Supervisor
+from understudy.worker.errors import record
 
 pytestmark = pytest.mark.timeout(30)
 

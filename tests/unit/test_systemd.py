@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from understudy.daemon import config, env
+from understudy.common import config, env
 from understudy.daemon.sdnotify import SYSTEMD_ENV, Notifier
 
 SYSTEMD_DIR = Path(__file__).resolve().parents[2] / "systemd"

@@ -5,7 +5,7 @@ import os
 import sys
 import time
 
-from understudy.worker.daemon_client import DaemonClient
+from understudy.common.daemon_client import DaemonClient
 from understudy.worker.errors import record
 
 

@@ -64,8 +64,8 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.distributed import distributed_c10d as c10d
 
+from understudy.common.layout import Layout as JobLayout
 from understudy.groups.groupset import GroupSet
-from understudy.groups.layout import Layout as JobLayout
 from understudy.groups.lone import LoneGroup
 from understudy.groups.versioned import VersionedGroup
 from understudy.worker import rng

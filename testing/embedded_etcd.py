@@ -24,7 +24,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from understudy.daemon.errors import UnderstudyError
+from understudy.common.errors import UnderstudyError
 
 
 class EtcdStartError(UnderstudyError):

@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from understudy.cli.cluster import ClusterStatus, read_cluster
-from understudy.daemon import config as config_mod
-from understudy.daemon.errors import StoreError, UnderstudyError
-from understudy.daemon.keys import Keys
-from understudy.daemon.store import EtcdStore
+from understudy.common import config as config_mod
+from understudy.common.errors import StoreError, UnderstudyError
+from understudy.common.keys import Keys
+from understudy.common.store import EtcdStore
 
 
 class ClusterTimeout(UnderstudyError):

@@ -17,9 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
+
+# grpc's C core prints its own error lines to stderr (TLS failures, reconnects); the daemon and
+# the CLI report those failures themselves, in one sentence. Must be set before grpc loads.
+os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
 import aetcd
 import aetcd.exceptions as aexc
@@ -27,8 +32,8 @@ import aetcd.watcher
 import grpc
 from aetcd import rpc
 
-from understudy.daemon.config import EtcdConfig
-from understudy.daemon.errors import StoreError
+from understudy.common.config import EtcdConfig
+from understudy.common.errors import StoreError
 
 _MAX_MESSAGE = 8 * 1024 * 1024
 

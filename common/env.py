@@ -29,7 +29,7 @@ DAEMON_PID = "UNDERSTUDY_DAEMON_PID"
 #: the node's first configured address (``addresses``), where a worker's servers bind
 NODE_ADDRESS = "UNDERSTUDY_NODE_ADDRESS"
 #: "1" where the daemon's configuration enables failpoints, else "0": a worker arms
-#: ``UNDERSTUDY_FAILPOINTS`` only with "1" (daemon/failpoints.py); a job's env cannot set it
+#: ``UNDERSTUDY_FAILPOINTS`` only with "1" (common/failpoints.py); a job's env cannot set it
 FAILPOINTS_ENABLED = "UNDERSTUDY_FAILPOINTS_ENABLED"
 
 # A rank's coordinates, set by understudyd for each worker it starts.
@@ -51,6 +51,6 @@ NOTIFY_SOCKET = "NOTIFY_SOCKET"
 WATCHDOG_USEC = "WATCHDOG_USEC"
 WATCHDOG_PID = "WATCHDOG_PID"
 
-# Fault injection for tests (see daemon/failpoints.py); read by daemons and workers alike, and
+# Fault injection for tests (see common/failpoints.py); read by daemons and workers alike, and
 # honoured only where the daemon's configuration enables failpoints.
 FAILPOINTS = "UNDERSTUDY_FAILPOINTS"

@@ -17,10 +17,10 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
-from understudy.daemon.errors import RecordError
-from understudy.daemon.snapshot_tiers import parse_source
-from understudy.daemon.states import NodeState
-from understudy.groups.layout import Layout
+from understudy.common.errors import RecordError
+from understudy.common.layout import Layout
+from understudy.common.snapshot_tiers import parse_source
+from understudy.common.states import NodeState
 
 SCHEMA = "understudy/v1"
 MAX_VALUE_BYTES = 64 * 1024

@@ -1,4 +1,4 @@
-"""A worker's connection to its node daemon's local socket (see ``daemon/localsock.py``).
+"""A worker's connection to its node daemon's local socket (protocol: ``common/sockproto.py``).
 
 Synchronous and dependency-free (no torch, no grpc): workers use it from their training loop,
 and the process-group bootstrap store wraps it. Every call has a timeout.
@@ -6,7 +6,6 @@ and the process-group bootstrap store wraps it. Every call has a timeout.
 
 from __future__ import annotations
 
-import base64
 import itertools
 import json
 import os
@@ -16,7 +15,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from understudy.daemon import env
+from understudy.common import env
+from understudy.common.sockproto import Op, decode_value, encode_value, frame
 
 #: How long one long poll of the job's view waits for a change before it asks again.
 JOB_POLL_WAIT_S = 5.0
@@ -45,7 +45,7 @@ class DaemonClient:
             raise DaemonError(f"cannot reach the daemon at {path}: {exc.strerror}") from exc
         self._file = self._sock.makefile("rwb")
         try:
-            self._call("hello", namespace=namespace, epoch=epoch)
+            self._call(Op.HELLO, namespace=namespace, epoch=epoch)
         except DaemonError:
             self.close()
             raise
@@ -63,11 +63,11 @@ class DaemonClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, op: str, wait: float = 0.0, **args: Any) -> dict[str, Any]:
+    def _call(self, op: Op, wait: float = 0.0, **args: Any) -> dict[str, Any]:
         rid = next(self._ids)
         self._sock.settimeout(self.timeout + wait)
         try:
-            self._file.write(json.dumps({"id": rid, "op": op, **args}).encode() + b"\n")
+            self._file.write(frame({"id": rid, "op": op, **args}))
             self._file.flush()
             line = self._file.readline()
         except OSError as exc:
@@ -84,29 +84,29 @@ class DaemonClient:
         return reply
 
     def ping(self) -> None:
-        self._call("ping")
+        self._call(Op.PING)
 
     def set(self, key: str, value: bytes) -> None:
-        self._call("set", key=key, value=base64.b64encode(value).decode())
+        self._call(Op.SET, key=key, value=encode_value(value))
 
     def get(self, key: str, timeout: float = 0.0) -> bytes:
         """The value of ``key``, waiting up to ``timeout`` seconds for it to be set."""
-        reply = self._call("get", wait=timeout, key=key, timeout=timeout)
-        return base64.b64decode(reply["value"])
+        reply = self._call(Op.GET, wait=timeout, key=key, timeout=timeout)
+        return decode_value(reply["value"])
 
     def add(self, key: str, amount: int) -> int:
-        return int(self._call("add", key=key, amount=amount)["value"])
+        return int(self._call(Op.ADD, key=key, amount=amount)["value"])
 
     def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
-        reply = self._call("compare_set", key=key, expected=base64.b64encode(expected).decode(),
-                           desired=base64.b64encode(desired).decode())
-        return base64.b64decode(reply["value"])
+        reply = self._call(Op.COMPARE_SET, key=key, expected=encode_value(expected),
+                           desired=encode_value(desired))
+        return decode_value(reply["value"])
 
     def check(self, keys: list[str]) -> bool:
-        return bool(self._call("check", keys=keys)["present"])
+        return bool(self._call(Op.CHECK, keys=keys)["present"])
 
     def delete(self, key: str) -> bool:
-        return bool(self._call("delete", key=key)["deleted"])
+        return bool(self._call(Op.DELETE, key=key)["deleted"])
 
     def warmth(self, mode: str, roles: list[str], detail: str = "",
                rank: int | None = None, holder: str | None = None) -> None:
@@ -117,7 +117,7 @@ class DaemonClient:
         extra: dict[str, Any] = {} if rank is None else {"rank": rank}
         if holder is not None:
             extra["holder"] = holder
-        self._call("warmth", mode=mode, roles=roles, detail=detail, **extra)
+        self._call(Op.WARMTH, mode=mode, roles=roles, detail=detail, **extra)
 
     def job(self) -> dict[str, Any] | None:
         """The job's assignment, status and migration records (JSON objects) as the daemon
@@ -136,7 +136,7 @@ class DaemonClient:
         """The job's view and its token, once the token differs from ``unless`` or after
         ``timeout`` seconds (the daemon's long poll; None or 0: at once)."""
         args: dict[str, Any] = {} if unless is None else {"unless": unless, "timeout": timeout}
-        reply = self._call("job", wait=timeout if unless is not None else 0.0, **args)
+        reply = self._call(Op.JOB, wait=timeout if unless is not None else 0.0, **args)
         return reply["job"], str(reply.get("token", ""))
 
     def follow_job(self, epoch: Callable[[], int], wait: float = JOB_POLL_WAIT_S) -> None:
@@ -148,7 +148,7 @@ class DaemonClient:
             self._view = _JobView(self.namespace, self.path, epoch, wait)
 
     def num_keys(self) -> int:
-        return int(self._call("num_keys")["count"])
+        return int(self._call(Op.NUM_KEYS)["count"])
 
 
 class _JobView:

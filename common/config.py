@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from understudy.daemon import env
-from understudy.daemon.errors import ConfigError
+from understudy.common import env
+from understudy.common.errors import ConfigError
 
 NODE_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?$")
 PREFIX_RE = re.compile(r"^/[A-Za-z0-9._/-]*[A-Za-z0-9._-]$")
@@ -139,7 +139,7 @@ class Config:
     #: A group (name or number) whose members may use the workers' socket besides the daemon's
     #: own workers (its descendants); empty: none. The socket file gets this group.
     socket_group: str = ""
-    #: Honour ``UNDERSTUDY_FAILPOINTS`` (fault injection, daemon/failpoints.py) in the daemon and
+    #: Honour ``UNDERSTUDY_FAILPOINTS`` (fault injection, common/failpoints.py) in the daemon and
     #: its workers. Off in production: a stray variable then only logs a warning.
     failpoints_enabled: bool = False
     lease: LeaseConfig = LeaseConfig()

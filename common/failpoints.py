@@ -43,7 +43,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from understudy.daemon import env, logs
+from understudy.common import env, logs
 
 _ACTION = re.compile(r"^(?:(sleep|exit)\(([0-9]+(?:\.[0-9]+)?)\)|(raise))$")
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
