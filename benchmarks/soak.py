@@ -84,7 +84,6 @@ from understudy.common.errors import StoreError, UnderstudyError
 from understudy.common.keys import Keys
 from understudy.common.layout import Layout
 from understudy.common.store import EtcdStore
-from understudy.daemon.planner import PAUSED
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = recovery.TRAIN
@@ -608,7 +607,7 @@ class Soak:
         return seen["m"]
 
     def paused(self, job: JobView) -> bool:
-        return job.status is not None and job.status.reason.startswith(PAUSED)
+        return job.status is not None and job.status.paused
 
     def all_online(self) -> bool:
         s = self.status()

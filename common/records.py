@@ -278,11 +278,28 @@ class Assignment(Record):
 
 @dataclass(frozen=True)
 class JobStatus(Record):
+    """The controller's word on a job. A running job that waits for standbys is paused: its
+    reason starts with :data:`PAUSED` (the planner writes it; workers and tools read it)."""
+
     KIND: ClassVar[str] = "job-status"
     job: str
     state: JobState
     reason: str
     updated_at: float
+
+    @property
+    def paused(self) -> bool:
+        return is_paused(self.reason)
+
+
+#: how a paused job's status reason begins
+PAUSED = "paused: "
+
+
+def is_paused(reason: object) -> bool:
+    """Whether a status reason (a :class:`JobStatus`'s, or one read raw off the socket) says the
+    job is paused."""
+    return isinstance(reason, str) and reason.startswith(PAUSED)
 
 
 @dataclass(frozen=True)

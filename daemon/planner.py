@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from understudy.common.layout import Layout
 from understudy.common.records import (
+    PAUSED,
     Assignment,
     JobSpec,
     JobState,
@@ -30,9 +31,6 @@ from understudy.common.snapshot_tiers import (
     rollback_point,
 )
 from understudy.common.states import NodeState
-
-#: how a running job's status reason starts while it waits for a standby to recover a rank
-PAUSED = "paused: "
 
 
 @dataclass(frozen=True)
@@ -273,7 +271,7 @@ def _plan_job(name: str, job: JobView, view: ClusterView, now: float) -> list[Ac
     if len(job.exits) == job.spec.world_size:
         return [SetJobState(name, JobState.DONE, "every rank finished")]
     actions: list[Action] = []
-    if job.status is not None and job.status.reason.startswith(PAUSED):
+    if job.status is not None and job.status.paused:
         actions.append(SetJobState(name, JobState.RUNNING, "resumed: every rank is held again",
                                    event="job-resumed"))
     refill = _refill_standbys(job, job.assignment, view, now)

@@ -34,8 +34,8 @@ from typing import Any
 from understudy.common import failpoints, logs
 from understudy.common.daemon_client import DaemonClient, DaemonError
 from understudy.common.layout import Layout
+from understudy.common.records import is_paused
 from understudy.common.snapshot_tiers import STORAGE
-from understudy.daemon.planner import PAUSED
 from understudy.groups.errors import GroupError
 from understudy.groups.groupset import GroupSet
 from understudy.worker.api import CollectiveAborted
@@ -151,7 +151,7 @@ def _paused(info: dict[str, Any]) -> bool:
     planned = 0.0 if migration.get("phase") == "aborted" else float(migration.get("created_at", 0))
     reason = status.get("reason")
     since = max(float(assignment.get("updated_at", 0)), planned)
-    return isinstance(reason, str) and reason.startswith(PAUSED) and \
+    return is_paused(reason) and \
         float(status.get("updated_at", 0)) >= since
 
 

@@ -10,6 +10,7 @@ import pytest
 from understudy.common.errors import RecordError
 from understudy.common.records import (
     MAX_VALUE_BYTES,
+    PAUSED,
     Assignment,
     DrainRequest,
     JobSpec,
@@ -24,7 +25,6 @@ from understudy.common.records import (
 from understudy.common.states import IllegalTransition, NodeLifecycle, NodeState
 from understudy.daemon.fencing import FenceTimer
 from understudy.daemon.planner import (
-    PAUSED,
     AddStandbys,
     AdvanceMigration,
     AssignJob,
