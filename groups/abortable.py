@@ -1,4 +1,5 @@
-"""Abortable waits on collectives.
+"""Abortable waits on collectives: the one implementation (``JobContext.wait`` and
+``worker.api.wait_abortable`` use it).
 
 A collective whose peer is frozen (no TCP reset) would block its caller until the backend's
 timeout, minutes with the defaults. Issue it with ``async_op=True`` and wait here instead: the
@@ -9,7 +10,8 @@ released in the background when its backend gives up.
 
 The wait watches the work's future rather than calling ``Work.wait(timeout)`` in a loop: no
 exception per slice, no added latency when it completes, and no side effect on backends whose
-``wait(timeout)`` aborts the communicator when it expires (NCCL).
+``wait(timeout)`` aborts the communicator when it expires (NCCL). Gloo's send and recv have no
+future (torch 2.13): a thread waits on those instead.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import Any, Protocol
 
-import torch.distributed as dist
+import torch
 
 from understudy.groups.errors import CollectiveAborted, CollectiveFailed, CollectiveTimeout
 
@@ -26,15 +29,26 @@ from understudy.groups.errors import CollectiveAborted, CollectiveFailed, Collec
 SLICE = 0.05
 
 
-def wait(work: dist.Work, *, abort: Callable[[], bool] | None = None,
-         timeout: float | None = None, slice_s: float = SLICE,
+class Work(Protocol):
+    """What a wait needs from an asynchronous collective's handle (``torch.distributed.Work``)."""
+
+    def get_future(self) -> torch.futures.Future[Any]: ...
+
+    def wait(self) -> Any: ...
+
+
+def wait(work: Work, *, abort: Callable[[], bool] | None = None,
+         timeout: float | None = None, slice_s: float = SLICE, what: str = "the collective",
          clock: Callable[[], float] = time.monotonic) -> None:
-    """Block until ``work`` completes, ``abort()`` returns true, or ``timeout`` seconds pass.
+    """Block until ``work`` completes, ``abort()`` returns true, or ``timeout`` seconds pass
+    (plus one slice at most). Returns as soon as the work completes, not at the end of a slice.
+    ``what`` names the collective in the errors.
 
     Raises:
         CollectiveAborted: ``abort()`` returned true first.
-        CollectiveTimeout: the deadline passed first.
-        CollectiveFailed: the backend reported the collective failed (chained).
+        CollectiveTimeout: the deadline passed first (a ``CollectiveAborted``).
+        CollectiveFailed: the backend reported the collective failed (a ``CollectiveAborted``,
+            chained from the backend's error).
         ValueError: ``slice_s`` is not positive, or ``timeout`` is negative.
     """
     if not slice_s > 0:
@@ -42,14 +56,43 @@ def wait(work: dist.Work, *, abort: Callable[[], bool] | None = None,
     if timeout is not None and not timeout >= 0:
         raise ValueError(f"timeout must be a non-negative number of seconds, got {timeout!r}")
     done = threading.Event()
-    work.get_future().add_done_callback(lambda _fut: done.set())
-    deadline = None if timeout is None else clock() + timeout
-    while not done.wait(slice_s):
-        if abort is not None and abort():
-            raise CollectiveAborted("the collective was abandoned: a peer is gone")
-        if deadline is not None and clock() >= deadline:
-            raise CollectiveTimeout(f"the collective did not complete within {timeout:g}s")
+    failed: list[BaseException] = []
+    threaded = False
     try:
-        work.wait()
-    except RuntimeError as exc:
-        raise CollectiveFailed(f"the collective failed: {exc}") from exc
+        future = work.get_future()
+    except RuntimeError:
+        # No future: a thread waits instead. If the wait is abandoned, the thread stays blocked
+        # until the peer's connection breaks or the communicator's own timeout; it holds
+        # nothing else.
+        def waiter() -> None:
+            try:
+                work.wait()
+            except Exception as exc:  # the communicator's error, whatever its type
+                failed.append(exc)
+            finally:
+                done.set()
+
+        threaded = True
+        threading.Thread(target=waiter, name=f"wait: {what}", daemon=True).start()
+    else:
+        # The callback runs on the communicator's thread and only sets a flag.
+        future.add_done_callback(lambda _: done.set())
+    start = clock()
+    while not done.wait(slice_s):
+        waited = clock() - start
+        if abort is not None and abort():
+            raise CollectiveAborted(f"{what} aborted after {waited:.2f} s: told to abort",
+                                    what=what, waited=waited)
+        if timeout is not None and waited >= timeout:
+            raise CollectiveTimeout(f"{what} timed out after {waited:.2f} s (timeout "
+                                    f"{timeout:g} s): a peer did not take part", what=what,
+                                    waited=waited)
+    try:
+        if failed:
+            raise failed[0]
+        if not threaded:  # the thread has waited already; gloo's works are waited on once
+            work.wait()
+    except Exception as exc:  # the communicator's error, whatever its type
+        waited = clock() - start
+        raise CollectiveFailed(f"{what} failed after {waited:.2f} s: {exc}", what=what,
+                               waited=waited) from exc

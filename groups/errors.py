@@ -38,12 +38,22 @@ class NoCurrentVersionError(GroupError):
 
 
 class CollectiveAborted(GroupError):
-    """A collective was given up on the caller's word (a peer is known to be gone)."""
+    """A collective did not complete: a peer failed, stayed silent past the timeout, or the
+    caller was told to abort (a peer is known to be gone). The group it ran on must be
+    considered broken. The worker runtime raises and catches this same class.
+
+    ``what`` names the collective, ``waited`` is how long this rank waited, in seconds.
+    """
+
+    def __init__(self, message: str, *, what: str = "the collective", waited: float = 0.0) -> None:
+        super().__init__(message)
+        self.what = what
+        self.waited = waited
 
 
-class CollectiveTimeout(GroupError):
+class CollectiveTimeout(CollectiveAborted):
     """A collective did not complete within the caller's deadline."""
 
 
-class CollectiveFailed(GroupError):
+class CollectiveFailed(CollectiveAborted):
     """The backend reported that a collective failed (peer reset, backend timeout)."""

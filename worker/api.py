@@ -68,7 +68,6 @@ micro-batch schedule over it.
 from __future__ import annotations
 
 import abc
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -79,6 +78,9 @@ import torch.distributed as dist
 
 from understudy.common.errors import UnderstudyError
 from understudy.common.layout import LOGICAL, Layout
+from understudy.groups import abortable
+from understudy.groups.abortable import Work as Work
+from understudy.groups.errors import CollectiveAborted as CollectiveAborted
 
 #: The groups a job can have. ``world`` is every rank of the job; ``pp`` (the stages of one
 #: pipeline) exists only with pipeline parallelism.
@@ -87,27 +89,6 @@ GROUP_NAMES = LOGICAL
 
 class TrainingError(UnderstudyError):
     """Base of the errors the worker runtime raises on purpose."""
-
-
-class CollectiveAborted(TrainingError):
-    """A collective did not complete: a peer failed, stayed silent past the timeout, or the
-    runtime was told to abort. The group it ran on must be considered broken.
-
-    ``what`` names the collective, ``waited`` is how long this rank waited, in seconds.
-    """
-
-    def __init__(self, message: str, *, what: str, waited: float) -> None:
-        super().__init__(message)
-        self.what = what
-        self.waited = waited
-
-
-class Work(Protocol):
-    """What :meth:`JobContext.wait` needs from an asynchronous collective's handle."""
-
-    def get_future(self) -> torch.futures.Future[Any]: ...
-
-    def wait(self) -> Any: ...
 
 
 class Communicator(Protocol):
@@ -251,49 +232,10 @@ def wait_abortable(work: Work, *, what: str, timeout: float, should_abort: Calla
 
     Raises:
         CollectiveAborted: the collective failed, timed out or was aborted; chained from the
-            communicator's error when it failed.
+            communicator's error when it failed (``groups/abortable.py``).
     """
-    done = threading.Event()
-    failed: list[BaseException] = []
-    threaded = False
-    try:
-        future = work.get_future()
-    except RuntimeError:
-        # Gloo's send and recv have no future (torch 2.13): a thread waits instead. If the
-        # wait is abandoned, the thread stays blocked until the peer's connection breaks or
-        # the communicator's own timeout; it holds nothing else.
-        def waiter() -> None:
-            try:
-                work.wait()
-            except Exception as exc:  # the communicator's error, whatever its type
-                failed.append(exc)
-            finally:
-                done.set()
-
-        threaded = True
-        threading.Thread(target=waiter, name=f"wait: {what}", daemon=True).start()
-    else:
-        # The callback runs on the communicator's thread and only sets a flag.
-        future.add_done_callback(lambda _: done.set())
-    start = clock()
-    while not done.wait(poll_interval):
-        waited = clock() - start
-        if should_abort():
-            raise CollectiveAborted(f"{what} aborted after {waited:.2f} s: told to abort",
-                                    what=what, waited=waited)
-        if waited >= timeout:
-            raise CollectiveAborted(f"{what} timed out after {waited:.2f} s (timeout "
-                                    f"{timeout:g} s): a peer did not take part", what=what,
-                                    waited=waited)
-    try:
-        if failed:
-            raise failed[0]
-        if not threaded:  # the thread has waited already; gloo's works are waited on once
-            work.wait()
-    except Exception as exc:  # the communicator's error, whatever its type
-        waited = clock() - start
-        raise CollectiveAborted(f"{what} failed after {waited:.2f} s: {exc}", what=what,
-                                waited=waited) from exc
+    abortable.wait(work, abort=should_abort, timeout=timeout, slice_s=poll_interval, what=what,
+                   clock=clock)
 
 
 class TrainingJob(abc.ABC):
