@@ -10,6 +10,7 @@ own 3- or 5-member etcd; the daemon only needs its endpoints.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -31,7 +32,63 @@ class EtcdStartError(UnderstudyError):
     """The embedded etcd could not be started."""
 
 
+#: The ports ``free_port`` hands out: from here up to the kernel's ephemeral range, which
+#: ``bind(host, 0)`` and outgoing connections draw from. A port of this pool is taken only by
+#: another ``free_port`` caller, and those share one counter (a file in the temp directory,
+#: updated under a lock), so parallel test workers, concurrent test sessions and demos get
+#: different ports, and a port comes round again only after the whole pool has been handed out.
+_POOL_LOW = 20000
+_POOL_COUNTER = Path(tempfile.gettempdir()) / "understudy-free-ports"
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing holds on ``host``, that no other ``free_port`` caller on this machine
+    will be given soon (the pool above). Where the pool cannot be used (its counter file is not
+    writable, or the ephemeral range starts too low), the kernel's pick of a free port, which
+    another process may bind before the caller does (``EmbeddedEtcd.start`` then retries)."""
+    high = _ephemeral_low()
+    if high - _POOL_LOW >= 1000:
+        with contextlib.suppress(OSError):
+            return _from_pool(host, _POOL_LOW, high)
+    return _kernel_pick(host)
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _from_pool(host: str, low: int, high: int) -> int:
+    size = high - low
+    fd = os.open(_POOL_COUNTER, os.O_RDWR | os.O_CREAT, 0o666)
+    with os.fdopen(fd, "r+") as counter:
+        fcntl.flock(counter, fcntl.LOCK_EX)  # released when the file closes
+        try:
+            turn = int(counter.read().strip() or 0)
+        except ValueError:
+            turn = 0
+        for i in range(size):
+            port = low + (turn + i) % size
+            if _bindable(host, port):  # skips what a service or a lingering process holds
+                counter.seek(0)
+                counter.truncate()
+                counter.write(str((turn + i + 1) % size))
+                return port
+    raise OSError(f"no free port from {low} to {high - 1} on {host}")
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def _kernel_pick(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         port: int = s.getsockname()[1]

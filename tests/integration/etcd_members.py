@@ -2,8 +2,8 @@
 kill one member.
 
 Every member needs the whole ``--initial-cluster`` before it starts, so all peer ports are picked
-first (held open together, so no two picks coincide), then every member is launched, then each
-is waited for: a member is healthy only once a quorum runs and a leader is elected.
+first (``free_port``: ports no other test worker is given), then every member is launched, then
+each is waited for: a member is healthy only once a quorum runs and a leader is elected.
 """
 
 from __future__ import annotations
@@ -11,29 +11,19 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import socket
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from understudy.testing.embedded_etcd import EmbeddedEtcd, EtcdStartError
+from understudy.testing.embedded_etcd import EmbeddedEtcd, EtcdStartError, free_port
 
 # Raft timings with slack: a loaded 2-core machine must not miss heartbeats for a whole election
 # timeout (a spurious election would be a fault the test did not inject), yet a lost leader is
 # replaced within about a second.
 HEARTBEAT_MS = 50
 ELECTION_MS = 500
-
-
-def _free_ports(n: int, host: str) -> list[int]:
-    """``n`` distinct free ports (each bound until all are picked)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind((host, 0))
-        return [s.getsockname()[1] for s in socks]
 
 
 @dataclass
@@ -72,7 +62,10 @@ class EtcdMembers:
         raise AssertionError("unreachable")
 
     def _launch_all(self) -> None:
-        ports = _free_ports(3 * self.size, self.host)
+        ports: list[int] = []
+        while len(ports) < 3 * self.size:
+            if (port := free_port(self.host)) not in ports:
+                ports.append(port)
         self.members = [
             EmbeddedEtcd(data_dir=self.base / f"m{i}", name=f"m{i}", host=self.host,
                          client_port=ports[3 * i], peer_port=ports[3 * i + 1],

@@ -11,7 +11,7 @@ import pytest
 from understudy.common import config
 from understudy.common.errors import StoreError
 from understudy.common.store import RESYNC, EtcdStore, WatchEvent
-from understudy.testing.embedded_etcd import EmbeddedEtcd
+from understudy.testing.embedded_etcd import EmbeddedEtcd, free_port
 
 
 def _store(endpoints: str, **etcd: object) -> EtcdStore:
@@ -147,9 +147,9 @@ def test_embedded_etcd_picks_new_ports_when_one_is_taken_before_it_binds(
 def test_a_refused_endpoint_is_skipped_within_the_same_call(etcd: EmbeddedEtcd) -> None:
     # The first endpoint listed is down (nothing listens): a fresh store, as every CLI run
     # makes, still answers at once from the next one instead of failing its first request.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    # A port of free_port's pool: no other process is given it meanwhile (a port the kernel
+    # picked and let go could be bound again by a daemon of a parallel test).
+    dead = f"127.0.0.1:{free_port()}"
 
     async def run() -> None:
         st = _store(f"{dead},{etcd.endpoint}")

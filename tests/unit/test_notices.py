@@ -50,6 +50,7 @@ from understudy.daemon.notices import (
     parse_gce_preempted,
     pollers_from_config,
 )
+from understudy.testing.embedded_etcd import free_port
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -91,11 +92,9 @@ def azure() -> Iterator[tuple[str, AzureState]]:
 
 @pytest.fixture
 def closed_port_url() -> str:
-    """A loopback URL nothing listens on: connections are refused at once."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
+    """A loopback URL nothing listens on: connections are refused at once (a port of
+    free_port's pool, which no other process is given meanwhile)."""
+    return f"http://127.0.0.1:{free_port()}"
 
 
 @pytest.fixture
