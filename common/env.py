@@ -54,3 +54,13 @@ WATCHDOG_PID = "WATCHDOG_PID"
 # Fault injection for tests (see common/failpoints.py); read by daemons and workers alike, and
 # honoured only where the daemon's configuration enables failpoints.
 FAILPOINTS = "UNDERSTUDY_FAILPOINTS"
+
+# A job's own settings, from the job's environment (``understudy run --env K=V``).
+#: the snapshot directory (every node must see it)
+SNAPSHOTS = "UNDERSTUDY_SNAPSHOTS"
+#: steps between snapshots
+SNAPSHOT_EVERY = "UNDERSTUDY_SNAPSHOT_EVERY"
+#: how many bytes a standby's snapshot holder may keep (default: half the machine's memory)
+SNAPSHOT_HOLDER_BYTES = "UNDERSTUDY_SNAPSHOT_HOLDER_BYTES"
+#: the recording directory for sandbox warmup (shared by every node)
+RECORDINGS = "UNDERSTUDY_RECORDINGS"

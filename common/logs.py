@@ -87,5 +87,7 @@ def _route_stdlib(stream: Any, level: str, pre_chain: list[Any], renderer: Any) 
     sys.unraisablehook = unraisable
 
 
-def get(**context: Any) -> Any:
-    return structlog.get_logger().bind(**context)
+def get(name: str | None = None, **context: Any) -> Any:
+    """A logger bound to ``context`` (node, job, rank, epoch...); ``name`` is the ``logger``
+    field (``understudy.worker``), left out by default."""
+    return (structlog.get_logger(name) if name else structlog.get_logger()).bind(**context)

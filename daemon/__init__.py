@@ -1,6 +1,7 @@
 """understudyd: the per-node daemon and the cluster control plane on etcd.
 
-Nothing in this package imports torch: the daemon never touches a GPU context itself.
+It imports the shared core (:mod:`understudy.common`) and nothing else of ours; nothing imports
+it. Nothing in this package imports torch: the daemon never touches a GPU context itself.
 """
 
 import os as _os

@@ -9,4 +9,6 @@
 - :mod:`understudy.sandbox.manifest`: layouts, role types, code versions, the manifest and
   atomic writes. :mod:`understudy.sandbox.ops`: what one call is. :mod:`understudy.sandbox.errors`:
   the ``SandboxError`` family.
+
+It imports the shared core, the groups and the worker's API; only ``worker/launch.py`` imports it.
 """

@@ -29,7 +29,7 @@ class ReplayDiverged(SandboxError, CollectiveAborted):
     or parameter), or the recording ran out. ``call`` is the call's index in its group,
     ``group`` the group's name.
 
-    Also a :class:`~understudy.worker.api.CollectiveAborted`: the worker runtime treats it like a
+    Also a :class:`~understudy.groups.errors.CollectiveAborted`: the worker runtime treats it like a
     collective that could not complete (it rolls the step back and re-raises) instead of
     counting it as this rank's compute failure and committing the step with the vote.
     """

@@ -42,11 +42,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import structlog
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _world
 
+from understudy.common import logs
 from understudy.groups.versioned import Tap, VersionedGroup
 from understudy.sandbox import ops
 from understudy.sandbox.errors import RecordingError
@@ -143,7 +143,7 @@ class Recorder:
             self._groups[name] = [ranks.index(rank), len(ranks)]
         self._writer: threading.Thread | None = None
         self._tapped: list[VersionedGroup] = []
-        self._log = structlog.get_logger("understudy.sandbox").bind(
+        self._log = logs.get("understudy.sandbox",
             job=job, rank=rank, role_type=self.role_type.key)
 
     @property

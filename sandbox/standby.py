@@ -27,9 +27,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import structlog
-
+from understudy.common import logs
 from understudy.common.daemon_client import DaemonClient, DaemonError
+from understudy.common.env import RECORDINGS as RECORDINGS
 from understudy.common.layout import Layout
 from understudy.groups.groupset import GroupSet
 from understudy.sandbox.manifest import MANIFEST, RoleType, recording_ranks, role_directory
@@ -37,8 +37,6 @@ from understudy.sandbox.warmup import SandboxTarget, Warmed, WarmupOutcome, warm
 from understudy.worker.api import TrainingJob
 from understudy.worker.migration import Plan, chosen_rank, member
 
-#: The job's environment variable naming the recording directory (shared by every node).
-RECORDINGS = "UNDERSTUDY_RECORDINGS"
 #: Iterations a designated rank records.
 RECORDED_ITERATIONS = 2
 #: How long a standby waits for the recording before it settles for ``imports`` warmth.
@@ -75,7 +73,7 @@ def warm_standby(make_job: Callable[[], TrainingJob], control: DaemonClient, *, 
                  should_abort: Callable[[], bool]) -> tuple[Warmed | None, bool]:
     """Steps 1-2 of the module docstring. Returns the warmed job (None if none was built) and
     whether a plan chose this standby before the warmup could start (then it goes at once)."""
-    log = structlog.get_logger("understudy.sandbox").bind(job=job, node=node)
+    log = logs.get("understudy.sandbox", job=job, node=node)
     info = control.job() or {}
     standbys = list((info.get("assignment") or {}).get("standbys") or [])
     key, rank = warm_role(node, standbys, layout)

@@ -49,9 +49,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import structlog
 import torch
 
+from understudy.common import logs
 from understudy.common.layout import Layout
 from understudy.groups.groupset import GroupSet
 from understudy.sandbox.errors import RecordingError, RecordingMismatch, ReplayDiverged
@@ -311,7 +311,7 @@ def warm_up(make_job: Callable[[], TrainingJob], target: SandboxTarget,
     """
     if iterations is not None and iterations < 0:
         raise ValueError(f"iterations must not be negative, got {iterations}")
-    log = structlog.get_logger("understudy.sandbox").bind(job=target.job, rank=target.rank,
+    log = logs.get("understudy.sandbox", job=target.job, rank=target.rank,
                                                           role_type=target.role_type.key)
     t0 = clock()
     code = target.code or CodeVersion.of(target.script)

@@ -67,9 +67,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
-import structlog
-
-from understudy.common import env
+from understudy.common import env, logs
 from understudy.common.snapshot_tiers import HOLDER_ID_RE
 
 MAGIC = b"USSH"
@@ -280,7 +278,7 @@ class SnapshotHolder:
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._conns: set[socket.socket] = set()
         self._threads: set[threading.Thread] = set()
-        self._log = structlog.get_logger("understudy.worker").bind(node=node, holder=self.id)
+        self._log = logs.get("understudy.worker", node=node, holder=self.id)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.create_server((host, 0), family=family)
         self._listener.settimeout(0.2)

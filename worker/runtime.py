@@ -11,7 +11,7 @@ One iteration of :meth:`Runtime.run`, for the step ``s`` after the last committe
    ``job.discard(s)``, the process-global RNGs go back to where they were before compute, and
    step ``s`` runs again from the boundary, on every rank alike, since all saw the same vote.
 
-If a collective of the step aborts (:class:`~understudy.worker.api.CollectiveAborted`, from
+If a collective of the step aborts (:class:`~understudy.groups.errors.CollectiveAborted`, from
 compute or from the vote), the error propagates out of :meth:`Runtime.run`: the groups are
 broken and only the recovery protocol can replace them. A rank that aborted in compute rolls the
 step back as in 4. A rank that computed ``s`` and aborted in the vote cannot know whether its
@@ -37,10 +37,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol, cast
 
-import structlog
 import torch
 import torch.distributed as dist
 
+from understudy.common import logs
 from understudy.common.layout import Layout
 from understudy.worker import rng
 from understudy.worker.api import (
@@ -180,7 +180,7 @@ class Runtime:
         self.after_commit: list[Callable[[Runtime], None]] = []
         #: a step computed here whose vote aborted: (step, RNG before compute, RNG after)
         self.pending: tuple[int, dict[str, Any], dict[str, Any]] | None = None
-        self._log = structlog.get_logger("understudy.worker").bind(job=ctx.job, rank=ctx.rank)
+        self._log = logs.get("understudy.worker", job=ctx.job, rank=ctx.rank)
 
     def build(self) -> None:
         """``job.build(ctx)``; call it once, before :meth:`load_state` or :meth:`run`."""

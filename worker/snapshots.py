@@ -59,11 +59,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import structlog
 import torch
 
-from understudy.common import env
+from understudy.common import env, logs
 from understudy.common.daemon_client import DaemonClient, DaemonError
+from understudy.common.env import SNAPSHOT_EVERY, SNAPSHOT_HOLDER_BYTES, SNAPSHOTS
 from understudy.common.snapshot_tiers import MemoryCopies, SnapshotReport, source_of
 from understudy.worker.holder import HolderAddress, HolderError, SnapshotHolder, node_address
 from understudy.worker.holder_client import HolderDirectory, fetch, push_to_any
@@ -71,11 +71,6 @@ from understudy.worker.runtime import Runtime
 
 COMPLETE = "COMPLETE"
 SKELETON = "skeleton.pt"
-#: The job's environment: the snapshot directory (every node must see it), the period, and
-#: how many bytes a standby's holder may keep (default: half the machine's memory).
-SNAPSHOTS = "UNDERSTUDY_SNAPSHOTS"
-SNAPSHOT_EVERY = "UNDERSTUDY_SNAPSHOT_EVERY"
-SNAPSHOT_HOLDER_BYTES = "UNDERSTUDY_SNAPSHOT_HOLDER_BYTES"
 DEFAULT_EVERY = 50
 #: a visible copy's folder under ``step-<S>/``: ``rank-<r>.e<epoch>`` (``rank-<r>``: older workers)
 _FOLDER_RE = re.compile(r"^rank-(?P<rank>[0-9]+)(?:\.e(?P<epoch>[0-9]+))?$")
@@ -333,7 +328,7 @@ class Snapshotter:
         self._report_error: str | None = None  # the last report's failure
         self._busy = threading.Lock()
         self._thread: threading.Thread | None = None
-        self._log = structlog.get_logger("understudy.worker").bind(**(log_context or {}), rank=rank)
+        self._log = logs.get("understudy.worker", **(log_context or {}), rank=rank)
 
     def after_commit(self, runtime: Runtime) -> None:
         """Called by the runtime after each committed step."""
@@ -537,7 +532,7 @@ def start_holder(job: str, node: str, epoch: int,
     none, or the holder cannot start: its ranks then keep storage copies only."""
     if not snapshots_enabled(environ):
         return None
-    log = structlog.get_logger("understudy.worker").bind(job=job, node=node)
+    log = logs.get("understudy.worker", job=job, node=node)
     raw = environ.get(SNAPSHOT_HOLDER_BYTES)
     try:
         capacity = int(raw) if raw else None

@@ -566,6 +566,6 @@ def test_the_vote_is_released_when_a_peer_freezes(tmp_path: Path) -> None:
         for path in errors:
             record = read_error(path)
             assert record is not None
-            assert record.exc_type == "understudy.worker.api.CollectiveAborted"
+            assert record.exc_type == "understudy.groups.errors.CollectiveTimeout"
             assert f"the vote on step {FREEZE_AT} timed out" in record.message
             assert timeout - 0.5 <= record.time - frozen_at <= timeout + 1.0

@@ -55,7 +55,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import structlog
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
@@ -64,6 +63,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.distributed import distributed_c10d as c10d
 
+from understudy.common import logs
 from understudy.common.layout import Layout as JobLayout
 from understudy.groups.groupset import GroupSet
 from understudy.groups.lone import LoneGroup
@@ -77,7 +77,7 @@ from understudy.worker.api import (
 from understudy.worker.megatron import cpu
 from understudy.worker.migration import JobGroups, group_members, member
 
-log = structlog.get_logger("understudy.worker.megatron")
+log = logs.get("understudy.worker.megatron")
 
 
 # -- parallel_state -----------------------------------------------------------------------------
