@@ -8,6 +8,7 @@ from typing import Any
 from understudy.common.errors import RecordError
 from understudy.common.keys import Keys
 from understudy.common.records import (
+    JOB_RECORDS,
     Assignment,
     ControllerRecord,
     DrainRequest,
@@ -17,6 +18,7 @@ from understudy.common.records import (
     Migration,
     NodeRecord,
     RegistryEntry,
+    decode_job_record,
 )
 from understudy.common.store import EtcdStore
 
@@ -153,25 +155,19 @@ async def read_cluster(store: EtcdStore, keys: Keys) -> ClusterStatus:
 
 
 async def _read_jobs(store: EtcdStore, keys: Keys, ignored: list[str]) -> list[JobView]:
-    specs: dict[str, JobSpec] = {}
-    statuses: dict[str, JobStatus] = {}
-    assignments: dict[str, Assignment] = {}
-    migrations: dict[str, Migration] = {}
+    tables: dict[str, dict[str, Any]] = {name: {} for name in JOB_RECORDS}
     for kv in (await store.get_prefix(keys.jobs))[0]:
-        job, _, rest = Keys.name_of(kv.key, keys.jobs).partition("/")
         try:
-            if rest == "spec":
-                specs[job] = JobSpec.decode(kv.value)
-            elif rest == "status":
-                statuses[job] = JobStatus.decode(kv.value)
-            elif rest == "assignment":
-                assignments[job] = Assignment.decode(kv.value)
-            elif rest == "migration":
-                migrations[job] = Migration.decode(kv.value)
+            decoded = decode_job_record(Keys.name_of(kv.key, keys.jobs), kv.value)
         except RecordError:
             ignored.append(kv.key)
-    return [JobView(spec, statuses.get(name), assignments.get(name), migrations.get(name))
-            for name, spec in sorted(specs.items())]
+            continue
+        if decoded is not None:
+            job, name, record = decoded
+            tables[name][job] = record
+    return [JobView(spec, tables["status"].get(name), tables["assignment"].get(name),
+                    tables["migration"].get(name))
+            for name, spec in sorted(tables["spec"].items())]
 
 
 async def read_events(store: EtcdStore, keys: Keys) -> tuple[list[Event], int]:

@@ -421,6 +421,35 @@ class Migration(Record):
         return self.phase not in (MigrationPhase.DONE, MigrationPhase.ABORTED)
 
 
+#: what a job keeps under ``jobs/<job>/``: key name -> record (``exits/<epoch>/<rank>`` hold
+#: :class:`RankExit` records, read by the controller alone)
+JOB_RECORDS: dict[str, type[Record]] = {
+    "spec": JobSpec,
+    "assignment": Assignment,
+    "status": JobStatus,
+    "migration": Migration,
+}
+
+
+def decode_job_record(path: str, value: bytes) -> tuple[str, str, Record] | None:
+    """``path`` is a key under ``jobs/`` (``<job>/<name>``): the job, the name and its record,
+    or None for a name that is not in :data:`JOB_RECORDS`. The one reader of job records: the
+    controller, every node's job runner and the CLI use it.
+
+    Raises:
+        RecordError: the value is not a valid record of its kind, or names another job.
+    """
+    job, _, name = path.partition("/")
+    kind = JOB_RECORDS.get(name)
+    if kind is None:
+        return None
+    record = kind.decode(value)
+    named = record.name if isinstance(record, JobSpec) else getattr(record, "job", job)
+    if named != job:
+        raise RecordError(f"{name} under {job!r} names job {named!r}")
+    return job, name, record
+
+
 def event_id(time_s: float, node: str, seq: int) -> str:
     """Sortable event key: time first, so a prefix read is chronological."""
     return f"{int(time_s * 1e9):020d}-{node}-{seq:06d}"

@@ -20,6 +20,7 @@ from understudy.common import failpoints, logs
 from understudy.common.errors import RecordError, StoreError
 from understudy.common.keys import Keys
 from understudy.common.records import (
+    JOB_RECORDS,
     Assignment,
     ControllerRecord,
     DrainRequest,
@@ -31,6 +32,7 @@ from understudy.common.records import (
     NodeRecord,
     RankExit,
     RegistryEntry,
+    decode_job_record,
 )
 from understudy.common.snapshot_tiers import MemoryCopies, SnapshotReport, counted_copies
 from understudy.common.states import NodeState
@@ -570,38 +572,17 @@ class _JobTables:
     def ingest(self, path: str, kv: KV, deleted: bool) -> None:
         """``path`` is ``<job>/spec`` etc. Raises RecordError for a value that does not fit."""
         job, _, rest = path.partition("/")
-        if rest == "spec":
+        if rest in JOB_RECORDS:
+            tables: dict[str, dict[str, Any]] = {"spec": self.specs, "assignment": self.assignments,
+                                                 "status": self.statuses,
+                                                 "migration": self.migrations}
             if deleted:
-                self.specs.pop(job, None)
-            else:
-                spec = JobSpec.decode(kv.value)
-                if spec.name != job:
-                    raise RecordError(f"job spec under {job!r} names {spec.name!r}")
-                self.specs[job] = spec
-        elif rest == "assignment":
-            if deleted:
-                self.assignments.pop(job, None)
-            else:
-                a = Assignment.decode(kv.value)
-                if a.job != job:
-                    raise RecordError(f"assignment under {job!r} names job {a.job!r}")
-                self.assignments[job] = (a, kv.mod_revision)
-        elif rest == "status":
-            if deleted:
-                self.statuses.pop(job, None)
-            else:
-                st = JobStatus.decode(kv.value)
-                if st.job != job:
-                    raise RecordError(f"status under {job!r} names job {st.job!r}")
-                self.statuses[job] = (st, kv.mod_revision)
-        elif rest == "migration":
-            if deleted:
-                self.migrations.pop(job, None)
-            else:
-                m = Migration.decode(kv.value)
-                if m.job != job:
-                    raise RecordError(f"migration under {job!r} names job {m.job!r}")
-                self.migrations[job] = (m, kv.mod_revision)
+                tables[rest].pop(job, None)
+                return
+            decoded = decode_job_record(path, kv.value)
+            assert decoded is not None
+            record = decoded[2]
+            tables[rest][job] = record if rest == "spec" else (record, kv.mod_revision)
         elif rest.startswith("exits/"):
             table = self.exits.setdefault(job, {})
             try:

@@ -28,6 +28,7 @@ from understudy.common.records import (
     Migration,
     MigrationPhase,
     RankExit,
+    decode_job_record,
 )
 from understudy.common.states import NodeState
 from understudy.common.store import EtcdStore, wait_any
@@ -135,17 +136,11 @@ class JobRunner:
         kvs, _ = await self.store.get_prefix(self.keys.jobs)
         jobs: dict[str, _Job] = {}
         for kv in kvs:
-            job, _, rest = Keys.name_of(kv.key, self.keys.jobs).partition("/")
-            entry = jobs.setdefault(job, _Job())
             try:
-                if rest == "spec":
-                    entry.spec = JobSpec.decode(kv.value)
-                elif rest == "assignment":
-                    entry.assignment = Assignment.decode(kv.value)
-                elif rest == "status":
-                    entry.status = JobStatus.decode(kv.value)
-                elif rest == "migration":
-                    entry.migration = Migration.decode(kv.value)
+                decoded = decode_job_record(Keys.name_of(kv.key, self.keys.jobs), kv.value)
+                if decoded is not None:
+                    job, name, record = decoded
+                    setattr(jobs.setdefault(job, _Job()), name, record)
             except RecordError as exc:
                 if (kv.key, kv.mod_revision) not in self._bad_seen:
                     self._bad_seen.add((kv.key, kv.mod_revision))

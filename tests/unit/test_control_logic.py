@@ -21,6 +21,7 @@ from understudy.common.records import (
     NodeRecord,
     RankExit,
     RegistryEntry,
+    decode_job_record,
 )
 from understudy.common.states import IllegalTransition, NodeLifecycle, NodeState
 from understudy.daemon.fencing import FenceTimer
@@ -160,6 +161,19 @@ def test_registry_entry_rejects_bool_for_float() -> None:
 def _spec(name: str = "j", tp: int = 2, dp: int = 2, standby: int = 1) -> JobSpec:
     return JobSpec(name=name, argv=("python", "t.py"), cwd="/", tp=tp, dp=dp, standby=standby,
                    created_at=0.0)
+
+
+def test_job_records_are_read_by_one_decoder_that_refuses_another_job_s_record() -> None:
+    spec, status = _spec("j"), JobStatus(job="j", state=JobState.RUNNING, reason="", updated_at=1)
+    assert decode_job_record("j/spec", spec.encode()) == ("j", "spec", spec)
+    assert decode_job_record("j/status", status.encode()) == ("j", "status", status)
+    assert decode_job_record("j/exits/1/0", b"anything") is None  # the controller's alone
+    with pytest.raises(RecordError, match="under 'k' names job 'j'"):
+        decode_job_record("k/spec", spec.encode())
+    with pytest.raises(RecordError, match="under 'k' names job 'j'"):
+        decode_job_record("k/status", status.encode())
+    with pytest.raises(RecordError):
+        decode_job_record("j/status", spec.encode())
 
 
 def _live(name: str, state: NodeState, slots: int) -> NodeRecord:
