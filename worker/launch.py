@@ -23,6 +23,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,17 +42,20 @@ from understudy.sandbox.standby import (
     sandboxed,
     warm_standby,
 )
+from understudy.sandbox.warmup import Warmed
 from understudy.worker.api import (
     CollectiveAborted,
     JobContext,
     TrainingJob,
 )
 from understudy.worker.errors import install_excepthook
+from understudy.worker.holder import SnapshotHolder
 from understudy.worker.lifeline import tie_to_daemon
 from understudy.worker.migration import (
     JobGroups,
     Joiner,
     MigrationHook,
+    Plan,
     group_members,
     member,
     wait_for_plan,
@@ -77,6 +81,72 @@ def main(make_job: Callable[[], TrainingJob], steps: int, *, seed: int = 0,
          on_finish: Callable[[Runtime], None] | None = None,
          collective_timeout: float = 60.0) -> int:
     """Run this worker's part of the job. Returns the process exit code."""
+    worker = _start(make_job, seed, collective_timeout)
+    if _env(env.WORKER_ROLE) == "standby":
+        seat = _run_standby(worker)
+        if seat is None:
+            return 0
+    else:
+        seat = _start_rank(worker)
+    return _run_rank(worker, seat, steps, on_finish)
+
+
+@dataclass
+class _Worker:
+    """What every phase of this worker shares: who it is, its daemon, and its stop signal."""
+
+    make_job: Callable[[], TrainingJob]
+    job: str
+    node: str
+    layout: Layout
+    epoch: int
+    seed: int
+    timeout: float               # the collective timeout, also the transfers'
+    control: DaemonClient
+    nodes: tuple[str, ...]       # the assignment's node of each rank
+    stop: threading.Event        # set by SIGTERM
+    log: Any
+    script: Path
+    #: where this job's sandbox recordings go; None when the job does not use the sandbox
+    recordings: Path | None
+    snapshots: Path | None
+    #: the rank's boundary hook, once it trains; set once
+    hook: MigrationHook | None = None
+
+    def should_abort(self) -> bool:
+        """A collective waiting on a lost peer is released as soon as the job is recovering."""
+        hook = self.hook
+        return hook is not None and (hook.recovery() is not None or hook.paused)
+
+    def runtime(self, rank: int, groups: GroupSet) -> Runtime:
+        """A fresh runtime for ``rank`` on ``groups``, its job not built yet."""
+        ctx = JobContext(job=self.job, rank=rank, world_size=self.layout.world_size,
+                         tp=self.layout.tp, pp=self.layout.pp,
+                         groups=JobGroups(groups, rank, self.layout), seed=self.seed,
+                         collective_timeout=self.timeout, should_abort=self.should_abort)
+        return Runtime(self.make_job(), ctx)
+
+
+@dataclass
+class _Seat:
+    """A rank this worker holds, built and ready to train, however it came to hold it."""
+
+    rank: int
+    groups: GroupSet
+    runtime: Runtime
+    nodes: tuple[str, ...]
+    #: the migration this worker completed as its joiner, if it took the rank over
+    finished: tuple[str, ...] = ()
+    recorder: Recorder | None = None
+
+
+def _start(make_job: Callable[[], TrainingJob], seed: int, timeout: float) -> _Worker:
+    """Tie this process to its daemon and read who it is from the environment.
+
+    Raises:
+        LaunchError: the environment is not one ``understudy run`` sets up, or the daemon does
+            not know the job.
+    """
     install_excepthook()
     tie_to_daemon()  # no worker outlives its daemon
     daemon_logs.configure("info", "json")
@@ -92,142 +162,167 @@ def main(make_job: Callable[[], TrainingJob], steps: int, *, seed: int = 0,
     info = control.job()
     if info is None or info.get("assignment") is None:
         raise LaunchError(f"the daemon does not know job {job!r}")
-    nodes = tuple(info["assignment"]["ranks"])
-    log = daemon_logs.get(job=job, node=node)
-    # A collective waiting on a lost peer is released as soon as the job is recovering.
-    hooks: list[MigrationHook] = []
-    recorder: Recorder | None = None
-
-    def should_abort() -> bool:
-        return bool(hooks) and (hooks[0].recovery() is not None or hooks[0].paused)
-
     # Recording for the standbys' sandbox: where a directory is given, unless the job opts out.
     recordings = os.environ.get(RECORDINGS)
-    snapshots = Path(os.environ[SNAPSHOTS]) if os.environ.get(SNAPSHOTS) else None
-    script = Path(sys.argv[0]).resolve()
-    can_sandbox = recordings is not None and sandboxed(make_job())
+    return _Worker(
+        make_job=make_job, job=job, node=node, layout=layout, epoch=epoch, seed=seed,
+        timeout=timeout, control=control, nodes=tuple(info["assignment"]["ranks"]), stop=stop,
+        log=daemon_logs.get(job=job, node=node), script=Path(sys.argv[0]).resolve(),
+        recordings=(Path(recordings) if recordings is not None and sandboxed(make_job())
+                    else None),
+        snapshots=Path(os.environ[SNAPSHOTS]) if os.environ.get(SNAPSHOTS) else None)
 
-    if _env(env.WORKER_ROLE) == "standby":
-        log.info("Standby worker is up and waiting to be chosen as a joiner.")
-        holder = start_holder(job, node, epoch)  # the ranks' snapshots, in this host's memory
-        import_lazy_modules()
-        control.warmth("imports", [], "imports done; the model is built once chosen",
-                       holder=holder.id if holder is not None else None)
-        warmed = None
-        if can_sandbox:
-            assert recordings is not None
-            warmed, _ = warm_standby(make_job, control, node=node, stop=stop, job=job,
-                                     layout=layout, seed=seed,
-                                     recordings=Path(recordings), script=script,
-                                     timeout=collective_timeout, should_abort=should_abort)
-        found = wait_for_plan(control, node, stop)
-        if found is None:
-            if holder is not None:
-                holder.close()
-            return 0
-        plan, rank = found
-        log.info(f"Standby chosen to take over rank {rank}.", migration=plan.id)
-        promoted = warmed is not None and warmed.report.rank == rank
-        if promoted and warmed is not None and warmed.stand_ins is not None:
-            # The job was built on this rank's stable groups: keep them, real versions next.
-            groups = warmed.stand_ins
-            groups.epoch = plan.to_epoch
-        else:
-            groups = GroupSet(job, member(rank, node), epoch=plan.to_epoch,
-                              timeout=collective_timeout)
-        # The group objects exist before their first version, so the model is built now,
-        # while phase 1 runs, not inside the switch.
-        for logical, name in layout.concrete(rank).items():
-            ranks = layout.group_ranks(logical, rank)
-            groups.reserve(name, ranks.index(rank), len(ranks))
-        retargeted = None
-        if promoted and warmed is not None:
-            runtime = warmed.promote(JobGroups(groups, rank, layout))
-            log.info(f"Promoting the standby warmed as rank {rank}: its model is built.")
-        elif warmed is not None and (retargeted := warmed.retarget(JobGroups(groups, rank, layout),
-                                                                   rank)) is not None:
-            runtime = retargeted[0]
-            log.info(f"Promoting the standby warmed as rank {warmed.report.rank} "
-                     f"({layout.stage_type(warmed.report.rank)} stage) to rank {rank} "
-                     f"({layout.stage_type(rank)} stage): {retargeted[1]}.")
-        else:
-            if warmed is not None:
-                log.info(f"Warmed as rank {warmed.report.rank}, chosen for rank {rank}: "
-                         "building that rank's job (imports are warm).")
-                warmed.discard()
-            runtime = _runtime(make_job, job, rank, layout, seed, groups,
-                               collective_timeout, should_abort)
-            runtime.build()
-        joiner = Joiner(control, groups, plan, job=job, rank=rank, node=node, layout=layout,
-                        nodes=nodes, timeout=collective_timeout)
-        joiner.bound()
-        try:
-            names = joiner.prepare()
-            if plan.rollback:
-                joiner.restore(runtime, snapshots, holder)
-                joiner.switch(names)
-            else:
-                runtime.load_state(joiner.receive(names))
-        except TransferError as exc:
-            # The migration was called off, or its state never arrived: the leaver keeps the
-            # rank. This standby is spent (half-built groups, a partly written model); leave
-            # at once, without tearing gloo down, and the daemon starts a fresh one.
-            log.warning(f"Taking over rank {rank} failed: {exc}. This standby leaves.",
-                        migration=plan.id)
-            record_error(exc)  # the daemon says why in the migration's abort
-            control.close()
-            os._exit(0)
-        failpoints.hit("joiner.switch")
-        joiner.switched()
+
+def _run_standby(w: _Worker) -> _Seat | None:
+    """Warm up (in the sandbox, where the job uses it) and wait to be chosen as a joiner; then
+    take over the rank the migration names. None: stopped before any migration chose it."""
+    w.log.info("Standby worker is up and waiting to be chosen as a joiner.")
+    holder = start_holder(w.job, w.node, w.epoch)  # the ranks' snapshots, in this host's memory
+    import_lazy_modules()
+    w.control.warmth("imports", [], "imports done; the model is built once chosen",
+                     holder=holder.id if holder is not None else None)
+    warmed = None
+    if w.recordings is not None:
+        warmed, _ = warm_standby(w.make_job, w.control, node=w.node, stop=w.stop, job=w.job,
+                                 layout=w.layout, seed=w.seed, recordings=w.recordings,
+                                 script=w.script, timeout=w.timeout,
+                                 should_abort=w.should_abort)
+    found = wait_for_plan(w.control, w.node, w.stop)
+    if found is None:
         if holder is not None:
-            # A rank now: the survivors have their copies (they loaded before the switch),
-            # the controller counts this holder no more (its warmth went with the promotion).
             holder.close()
-            log.info(f"Snapshot holder {holder.id} closed: this standby holds rank {rank} now.")
-        nodes = joiner.nodes
-        if plan.recovery:
-            runtime.announce = f"First step after recovery {plan.id}"
-        finished: tuple[str, ...] = (plan.id,)
-    else:
-        rank = int(_env(env.RANK))
-        groups = GroupSet(job, member(rank, node), epoch=epoch, timeout=collective_timeout)
-        for name in layout.concrete(rank).values():
-            groups.prepare(name, epoch, group_members(name, nodes, layout))
-        groups.switch(groups.pending())
-        if can_sandbox and epoch == 1 and should_record(rank, layout):
-            assert recordings is not None
-            recorder = Recorder(recordings, job=job, layout=layout, rank=rank,
-                                iterations=RECORDED_ITERATIONS, code=CodeVersion.of(script))
-        if recorder is not None:
-            recorder.tap(JobGroups(groups, rank, layout))
-        runtime = _runtime(make_job, job, rank, layout, seed, groups, collective_timeout,
-                           should_abort)
-        runtime.build()
-        finished = ()
+        return None
+    plan, rank = found
+    return _take_over(w, plan, rank, warmed, holder)
 
+
+def _take_over(w: _Worker, plan: Plan, rank: int, warmed: Warmed | None,
+               holder: SnapshotHolder | None) -> _Seat:
+    """As the standby ``plan`` chose for ``rank``: build the rank's job (or promote the one
+    warmed), take the state, and switch to the new groups. A take-over that fails leaves the
+    process at once (see :func:`_take_state`)."""
+    w.log.info(f"Standby chosen to take over rank {rank}.", migration=plan.id)
+    if warmed is not None and warmed.report.rank == rank and warmed.stand_ins is not None:
+        # The job was built on this rank's stable groups: keep them, real versions next.
+        groups = warmed.stand_ins
+        groups.epoch = plan.to_epoch
+    else:
+        groups = GroupSet(w.job, member(rank, w.node), epoch=plan.to_epoch, timeout=w.timeout)
+    # The group objects exist before their first version, so the model is built now,
+    # while phase 1 runs, not inside the switch.
+    for logical, name in w.layout.concrete(rank).items():
+        ranks = w.layout.group_ranks(logical, rank)
+        groups.reserve(name, ranks.index(rank), len(ranks))
+    runtime = _joiner_runtime(w, rank, groups, warmed)
+    joiner = Joiner(w.control, groups, plan, job=w.job, rank=rank, node=w.node, layout=w.layout,
+                    nodes=w.nodes, timeout=w.timeout)
+    joiner.bound()
+    _take_state(w, joiner, plan, rank, runtime, holder)
+    failpoints.hit("joiner.switch")
+    joiner.switched()
+    if holder is not None:
+        # A rank now: the survivors have their copies (they loaded before the switch),
+        # the controller counts this holder no more (its warmth went with the promotion).
+        holder.close()
+        w.log.info(f"Snapshot holder {holder.id} closed: this standby holds rank {rank} now.")
+    if plan.recovery:
+        runtime.announce = f"First step after recovery {plan.id}"
+    return _Seat(rank, groups, runtime, joiner.nodes, finished=(plan.id,))
+
+
+def _joiner_runtime(w: _Worker, rank: int, groups: GroupSet,
+                    warmed: Warmed | None) -> Runtime:
+    """The runtime of the rank taken over, built: the warmed one, promoted as it is or
+    retargeted to this rank where it can be, else a new one (imports are warm)."""
+    if warmed is not None and warmed.report.rank == rank:
+        runtime = warmed.promote(JobGroups(groups, rank, w.layout))
+        w.log.info(f"Promoting the standby warmed as rank {rank}: its model is built.")
+        return runtime
+    if warmed is not None:
+        retargeted = warmed.retarget(JobGroups(groups, rank, w.layout), rank)
+        if retargeted is not None:
+            w.log.info(f"Promoting the standby warmed as rank {warmed.report.rank} "
+                       f"({w.layout.stage_type(warmed.report.rank)} stage) to rank {rank} "
+                       f"({w.layout.stage_type(rank)} stage): {retargeted[1]}.")
+            return retargeted[0]
+        w.log.info(f"Warmed as rank {warmed.report.rank}, chosen for rank {rank}: "
+                   "building that rank's job (imports are warm).")
+        warmed.discard()
+    runtime = w.runtime(rank, groups)
+    runtime.build()
+    return runtime
+
+
+def _take_state(w: _Worker, joiner: Joiner, plan: Plan, rank: int, runtime: Runtime,
+                holder: SnapshotHolder | None) -> None:
+    """Load the rank's state: the leaver's, or the snapshot a rollback names. If it cannot be
+    had, this standby leaves the process at once."""
+    try:
+        names = joiner.prepare()
+        if plan.rollback:
+            joiner.restore(runtime, w.snapshots, holder)
+            joiner.switch(names)
+        else:
+            runtime.load_state(joiner.receive(names))
+    except TransferError as exc:
+        # The migration was called off, or its state never arrived: the leaver keeps the
+        # rank. This standby is spent (half-built groups, a partly written model); leave
+        # at once, without tearing gloo down, and the daemon starts a fresh one.
+        w.log.warning(f"Taking over rank {rank} failed: {exc}. This standby leaves.",
+                      migration=plan.id)
+        record_error(exc)  # the daemon says why in the migration's abort
+        w.control.close()
+        os._exit(0)
+
+
+def _start_rank(w: _Worker) -> _Seat:
+    """As a worker started for a rank: join the rank's groups at this epoch and build its job,
+    recording its first iterations for the standbys' sandbox where this rank is one that
+    records."""
+    rank = int(_env(env.RANK))
+    groups = GroupSet(w.job, member(rank, w.node), epoch=w.epoch, timeout=w.timeout)
+    for name in w.layout.concrete(rank).values():
+        groups.prepare(name, w.epoch, group_members(name, w.nodes, w.layout))
+    groups.switch(groups.pending())
+    recorder = None
+    if w.recordings is not None and w.epoch == 1 and should_record(rank, w.layout):
+        recorder = Recorder(w.recordings, job=w.job, layout=w.layout, rank=rank,
+                            iterations=RECORDED_ITERATIONS, code=CodeVersion.of(w.script))
+        recorder.tap(JobGroups(groups, rank, w.layout))
+    runtime = w.runtime(rank, groups)
+    runtime.build()
+    return _Seat(rank, groups, runtime, w.nodes, recorder=recorder)
+
+
+def _run_rank(w: _Worker, seat: _Seat, steps: int,
+              on_finish: Callable[[Runtime], None] | None) -> int:
+    """Train the rank to ``steps``, taking part in migrations and recoveries, then tear down.
+    A rank handed off to a joiner leaves the process at once."""
+    runtime, groups = seat.runtime, seat.groups
     # The boundary hook reads the job's view at every step: keep it current in the background.
-    control.follow_job(lambda: groups.epoch)
-    hook = MigrationHook(control, groups, job=job, rank=rank, node=node, layout=layout,
-                         nodes=nodes, transfer_timeout=collective_timeout,
-                         finished=finished, stop=stop)
-    runtime.hook = hook if recorder is None else recorder.hook(hook)
-    hooks.append(hook)
-    snapshotter = start_snapshotter(runtime, job, lambda: groups.epoch)
-    outcome = _train(runtime, hook, steps, stop, collective_timeout, log, snapshots)
+    w.control.follow_job(lambda: groups.epoch)
+    hook = MigrationHook(w.control, groups, job=w.job, rank=seat.rank, node=w.node,
+                         layout=w.layout, nodes=seat.nodes, transfer_timeout=w.timeout,
+                         finished=seat.finished, stop=w.stop)
+    runtime.hook = hook if seat.recorder is None else seat.recorder.hook(hook)
+    w.hook = hook
+    snapshotter = start_snapshotter(runtime, w.job, lambda: groups.epoch)
+    outcome = _train(runtime, hook, steps, w.stop, w.timeout, w.log, w.snapshots)
     if snapshotter is not None:
         snapshotter.close()
-    if recorder is not None:
-        recorder.close(timeout=30)
-    log.info(f"Rank {rank} finished: {outcome.value} at step {runtime.step}.", rank=rank)
+    if seat.recorder is not None:
+        seat.recorder.close(timeout=30)
+    w.log.info(f"Rank {seat.rank} finished: {outcome.value} at step {runtime.step}.",
+               rank=seat.rank)
     if outcome is Outcome.HANDED_OFF:
         # The joiner holds the state now; tearing down communicators whose peers moved on can
         # block, and there is nothing left to save: leave at once.
-        control.close()
+        w.control.close()
         os._exit(0)
     if outcome is Outcome.COMPLETED and on_finish is not None:
         on_finish(runtime)
     groups.close()
-    control.close()
+    w.control.close()
     return 0
 
 
@@ -264,12 +359,3 @@ def _train(runtime: Runtime, hook: MigrationHook, steps: int, stop: threading.Ev
                 if recover(runtime, hook, plan, timeout=timeout, snapshots=snapshots):
                     runtime.announce = f"First step after recovery {plan.id}"
                     break
-
-
-def _runtime(make_job: Callable[[], TrainingJob], job: str, rank: int, layout: Layout,
-             seed: int, groups: GroupSet, timeout: float,
-             should_abort: Callable[[], bool]) -> Runtime:
-    ctx = JobContext(job=job, rank=rank, world_size=layout.world_size, tp=layout.tp,
-                     pp=layout.pp, groups=JobGroups(groups, rank, layout), seed=seed,
-                     collective_timeout=timeout, should_abort=should_abort)
-    return Runtime(make_job(), ctx)
