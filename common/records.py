@@ -355,6 +355,34 @@ class MigrationPhase(enum.StrEnum):
 MIGRATION_KINDS = ("planned", "recovery", "rollback")
 
 
+class Report(enum.StrEnum):
+    """What a migration's workers report, as keys under ``<job>/migration/<id>/`` in their
+    key-value service; the controller turns them into phase changes. Per rank
+    (``Report.PREPARED.of(3)`` is ``prepared/3``) unless said otherwise."""
+
+    #: the joiner for the rank has built the model for it
+    BOUND = "bound"
+    #: phase 1 done on the rank: its rebuilt groups' next versions are up
+    PREPARED = "prepared"
+    #: phase 1 done on the joiner for the rank
+    JOINER_PREPARED = "joiner-prepared"
+    #: once: the ranks agreed on the switch boundary (by the step vote)
+    SWITCHING = "switching"
+    #: the rank's state reached its joiner (:data:`TRANSFER_OK`), or why it did not
+    TRANSFERRED = "transferred"
+    #: the joiner for the rank holds the state and the new groups
+    SWITCHED = "switched"
+    #: once: the migration was called off (the value says why)
+    ABORTED = "aborted"
+
+    def of(self, rank: int) -> str:
+        return f"{self.value}/{rank}"
+
+
+#: the value of a :attr:`Report.TRANSFERRED` report whose state arrived
+TRANSFER_OK = b"ok"
+
+
 @dataclass(frozen=True)
 class Migration(Record):
     """Moves ``ranks[i]`` from node ``leavers[i]`` to the standby on node ``joiners[i]``.

@@ -21,6 +21,7 @@ from understudy.common.errors import RecordError, StoreError
 from understudy.common.keys import Keys
 from understudy.common.records import (
     JOB_RECORDS,
+    TRANSFER_OK,
     Assignment,
     ControllerRecord,
     DrainRequest,
@@ -32,6 +33,7 @@ from understudy.common.records import (
     NodeRecord,
     RankExit,
     RegistryEntry,
+    Report,
     decode_job_record,
 )
 from understudy.common.snapshot_tiers import MemoryCopies, SnapshotReport, counted_copies
@@ -534,8 +536,9 @@ class _JobTables:
             reports.discard(report)
         else:
             reports.add(report)
-            if report == "aborted" or (report.startswith("transferred/") and value != b"ok"):
-                reports.add("aborted")
+            if report == Report.ABORTED or (report.startswith(f"{Report.TRANSFERRED}/")
+                                            and value != TRANSFER_OK):
+                reports.add(Report.ABORTED)
                 self.abort_reasons.setdefault((job, mig_id),
                                               value[:300].decode(errors="replace"))
 

@@ -21,6 +21,7 @@ from understudy.common import env, logs
 from understudy.common.errors import RecordError, StoreError
 from understudy.common.keys import Keys
 from understudy.common.records import (
+    TRANSFER_OK,
     Assignment,
     JobSpec,
     JobState,
@@ -28,6 +29,7 @@ from understudy.common.records import (
     Migration,
     MigrationPhase,
     RankExit,
+    Report,
     decode_job_record,
 )
 from understudy.common.states import NodeState
@@ -516,7 +518,7 @@ class JobRunner:
         if m is None or not m.active or self.node not in m.joiners \
                 or m.phase == MigrationPhase.SWITCHING:
             return
-        key = self.keys.kv(f"{job}/migration/{m.id}") + "aborted"
+        key = self.keys.kv(f"{job}/migration/{m.id}") + Report.ABORTED
         why = _joiner_end(self.node, child)
         with contextlib.suppress(StoreError):
             await self.store.put(key, why.encode())
@@ -536,7 +538,7 @@ class JobRunner:
         prefix = self.keys.kv(f"{job}/migration/{migration}")
         for _ in range(20):
             try:
-                transferred = await self.store.get(prefix + f"transferred/{rank}")
+                transferred = await self.store.get(prefix + Report.TRANSFERRED.of(rank))
                 break
             except StoreError:
                 if self.stop.is_set():
@@ -544,11 +546,11 @@ class JobRunner:
                 await wait_any((self.stop,), 0.5)
         else:
             return False
-        if transferred is not None and transferred.value == b"ok":
+        if transferred is not None and transferred.value == TRANSFER_OK:
             return False
         why = _joiner_end(self.node, child, "before it held the state")
         with contextlib.suppress(StoreError):
-            await self.store.put(prefix + "aborted", why.encode())
+            await self.store.put(prefix + Report.ABORTED, why.encode())
         self.log.warning("A joiner ended before it held the state; its migration is called "
                          "off and the leaver keeps the rank.", job=job, rank=rank,
                          migration=migration, cause=why)

@@ -23,6 +23,7 @@ from understudy.common.records import (
     NodeRecord,
     RankExit,
     RegistryEntry,
+    Report,
 )
 from understudy.common.snapshot_tiers import (
     MemoryCopies,
@@ -111,7 +112,7 @@ class JobView:
     #: exits under the migration's next epoch (a joiner that took its rank, then died)
     next_exits: Mapping[int, RankExit] = field(default_factory=dict)
     migration: Migration | None = None
-    #: workers' progress reports for the current migration: "bound/3", "prepared/0", ...
+    #: workers' progress reports for the current migration (``Report``): "bound/3", ...
     progress: frozenset[str] = frozenset()
     #: why the migration was called off, when a report says so
     abort_reason: str = ""
@@ -451,8 +452,8 @@ def _plan_migration(job: JobView, a: Assignment, view: ClusterView,
 
 def _advance_migration(job: JobView, m: Migration, view: ClusterView,
                        now: float) -> list[Action]:
-    def reported(kind: str, ranks: tuple[int, ...]) -> bool:
-        return all(f"{kind}/{r}" in job.progress for r in ranks)
+    def reported(kind: Report, ranks: tuple[int, ...]) -> bool:
+        return all(kind.of(r) in job.progress for r in ranks)
 
     if len(job.exits) == job.spec.world_size and not any(e.failed for e in job.exits.values()):
         return [AdvanceMigration(m.job, m.id, MigrationPhase.ABORTED,
@@ -471,14 +472,15 @@ def _advance_migration(job: JobView, m: Migration, view: ClusterView,
                                  f"{next(iter(failed.values()))} during the migration")]
     # In phase 2 only a leaver that died before its state reached the joiner stops it; the
     # others' losses are recovered once the joiners hold their ranks.
-    dead_leavers = [r for r in failed if r in m.ranks and f"transferred/{r}" not in job.progress]
+    dead_leavers = [r for r in failed
+                    if r in m.ranks and Report.TRANSFERRED.of(r) not in job.progress]
     if dead_leavers and not m.recovery:
         return [AdvanceMigration(m.job, m.id, MigrationPhase.ABORTED,
                                  f"{failed[dead_leavers[0]]} in phase 2, before its state "
                                  "reached the joiner")]
     # A member's own call to abort (its joiner gave up, a survivor's switch failed) comes after
     # the ranks' failures above: where a leaver died, that is the cause, not its joiner's leave.
-    if "aborted" in job.progress:
+    if Report.ABORTED in job.progress:
         return [AdvanceMigration(m.job, m.id, MigrationPhase.ABORTED,
                                  job.abort_reason or "the ranks aborted the switch")]
     # A joiner that dies in phase 2 once its leaver sent the state: the leaver has handed off
@@ -492,16 +494,16 @@ def _advance_migration(job: JobView, m: Migration, view: ClusterView,
             m.job, m.id, MigrationPhase.ABORTED,
             f"the deadline passed ({m.phase} {now - m.created_at:.1f} s after it was planned)")]
     world = tuple(r for r in range(job.spec.world_size) if not (m.recovery and r in m.ranks))
-    if m.phase == MigrationPhase.PLANNED and reported("bound", m.ranks):
+    if m.phase == MigrationPhase.PLANNED and reported(Report.BOUND, m.ranks):
         return [AdvanceMigration(m.job, m.id, MigrationPhase.PREPARING, "joiners are bound")]
-    if m.phase == MigrationPhase.PREPARING and reported("prepared", world) \
-            and reported("joiner-prepared", m.ranks):
+    if m.phase == MigrationPhase.PREPARING and reported(Report.PREPARED, world) \
+            and reported(Report.JOINER_PREPARED, m.ranks):
         return [AdvanceMigration(m.job, m.id, MigrationPhase.READY, "every member prepared")]
-    if m.phase == MigrationPhase.READY and "switching" in job.progress:
+    if m.phase == MigrationPhase.READY and Report.SWITCHING in job.progress:
         return [AdvanceMigration(m.job, m.id, MigrationPhase.SWITCHING,
                                  "the ranks agreed on the switch step")]
-    took_over = all(f"switched/{r}" in job.progress or (
-        r in dead_joiners and f"transferred/{r}" in job.progress
+    took_over = all(Report.SWITCHED.of(r) in job.progress or (
+        r in dead_joiners and Report.TRANSFERRED.of(r) in job.progress
         and m.phase == MigrationPhase.SWITCHING) for r in m.ranks)
     if (m.phase in (MigrationPhase.READY, MigrationPhase.SWITCHING) or (m.recovery
             and m.phase == MigrationPhase.PREPARING)) and took_over:

@@ -3,7 +3,8 @@
 Every rank runs a :class:`MigrationHook` at its iteration boundaries; a standby chosen as a
 joiner runs :func:`join`. They follow the job's migration record (read from the daemon's cache,
 no etcd round trip per step) and report progress as keys under the key-value namespace
-``<job>/migration/<id>``, which the controller turns into phase changes:
+``<job>/migration/<id>`` (``common.records.Report``), which the controller turns into phase
+changes:
 
     bound/<rank>            the joiner for <rank> has built the model for that rank
     prepared/<rank>         phase 1 done on <rank>: its rebuilt groups' next versions are up
@@ -34,7 +35,7 @@ from typing import Any
 from understudy.common import failpoints, logs
 from understudy.common.daemon_client import DaemonClient, DaemonError
 from understudy.common.layout import Layout
-from understudy.common.records import is_paused
+from understudy.common.records import TRANSFER_OK, Report, is_paused
 from understudy.common.snapshot_tiers import STORAGE
 from understudy.groups.errors import GroupError
 from understudy.groups.groupset import GroupSet
@@ -314,11 +315,11 @@ class MigrationHook:
             except (ValueError, GroupError) as exc:
                 # Never let a migration take a training rank down: call it off, keep training.
                 self.log.error(f"Phase 1 of migration {plan.id} failed: {exc}.")
-                self._report("aborted", f"phase 1 failed on rank {self.rank}: {exc}".encode())
+                self._report(Report.ABORTED, f"phase 1 failed on rank {self.rank}: {exc}".encode())
                 self._forget("aborted")
                 return Action.CONTINUE
         if self._prepared and not self._reported_prepared and self.groups.ready(self._prepared):
-            self._report(f"prepared/{self.rank}")
+            self._report(Report.PREPARED.of(self.rank))
             self._reported_prepared = True
         return Action.CONTINUE
 
@@ -333,7 +334,7 @@ class MigrationHook:
         if plan is not None and flag == plan.version and not self._switch_next:
             self._switch_next = True
             if self.rank == 0:
-                self._report("switching")
+                self._report(Report.SWITCHING)
 
     def _switch_action(self, step: int) -> Action:
         assert self._plan is not None
@@ -343,12 +344,12 @@ class MigrationHook:
         t0 = time.monotonic()
         outcomes = {r: self._transfer_outcome(r, t0 + self.transfer_timeout)
                     for r in self._plan.moves}
-        if all(v == "ok" for v in outcomes.values()):
+        if all(v == TRANSFER_OK.decode() for v in outcomes.values()):
             return Action.SWITCH_GROUPS
         self.log.warning("The state transfer failed; the migration is aborted.",
                          outcomes=outcomes, waited=round(time.monotonic() - t0, 3))
         if self.rank == 0:
-            self._report("aborted")
+            self._report(Report.ABORTED)
         self._forget("aborted")
         return Action.CONTINUE
 
@@ -358,7 +359,7 @@ class MigrationHook:
         assert self._reports is not None and self._plan is not None
         while True:
             try:
-                return self._reports.get(f"transferred/{rank}", timeout=0.2).decode()
+                return self._reports.get(Report.TRANSFERRED.of(rank), timeout=0.2).decode()
             except DaemonError as exc:
                 if time.monotonic() > deadline:
                     return f"no word from the leaver: {exc}"
@@ -392,11 +393,11 @@ class MigrationHook:
                                    should_abort=lambda: bool(failpoints.hit("leaver.send")))
         except TransferError as exc:
             self.log.warning(f"Handing the state off failed: {exc}.")
-            self._report(f"transferred/{self.rank}", f"failed: {exc}".encode())
+            self._report(Report.TRANSFERRED.of(self.rank), f"failed: {exc}".encode())
             self._forget("aborted")
             return False
         self.log.info(f"Handed the state of rank {self.rank} off at step {step}: {stats}.")
-        self._report(f"transferred/{self.rank}", b"ok")
+        self._report(Report.TRANSFERRED.of(self.rank), TRANSFER_OK)
         return True
 
 
@@ -442,7 +443,7 @@ class Joiner:
         self.log = logs.get(job=job, rank=rank, node=node)
 
     def bound(self) -> None:
-        self.reports.set(f"bound/{self.rank}", b"1")
+        self.reports.set(Report.BOUND.of(self.rank), b"1")
 
     def prepare(self) -> list[str]:
         """Wait for phase 1 and build this joiner's groups; returns their names."""
@@ -476,7 +477,7 @@ class Joiner:
                 checked = time.monotonic()
             time.sleep(0.02)
         failpoints.hit("joiner.prepared")  # phase 1 done here, not yet reported
-        self.reports.set(f"joiner-prepared/{self.rank}", b"1")
+        self.reports.set(Report.JOINER_PREPARED.of(self.rank), b"1")
         return names
 
     def _current(self) -> Plan:
@@ -527,11 +528,11 @@ class Joiner:
                             directory=directory, holders=holders, local=holder,
                             timeout=self.timeout, epoch=self.plan.from_epoch)
         except SnapshotError as exc:
-            self.reports.set(f"transferred/{self.rank}", f"failed: {exc}".encode())
+            self.reports.set(Report.TRANSFERRED.of(self.rank), f"failed: {exc}".encode())
             raise TransferError(f"could not load the snapshot: {exc}") from exc
         finally:
             holders.close()
-        self.reports.set(f"transferred/{self.rank}", b"ok")
+        self.reports.set(Report.TRANSFERRED.of(self.rank), TRANSFER_OK)
         self.log.info(f"Took over rank {self.rank} from its snapshot of step "
                       f"{self.plan.snapshot_step} ({where}).", epoch=self.plan.to_epoch)
 
@@ -540,5 +541,5 @@ class Joiner:
         self.groups.epoch = self.plan.to_epoch
 
     def switched(self) -> None:
-        self.reports.set(f"switched/{self.rank}", b"1")
+        self.reports.set(Report.SWITCHED.of(self.rank), b"1")
         self.reports.close()

@@ -40,6 +40,7 @@ from typing import Any
 
 from understudy.common import logs
 from understudy.common.daemon_client import DaemonClient, DaemonError
+from understudy.common.records import TRANSFER_OK, Report
 from understudy.groups.errors import GroupError
 from understudy.groups.groupset import GroupSet
 from understudy.worker.holder_client import HolderDirectory
@@ -174,7 +175,7 @@ class _Survivor:
                             directory=self.snapshots, holders=holders, timeout=self.timeout,
                             epoch=self.plan.from_epoch)
         except SnapshotError as exc:
-            self._set("aborted", f"rank {self.rank} could not load the snapshot of step "
+            self._set(Report.ABORTED, f"rank {self.rank} could not load the snapshot of step "
                                  f"{step}: {exc}".encode())
             raise CalledOff(f"the snapshot of step {step} did not load: {exc}") from exc
         finally:
@@ -213,7 +214,7 @@ class _Survivor:
         self.log.info(f"Recovery {self.plan.id}: settled on step {committed}; rebuilding "
                       f"{rebuild}.", kept=[n for n in self._my_groups() if n not in rebuild])
         self._until(lambda: self.groups.ready(self.prepared), "the new group versions")
-        self._set(f"prepared/{self.rank}")
+        self._set(Report.PREPARED.of(self.rank))
         return rebuild
 
     def _donating(self) -> list[int]:
@@ -228,15 +229,15 @@ class _Survivor:
                                         timeout_s=self.timeout) as transport:
                     stats = send_state(transport, self.runtime.state())
             except (TransferError, GroupError) as exc:
-                self._set(f"transferred/{r}", f"failed: {exc}".encode())
+                self._set(Report.TRANSFERRED.of(r), f"failed: {exc}".encode())
                 raise CalledOff(f"the state did not reach rank {r}'s joiner: {exc}") from exc
-            self._set(f"transferred/{r}", b"ok")
+            self._set(Report.TRANSFERRED.of(r), TRANSFER_OK)
             self.log.info(f"Gave rank {r}'s joiner the state of step {committed}: {stats}.")
 
     def _wait_transferred(self) -> None:
         for r in self.plan.moves:
-            value = self._wait_for(f"transferred/{r}", f"rank {r}'s state transfer")
-            if value != b"ok":
+            value = self._wait_for(Report.TRANSFERRED.of(r), f"rank {r}'s state transfer")
+            if value != TRANSFER_OK:
                 raise CalledOff(f"rank {r}'s state transfer failed: {value[:200]!r}")
 
     # -- plumbing ---------------------------------------------------------------------------
@@ -280,5 +281,5 @@ class _Survivor:
         try:
             action(*args)
         except (ValueError, GroupError) as exc:
-            self._set("aborted", f"recovery failed on rank {self.rank}: {exc}".encode())
+            self._set(Report.ABORTED, f"recovery failed on rank {self.rank}: {exc}".encode())
             raise CalledOff(str(exc)) from exc
