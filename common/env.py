@@ -1,5 +1,7 @@
 """Every environment variable understudy reads or sets, in one place."""
 
+import enum
+
 # Read by understudyd and the CLI (they override the config file; flags override them).
 CONFIG = "UNDERSTUDY_CONFIG"
 NODE = "UNDERSTUDY_NODE"
@@ -43,7 +45,7 @@ TP_INDEX = "UNDERSTUDY_TP_INDEX"
 DP_INDEX = "UNDERSTUDY_DP_INDEX"
 PP_INDEX = "UNDERSTUDY_PP_INDEX"
 EPOCH = "UNDERSTUDY_EPOCH"
-#: "rank" for a worker holding a rank, "standby" for a standby worker.
+#: a :class:`WorkerRole`: what the daemon started the worker as.
 WORKER_ROLE = "UNDERSTUDY_WORKER_ROLE"
 
 # Set by systemd for Type=notify services.
@@ -64,3 +66,12 @@ SNAPSHOT_EVERY = "UNDERSTUDY_SNAPSHOT_EVERY"
 SNAPSHOT_HOLDER_BYTES = "UNDERSTUDY_SNAPSHOT_HOLDER_BYTES"
 #: the recording directory for sandbox warmup (shared by every node)
 RECORDINGS = "UNDERSTUDY_RECORDINGS"
+
+
+class WorkerRole(enum.StrEnum):
+    """The value of :data:`WORKER_ROLE`."""
+
+    #: a worker holding a rank of the job
+    RANK = "rank"
+    #: a standby worker, warm and waiting to be chosen
+    STANDBY = "standby"

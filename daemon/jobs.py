@@ -454,7 +454,7 @@ class JobRunner:
             env.DP: str(spec.dp),
             env.PP: str(spec.pp),
             env.EPOCH: str(assignment.epoch),
-            env.WORKER_ROLE: "standby" if rank is None else "rank",
+            env.WORKER_ROLE: env.WorkerRole.STANDBY if rank is None else env.WorkerRole.RANK,
         }
         if rank is not None:
             tp_index, dp_index, pp_index = spec.layout.coordinates(rank)
