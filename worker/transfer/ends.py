@@ -1,0 +1,201 @@
+"""What the two ends of a state transfer share: how a chunk maps onto this end's tensors, the
+staging buffer, the statistics, and failing both ends at once.
+
+Memory: neither end copies the state. A chunk that lies inside one contiguous tensor goes
+straight from the leaver's tensor into the joiner's (no staging at all); a chunk that packs
+several small tensors, or covers part of a non-contiguous one, goes through one staging buffer
+of at most ``chunk_bytes`` on each end. ``TransferStats.peak_staging_bytes`` reports what was
+used. The joiner writes into preallocated destinations: with
+:func:`~understudy.worker.transfer.receive_into`, into the joiner's own tensors wherever path,
+dtype and shape match.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from understudy.worker.transfer.transports import (
+    AbortCheck,
+    Pending,
+    StateTransport,
+    TransferError,
+)
+from understudy.worker.transfer.wire import CHECKSUM, _Chunk, _Entry, _plan
+
+
+@dataclass
+class TransferStats:
+    """What one end of a transfer did; ``str()`` is one line for the log."""
+
+    direction: str                 # "send" or "receive"
+    payload_bytes: int = 0         # tensor bytes
+    wire_bytes: int = 0            # everything through the transport, both ways
+    manifest_bytes: int = 0
+    seconds: float = 0.0
+    chunks: int = 0
+    chunk_bytes: int = 0
+    direct_chunks: int = 0         # chunks that needed no staging on this end
+    peak_staging_bytes: int = 0
+    entries: int = 0
+    reused_entries: int = 0        # receive_into: entries written into the target's tensors
+    checksum: str = CHECKSUM
+
+    @property
+    def mb_per_s(self) -> float:
+        """Payload rate in MB/s (10**6 bytes)."""
+        return self.payload_bytes / self.seconds / 1e6 if self.seconds > 0 else 0.0
+
+    def __str__(self) -> str:
+        return (f"{self.direction} {self.payload_bytes} B of tensors in {self.entries} entries "
+                f"in {self.seconds * 1e3:.1f} ms ({self.mb_per_s:.0f} MB/s), {self.chunks} "
+                f"chunks of {self.chunk_bytes} B ({self.direct_chunks} direct), peak staging "
+                f"{self.peak_staging_bytes} B, manifest {self.manifest_bytes} B")
+
+
+def _run(end: _End, body: Callable[[], Any]) -> Any:
+    try:
+        with torch.no_grad():
+            return body()
+    except BaseException as exc:
+        if not end.peer_informed:  # make the peer fail now, not after its timeout
+            end.transport.abort(str(exc) if isinstance(exc, TransferError)
+                                else f"{type(exc).__name__}: {exc}")
+        raise
+
+
+class _Staging:
+    """The one scratch buffer of an end, allocated on first use with the size of the largest
+    chunk of this transfer (at most ``chunk_bytes``)."""
+
+    def __init__(self, device: torch.device, stats: TransferStats) -> None:
+        self._device = device
+        self._stats = stats
+        self._buf: torch.Tensor | None = None
+        self.capacity = 0
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        assert nbytes <= self.capacity, "a chunk is never larger than the staging capacity"
+        if self._buf is None:
+            self._buf = torch.empty(self.capacity, dtype=torch.uint8, device=self._device)
+            self._stats.peak_staging_bytes = max(self._stats.peak_staging_bytes, self.capacity)
+        return self._buf[:nbytes]
+
+
+class _End:
+    """What both ends share: this end's tensors and how a chunk maps onto them."""
+
+    def __init__(self, transport: StateTransport, stats: TransferStats,
+                 should_abort: AbortCheck | None) -> None:
+        self.transport = transport
+        self.stats = stats
+        self.should_abort = should_abort
+        self.device = transport.device
+        self.staging = _Staging(self.device, stats)
+        self.tensors: list[torch.Tensor] = []
+        self.entries: list[_Entry] = []
+        self.peer_informed = False  # the peer was told why this end fails
+
+    def plan(self, chunk_bytes: int) -> tuple[list[_Chunk], list[torch.Tensor | None]]:
+        """The chunks, and for each the view it moves through on this end (None: staging)."""
+        chunks = _plan(self.entries, chunk_bytes)
+        views = [self.direct(c) for c in chunks]
+        self.stats.chunks = len(chunks)
+        self.stats.direct_chunks = sum(v is not None for v in views)
+        self.stats.payload_bytes = sum(e.nbytes for e in self.entries)
+        self.staging.capacity = max((c.nbytes for c, v in zip(chunks, views, strict=True)
+                                     if v is None), default=0)
+        return chunks, views
+
+    def direct(self, chunk: _Chunk) -> torch.Tensor | None:
+        """The chunk's bytes as a view of one tensor of this end, if it lies inside one."""
+        if len(chunk.segments) != 1:
+            return None
+        k, lo, hi, _ = chunk.segments[0]
+        t = self.tensors[k]
+        if hi - lo != chunk.nbytes or t.device != self.device or not _plain(t):
+            return None
+        view = _bytes(t)[lo:hi]
+        # A view of a tensor at an odd place in its storage goes through the (aligned) staging.
+        return view if view.storage_offset() % 8 == 0 else None
+
+    def copy(self, chunk: _Chunk, stage: torch.Tensor, pack: bool) -> None:
+        """Pack the chunk's segments into ``stage`` (zeroing the gaps), or unpack them."""
+        pos = 0
+        for k, lo, hi, at in chunk.segments:
+            if pack and at > pos:
+                stage[pos:at].zero_()
+            t = self.tensors[k]
+            part = stage[at:at + hi - lo]
+            if _plain(t):
+                src = _bytes(t)[lo:hi]
+                (part.copy_(src) if pack else src.copy_(part))
+            else:
+                size = t.element_size()
+                _copy_elements(t, lo // size, hi // size, part.view(t.dtype), pack)
+            pos = at + hi - lo
+        if pack and pos < chunk.nbytes:
+            stage[pos:chunk.nbytes].zero_()
+
+    def send(self, buf: torch.Tensor) -> Pending:
+        self.stats.wire_bytes += buf.numel()
+        return self.transport.send(buf)
+
+    def recv(self, buf: torch.Tensor) -> Pending:
+        self.stats.wire_bytes += buf.numel()
+        return self.transport.recv(buf)
+
+    def wait(self, op: Pending) -> None:
+        op.wait(self.should_abort)
+
+    def check_abort(self) -> None:
+        """Between chunks: the caller may call the transfer off while no wait is blocked."""
+        if self.should_abort is not None and self.should_abort():
+            self.transport.abort("the caller asked for it")
+            raise TransferError("the transfer was aborted: the caller asked for it")
+
+    def describe(self, chunk: _Chunk) -> str:
+        names = [self.entries[k].name for k, *_ in chunk.segments]
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        return f"chunk {chunk.index} ({chunk.nbytes} bytes of {shown})"
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """Whether ``t``'s bytes can be addressed directly as a flat uint8 view."""
+    return t.is_contiguous() and not t.is_conj() and not t.is_neg()
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a :func:`_plain` tensor as a flat uint8 view. Not ``reshape(-1)``: a
+    contiguous tensor may carry any stride on a dimension of size 1."""
+    return t.detach().as_strided((t.numel(),), (1,)).view(torch.uint8)
+
+
+def _copy_elements(t: torch.Tensor, a: int, b: int, flat: torch.Tensor, to_flat: bool) -> None:
+    """Copy elements ``a:b`` of ``t`` in row-major order to (or from) the 1-D ``flat``, without
+    materialising more of ``t`` than those elements (``t`` may be non-contiguous)."""
+    if a == b:
+        return
+    if t.dim() <= 1 or t.is_contiguous():
+        view = t.reshape(-1)[a:b] if t.is_contiguous() else t[a:b]
+        (flat.copy_(view) if to_flat else view.copy_(flat))
+        return
+    inner = math.prod(t.shape[1:])
+    pos = 0
+    while a < b:
+        row, off = divmod(a, inner)
+        if off == 0 and b - a >= inner:
+            rows = (b - a) // inner
+            block = t[row:row + rows]
+            part = flat[pos:pos + rows * inner].view(block.shape)
+            (part.copy_(block) if to_flat else block.copy_(part))
+            step = rows * inner
+        else:
+            step = min(b - a, inner - off)
+            _copy_elements(t[row], off, off + step, flat[pos:pos + step], to_flat)
+        a += step
+        pos += step
