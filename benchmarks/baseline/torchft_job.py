@@ -47,7 +47,6 @@ import time
 T_START = time.time()  # before the imports: a restarted rank pays for them
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
@@ -57,22 +56,11 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from jobkit import Log, PlainContext, PlainJob  # noqa: E402
 from torchft.manager import Manager  # noqa: E402
 from torchft.process_group import ProcessGroupGloo  # noqa: E402
 
-from understudy.worker.api import Communicator, JobContext, Work  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "examples" / "plain_torch"))
-from train import PlainJob  # noqa: E402
-
-
-class PlainContext(JobContext):
-    """A job context whose waits are plain ``work.wait()``: torchft's managed work records an
-    error instead of raising, and ``should_commit`` then says no."""
-
-    def wait(self, work: Work, what: str, timeout: float | None = None) -> None:
-        work.wait()
+from understudy.worker.api import Communicator  # noqa: E402
 
 
 class ManagedDP:
@@ -106,20 +94,6 @@ class Groups:
             return self._groups[name]  # type: ignore[no-any-return]
         except KeyError:
             raise ValueError(f"unknown group {name!r}") from None
-
-
-class Log:
-    """This process's JSON lines, flushed at once."""
-
-    def __init__(self, directory: Path, rank: int) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
-        self.rank = rank
-        self._f = open(directory / f"rank{rank}-{os.getpid()}.jsonl", "a",  # noqa: SIM115
-                       buffering=1)
-
-    def __call__(self, kind: str, **fields: Any) -> None:
-        rec = {"kind": kind, "t": time.time(), "rank": self.rank, "pid": os.getpid(), **fields}
-        self._f.write(json.dumps(rec) + "\n")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -31,7 +31,6 @@ import time
 T_START = time.time()  # before the imports: a restarted rank pays for them
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
@@ -42,25 +41,15 @@ from typing import Any  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
+from jobkit import Log, PlainContext, PlainJob  # noqa: E402
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
 
 from understudy.common.layout import Layout  # noqa: E402
-from understudy.worker.api import Communicator, JobContext, Work  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "examples" / "plain_torch"))
-from train import PlainJob  # noqa: E402
+from understudy.worker.api import Communicator, JobContext  # noqa: E402
 
 #: The exit code of a rank that stopped for another node's drain: its agent restarts it.
 EXIT_DRAINED = 75
 METADATA = ".metadata"
-
-
-class PlainContext(JobContext):
-    """A job context whose waits are plain ``work.wait()``: no polling, no abort."""
-
-    def wait(self, work: Work, what: str, timeout: float | None = None) -> None:
-        work.wait()
 
 
 class TorchGroups:
@@ -87,20 +76,6 @@ class TorchGroups:
             return self._groups[name]
         except KeyError:
             raise ValueError(f"unknown group {name!r}") from None
-
-
-class Log:
-    """This process's JSON lines, flushed at once."""
-
-    def __init__(self, directory: Path, rank: int) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
-        self.rank = rank
-        self._f = open(directory / f"rank{rank}-{os.getpid()}.jsonl", "a",  # noqa: SIM115
-                       buffering=1)
-
-    def __call__(self, kind: str, **fields: Any) -> None:
-        rec = {"kind": kind, "t": time.time(), "rank": self.rank, "pid": os.getpid(), **fields}
-        self._f.write(json.dumps(rec) + "\n")
 
 
 def newest_checkpoint(root: Path) -> tuple[int, Path] | None:
