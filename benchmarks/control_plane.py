@@ -21,53 +21,40 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import datetime
-import json
 import os
-import platform
 import random
-import shlex
-import shutil
-import signal
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
-import urllib.request
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
+import harness
 import psutil
-from prometheus_client.parser import text_string_to_metric_families
+from harness import (
+    MIB,
+    BenchmarkError,
+    Probe,
+    Table,
+    by_label,
+    cpu_seconds,
+    delta,
+    scrape,
+    summarize,
+)
 
 from understudy.common import config as config_mod
-from understudy.common.errors import RecordError, StoreError, UnderstudyError
-from understudy.common.keys import Keys
-from understudy.common.records import ControllerRecord, NodeRecord, RegistryEntry
+from understudy.common.errors import StoreError
 from understudy.common.states import NodeState
-from understudy.common.store import EtcdStore
 from understudy.testing.embedded_etcd import EmbeddedEtcd, EtcdStartError
 from understudy.testing.localcluster import LocalCluster
 
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = REPO / "benchmarks" / "results" / "control_plane.json"
-# Smoke results are throwaway: *.tmp under benchmarks/results is git-ignored.
-SMOKE_OUT = REPO / "benchmarks" / "results" / "control_plane.smoke.tmp"
-MIB = 1024 * 1024
 #: The daemons run with the default keep-alive interval: kills are spread over one period.
 KEEPALIVE_INTERVAL = config_mod.LeaseConfig().keepalive_interval
 #: Design targets (docs: /work/shared/design.md, "Targets").
 TARGET_DETECTION_OVER_TTL_S = 0.5
 TARGET_RSS_MIB = 100.0
 TARGET_CPU_PERCENT = 1.0
-
-
-class BenchmarkError(UnderstudyError):
-    """The benchmark could not measure what it set out to (a node never failed, etcd down...)."""
 
 
 @dataclass(frozen=True)
@@ -88,99 +75,7 @@ class BenchConfig:
                 for i in range(self.nodes)]
 
 
-# -- statistics -------------------------------------------------------------------------------
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default), ``q`` in [0, 100]."""
-    if not values:
-        raise ValueError("percentile of no values")
-    s = sorted(values)
-    pos = (len(s) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
-def summarize(values: list[float]) -> dict[str, float]:
-    return {
-        "n": len(values), "median": statistics.median(values), "min": min(values),
-        "max": max(values), "p90": percentile(values, 90), "spread": max(values) - min(values),
-    }
-
-
 # -- what the processes say -------------------------------------------------------------------
-
-
-def scrape(url: str, timeout: float = 5.0) -> dict[str, list[tuple[dict[str, str], float]]]:
-    """Prometheus samples by sample name: ``{name: [(labels, value), ...]}``."""
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
-        text = resp.read().decode()
-    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            samples.setdefault(s.name, []).append((dict(s.labels), float(s.value)))
-    return samples
-
-
-def by_label(samples: dict[str, list[tuple[dict[str, str], float]]], name: str,
-             label: str) -> dict[str, float]:
-    """Sum one metric's samples grouped by one label."""
-    out: dict[str, float] = {}
-    for labels, value in samples.get(name, []):
-        out[labels.get(label, "")] = out.get(labels.get(label, ""), 0.0) + value
-    return out
-
-
-def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
-    return {k: after[k] - before.get(k, 0.0) for k in sorted(after)
-            if after[k] - before.get(k, 0.0) != 0}
-
-
-def cpu_seconds(proc: psutil.Process) -> float:
-    t = proc.cpu_times()
-    return float(t.user + t.system)
-
-
-class Probe:
-    """Direct reads of the cluster's keys over one long-lived etcd connection."""
-
-    def __init__(self, endpoint: str, prefix: str) -> None:
-        cfg = config_mod.load(overrides={"etcd.endpoints": endpoint, "etcd.prefix": prefix},
-                              environ={}, require_node=False)
-        self.store = EtcdStore(cfg.etcd)
-        self.keys = Keys(prefix)
-
-    async def registry_state(self, node: str) -> NodeState | None:
-        kv = await self.store.get(self.keys.registry_entry(node))
-        if kv is None:
-            return None
-        try:
-            return RegistryEntry.decode(kv.value).state
-        except RecordError:
-            return None
-
-    async def live_state(self, node: str) -> NodeState | None:
-        """The state in the node's lease-bound record; None once the lease has gone."""
-        kv = await self.store.get(self.keys.node(node))
-        if kv is None:
-            return None
-        try:
-            return NodeRecord.decode(kv.value).state
-        except RecordError:
-            return None
-
-    async def controller(self) -> str | None:
-        kv = await self.store.get(self.keys.controller)
-        if kv is None:
-            return None
-        try:
-            return ControllerRecord.decode(kv.value).node
-        except RecordError:
-            return None
-
-    async def close(self) -> None:
-        await self.store.close()
 
 
 async def wait_until(what: str, check: Callable[[], Awaitable[bool]], timeout: float,
@@ -353,49 +248,6 @@ async def measure_idle(cluster: LocalCluster, etcd: EmbeddedEtcd, cfg: BenchConf
 # -- the run ----------------------------------------------------------------------------------
 
 
-def rounded(value: Any) -> Any:
-    """Floats to microseconds: the JSON stays small and diffable."""
-    if isinstance(value, float):
-        return round(value, 6)
-    if isinstance(value, dict):
-        return {k: rounded(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [rounded(v) for v in value]
-    return value
-
-
-def machine() -> dict[str, Any]:
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    etcd_version = "unknown"
-    binary = shutil.which("etcd") or "/usr/bin/etcd"
-    try:
-        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10)
-        etcd_version = out.stdout.splitlines()[0].split(":", 1)[1].strip()
-    except (OSError, IndexError, subprocess.TimeoutExpired):
-        pass
-    commit, dirty = "", None
-    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                                capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = bool(subprocess.run(["git", "-C", str(REPO), "status", "--porcelain",
-                                     "--untracked-files=no"],
-                                    capture_output=True, text=True, timeout=10).stdout.strip())
-    return {
-        "platform": platform.platform(), "machine": platform.machine(), "cpu_model": model,
-        "cpu_count": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)),
-        "memory_gib": round(psutil.virtual_memory().total / 1024**3, 1),
-        "python": platform.python_version(), "etcd_version": etcd_version,
-        "git_commit": commit, "git_dirty": dirty,
-    }
-
-
 async def run_async(cluster: LocalCluster, etcd: EmbeddedEtcd, cfg: BenchConfig,
                     rng: random.Random) -> dict[str, Any]:
     probe = Probe(etcd.endpoint, cluster.prefix)
@@ -442,15 +294,11 @@ def print_summary(result: dict[str, Any]) -> None:
           f"standby), lease TTL {cfg['ttl']}s, on {m['cpus_usable']} CPUs, etcd "
           f"{m['etcd_version']}, Python {m['python']}")
 
-    def row(label: str, s: dict[str, float], unit: str = "s", fmt: str = ".3f") -> str:
-        return (f"  {label:<34}{s['median']:>9{fmt}}{s['min']:>9{fmt}}{s['p90']:>9{fmt}}"
-                f"{s['max']:>9{fmt}}{s['spread']:>9{fmt}}  {unit}")
-
-    print(f"\n  {'failure detection (n=' + str(fd['summary']['n']) + ')':<34}{'median':>9}"
-          f"{'min':>9}{'p90':>9}{'max':>9}{'spread':>9}")
-    print(row("kill -9 -> failed in etcd", fd["summary"]))
-    print(row("  kill -9 -> lease gone", fd["lease_gone"]))
-    print(row("  lease gone -> failed", fd["controller_reaction"]))
+    table = Table(34, columns=("median", "min", "p90", "max", "spread"), column_width=9)
+    table.header(f"failure detection (n={fd['summary']['n']})")
+    table.row("kill -9 -> failed in etcd", fd["summary"], "s")
+    table.row("  kill -9 -> lease gone", fd["lease_gone"], "s")
+    table.row("  lease gone -> failed", fd["controller_reaction"], "s")
     verdict = "meets" if fd["summary"]["median"] <= fd["target_s"] else "misses"
     print(f"  target TTL + 0.5 s = {fd['target_s']:.1f}s: median {verdict} it; "
           f"{fd['within_target']}/{fd['summary']['n']} samples within")
@@ -478,7 +326,7 @@ def print_summary(result: dict[str, Any]) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = harness.Parser("control_plane", __doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, help="kill -9 repetitions (default 10; smoke 1)")
     p.add_argument("--nodes", type=int, help="daemons (default 4: 3 active + 1 standby; "
                    "smoke 2 active)")
@@ -491,19 +339,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds between etcd reads while waiting for 'failed' (default 0.01)")
     p.add_argument("--seed", type=int, default=1, help="seed for the kill timing (default 1)")
     p.add_argument("--smoke", action="store_true", help="seconds, not minutes: for the tests")
-    p.add_argument("--out", type=Path, help=f"JSON results (default {DEFAULT_OUT.relative_to(REPO)}"
-                   f"; smoke {SMOKE_OUT.relative_to(REPO)})")
-    p.add_argument("--keep-dir", type=Path, help="keep daemon logs and etcd data here")
-    args = p.parse_args(argv)
-
-    def pick(value: Any, full: Any, smoke: Any) -> Any:
-        return value if value is not None else (smoke if args.smoke else full)
-
-    args.repeats = pick(args.repeats, 10, 1)
-    args.nodes = pick(args.nodes, 4, 2)
-    args.idle_seconds = pick(args.idle_seconds, 30.0, 2.0)
-    args.settle_seconds = pick(args.settle_seconds, 5.0, 1.0)
-    args.out = pick(args.out, DEFAULT_OUT, SMOKE_OUT)
+    p.outputs(keep="keep daemon logs and etcd data here")
+    args = p.parse(argv, {"repeats": (10, 1), "nodes": (4, 2), "idle_seconds": (30.0, 2.0),
+                          "settle_seconds": (5.0, 1.0)})
     if args.repeats < 1:
         p.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.nodes < 2:
@@ -521,55 +359,30 @@ def main(argv: list[str] | None = None) -> int:
     cfg = BenchConfig(nodes=args.nodes, ttl=args.ttl, repeats=args.repeats,
                       idle_seconds=args.idle_seconds, settle_seconds=args.settle_seconds,
                       poll_interval=args.poll_interval, seed=args.seed, smoke=args.smoke)
-    # SIGTERM takes the Ctrl-C path, so the finally blocks below stop every process.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    base = args.keep_dir or Path(tempfile.mkdtemp(prefix="understudy-bench-"))
-    base.mkdir(parents=True, exist_ok=True)
-    started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    etcd = EmbeddedEtcd(data_dir=base / "etcd")
-    cluster: LocalCluster | None = None
-    try:
-        etcd.start()
-        cluster = LocalCluster(etcd_endpoint=etcd.endpoint, base_dir=base / "nodes",
-                               lease_ttl=cfg.ttl)
-        measured = asyncio.run(run_async(cluster, etcd, cfg, random.Random(cfg.seed)))
-        tracebacks = {n: d.log_text().count("Traceback") for n, d in cluster.daemons.items()}
-    except (BenchmarkError, EtcdStartError, StoreError, OSError, psutil.Error) as exc:
-        print(f"control-plane benchmark failed: {exc} (logs in {base})", file=sys.stderr)
-        args.keep_dir = args.keep_dir or base
-        return 1
-    except KeyboardInterrupt:
-        print("control-plane benchmark interrupted; stopping its processes", file=sys.stderr)
-        return 130
-    finally:
-        # A second Ctrl-C must not cut the clean-up short.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if cluster is not None:
-            cluster.stop_all(timeout=5)
-        etcd.stop()
-        if args.keep_dir is None:
-            shutil.rmtree(base, ignore_errors=True)
+    scratch = harness.Scratch(args.keep_dir, "understudy-bench-")
+
+    def work() -> tuple[dict[str, Any], dict[str, int]]:
+        with harness.local_cluster(scratch.base, cfg.ttl) as (etcd, cluster):
+            measured = asyncio.run(run_async(cluster, etcd, cfg, random.Random(cfg.seed)))
+            return measured, harness.tracebacks(cluster)
+
+    outcome = scratch.run("control-plane benchmark",
+                          (BenchmarkError, EtcdStartError, StoreError, OSError, psutil.Error),
+                          work)
+    if isinstance(outcome, int):
+        return outcome
+    measured, tracebacks = outcome
 
     roles = cfg.roles()
     result = {
-        "benchmark": "control_plane",
-        "started_at": started,
-        "command": shlex.join(sys.orig_argv),
-        "machine": machine(),
+        **harness.header("control_plane", scratch.started),
         "config": {**asdict(cfg), "active": sum(1 for _, r in roles if r == "active"),
                    "standby": sum(1 for _, r in roles if r == "standby"),
                    "keepalive_interval_s": KEEPALIVE_INTERVAL},
         **measured,
         "daemon_log_tracebacks": tracebacks,
     }
-    print_summary(result)
-    out: Path = args.out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")  # git-ignored should the run die mid-write
-    tmp.write_text(json.dumps(rounded(result), indent=1) + "\n")
-    tmp.replace(out)
-    print(f"\nresults written to {out}")
+    harness.report(result, args.out, print_summary)
     return 0
 
 

@@ -6,14 +6,15 @@ same model, seed, data, TP=2 x DP=2 on gloo) runs once under each system and is 
 ``--event-at`` steps:
 
 - **understudy**: a fresh local cluster (embedded etcd; ``node-a`` and ``node-b``, two slots
-  each; two standby nodes, warmed in the sandbox), as ``benchmarks/recovery.py`` sets it up.
+  each; two standby nodes, warmed in the sandbox), as ``benchmarks/recovery.py`` sets it up
+  (``benchmarks/interruptions.py``).
   Planned drain: ``understudy drain node-b`` (its two ranks move live to the standbys). Worker
   crash: kill -9 of rank 1's worker. Node loss: kill -9 of ``node-b``'s daemon and workers at
   once (the controller's probe finds its port closed and revokes its lease). Silent node:
   ``node-b``'s daemon and workers frozen with SIGSTOP and left so: nothing dies and no
   connection closes, as when a machine loses power or its switch port (the probes go
-  unanswered). The crash and node-loss scenarios are ``recovery.worker_crash`` and
-  ``recovery.node_loss``.
+  unanswered). The crash and node-loss scenarios are ``interruptions.worker_crash`` and
+  ``interruptions.node_loss``, as the recovery benchmark runs them.
 - **torchrun**: two elastic agents of two workers each on a c10d rendezvous
   (``benchmarks/baseline/``), the job checkpointing with ``torch.distributed.checkpoint`` every
   ``--ckpt-every`` steps, resuming from the newest checkpoint on restart, with a careful team's
@@ -40,8 +41,8 @@ Every rank logs a line per committed step; from those lines, the same way for ev
 (last step completed before it) - (one normal step), **steps redone**, **time to full
 strength** (until the job completes the step after the last one it had completed before the
 interruption) and **time lost** (that minus a normal step). Per-phase split: understudy's from
-its logs and events (``recovery.analyse``; for the drain ``migration.analyse``: the switch step's
-boundary, phase 1 in the background); torchrun's from its workers' lines (restart and
+its logs and events (``interruptions.analyse_recovery``; for the drain ``analyse_drain``: the
+switch step's boundary, phase 1 in the background); torchrun's from its workers' lines (restart and
 rendezvous, imports, process-group init, build + checkpoint load, first step); torchft's from
 its workers' lines (stop, restart, imports, init, quorum + heal, first step). The ratios
 torchrun / understudy and torchft / understudy of the medians are reported per event type. The
@@ -57,43 +58,37 @@ process it starts is stopped on exit, Ctrl-C and SIGTERM included.
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.metadata
 import importlib.util
 import os
-import shlex
-import signal
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import migration
+import harness
+import interruptions
 import psutil
-import recovery
 import steplog
-from baseline.elastic import ElasticRun, TorchrunConfig, TorchrunError, read_records
+from baseline.elastic import (
+    BaselineRun,
+    ElasticRun,
+    TorchrunConfig,
+    TorchrunError,
+    torchrun_setup,
+)
 from baseline.torchft_run import TorchftConfig, TorchftRun
-from control_plane import machine, summarize  # the sibling benchmarks' helpers
+from harness import ONE_THREAD, BenchmarkError, Table, ratio, read_records, summarize
+from interruptions import LOG_EVERY, LOST_NODE, TP, VICTIM, WORLD
+from steplog import compare_losses, losses
 
-from common import check_side_by_side, run_repeats, write_results
-from understudy.common import config as config_mod
-from understudy.common.errors import StoreError, UnderstudyError
-from understudy.testing.embedded_etcd import EtcdStartError
+from understudy.common.errors import UnderstudyError
 
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = REPO / "benchmarks" / "results" / "downtime.json"
-# Smoke results are throwaway: *.tmp under benchmarks/results is git-ignored.
-SMOKE_OUT = REPO / "benchmarks" / "results" / "downtime.smoke.tmp"
 EVENTS = ("planned-drain", "worker-crash", "node-loss", "silent-node")
 SYSTEMS = ("understudy", "torchrun", "torchft")
 #: The baselines whose downtime is divided by understudy's, per event type.
 BASELINES = ("torchrun", "torchft")
-WORLD = recovery.WORLD
-VICTIM = recovery.VICTIM  # the rank whose worker is killed, under both systems
-LOG_EVERY = recovery.LOG_EVERY
 #: torchrun restarts a group at most this often in one run (a run needs one or two).
 MAX_RESTARTS = 10
 TORCHRUN_PHASES = ("drain_save", "restart_rendezvous", "imports", "init", "build_load",
@@ -101,14 +96,10 @@ TORCHRUN_PHASES = ("drain_save", "restart_rendezvous", "imports", "init", "build
 TORCHFT_PHASES = ("drain_stop", "restart", "imports", "init", "quorum_heal", "first_step")
 UNDERSTUDY_PHASES = {
     "planned-drain": ("switch_boundary", "switch_step_rest"),
-    "worker-crash": recovery.PHASES,
-    "node-loss": recovery.PHASES,
-    "silent-node": recovery.PHASES,
+    "worker-crash": interruptions.PHASES,
+    "node-loss": interruptions.PHASES,
+    "silent-node": interruptions.PHASES,
 }
-
-
-class BenchmarkError(UnderstudyError):
-    """The benchmark could not measure what it set out to."""
 
 
 @dataclass(frozen=True)
@@ -136,43 +127,35 @@ class BenchConfig:
 # -- understudy --------------------------------------------------------------------------------
 
 
-def understudy_drain(rcfg: recovery.BenchConfig, base: Path) -> dict[str, Any]:
+def understudy_drain(rcfg: interruptions.RecoveryConfig, base: Path) -> dict[str, Any]:
     """``understudy drain node-b`` once every rank has committed ``rcfg.crash_at`` steps, on a
     fresh cluster set up as the recovery benchmark's."""
-    etcd, cluster = recovery.new_cluster(rcfg, base)
     out = base / "out"
     load_before = os.getloadavg()[0]
     t0 = time.monotonic()
-    try:
-        recovery.bring_up(etcd, cluster)
-        recovery.submit(cluster, rcfg, out)
-        _, nodes = recovery.rank_nodes(cluster)
+    with harness.local_cluster(base, rcfg.ttl) as (_, cluster):
+        interruptions.bring_up(cluster)
+        interruptions.submit(cluster, rcfg, out)
+        _, nodes = interruptions.rank_nodes(cluster)
         for r, n in enumerate(nodes):
-            recovery.wait_log(cluster.daemons[n], f"{rcfg.crash_at} steps committed on rank {r}",
-                              timeout=300)
+            harness.wait_log(cluster.daemons[n], f"{rcfg.crash_at} steps committed on rank {r}",
+                             timeout=300)
         drain_at = time.time()
-        drain = cluster.cli("drain", recovery.LOST_NODE, "--deadline", "300", "--wait",
-                            timeout=360)
+        drain = cluster.cli("drain", LOST_NODE, "--deadline", "300", "--wait", timeout=360)
         if drain.returncode != 0:
             raise BenchmarkError(f"the drain failed: {drain.stdout}{drain.stderr}")
-        cluster.wait_for("the job to finish", lambda s: (j := s.job(recovery.JOB)) is not None
-                         and j.state in ("done", "failed"), timeout=600)
-        job = cluster.status().job(recovery.JOB)
-        if job is None or job.state != "done":
-            raise BenchmarkError(f"the job did not finish: {job.status if job else 'gone'}")
-        seen = recovery.snapshot(cluster)
-    finally:
-        recovery.stop_cluster(etcd, cluster)
-    figures = migration.analyse(out, seen["events"], seen["logs"])
+        harness.wait_done(cluster, interruptions.JOB, timeout=600)
+        seen = harness.snapshot(cluster)
+    figures = interruptions.analyse_drain(out, seen["events"], seen["logs"])
     return {"wall_s": time.monotonic() - t0, "drain_at": drain_at, **figures,
             "loadavg_1m_before_after": [load_before, os.getloadavg()[0]],
             "daemon_log_tracebacks": seen["tracebacks"]}
 
 
 def run_understudy(event: str, cfg: BenchConfig, base: Path) -> dict[str, Any]:
-    rcfg = recovery.BenchConfig(repeats=1, steps=cfg.steps, step_sleep=cfg.step_sleep,
-                                crash_at=cfg.event_at, ttl=cfg.ttl, smoke=cfg.smoke,
-                                sandbox=True, step_log=True)
+    rcfg = interruptions.RecoveryConfig(repeats=1, steps=cfg.steps, step_sleep=cfg.step_sleep,
+                                        crash_at=cfg.event_at, ttl=cfg.ttl, smoke=cfg.smoke,
+                                        sandbox=True, step_log=True)
     if event == "planned-drain":
         res = understudy_drain(rcfg, base)
         event_at = res["drain_at"]
@@ -183,10 +166,10 @@ def run_understudy(event: str, cfg: BenchConfig, base: Path) -> dict[str, Any]:
         details = {k: res[k] for k in ("switch_step", "downtime_s", "phases_s", "phase1_s",
                                        "phase1_steps", "transfers", "hand_off_to_switch_s")}
         details["runtime_downtime_s"] = details.pop("downtime_s")  # the migration benchmark's
-        lost = list(migration.LEAVERS)
+        lost = list(interruptions.LEAVERS)
     else:
-        res = recovery.worker_crash(rcfg, base) if event == "worker-crash" else \
-            recovery.node_loss(rcfg, base, silent=event == "silent-node")
+        res = interruptions.worker_crash(rcfg, base) if event == "worker-crash" else \
+            interruptions.node_loss(rcfg, base, silent=event == "silent-node")
         event_at = res["kill_at"]
         phases = dict(res["phases_s"])
         details = {k: res[k] for k in ("end_to_end_s", "milestones_s", "transfers",
@@ -211,7 +194,7 @@ def run_understudy(event: str, cfg: BenchConfig, base: Path) -> dict[str, Any]:
 # -- torchrun ----------------------------------------------------------------------------------
 
 
-def silent_wait(run: ElasticRun | TorchftRun, step: int, limit: float,
+def silent_wait(run: BaselineRun, step: int, limit: float,
                 frozen_at: float) -> float | None:
     """After a baseline's node was frozen: wait up to ``limit`` s for every rank to train
     ``step`` on its own. None if it did; else the frozen processes are killed (an operator
@@ -223,6 +206,24 @@ def silent_wait(run: ElasticRun | TorchftRun, step: int, limit: float,
     except TorchrunError:
         run.kill_frozen()
         return time.time() - frozen_at
+
+
+def interrupt(run: ElasticRun | TorchftRun, event: str, victim: Any,
+              cfg: BenchConfig) -> tuple[list[int], float, float | None, float | None]:
+    """``event`` to a baseline's run: a crash of rank :data:`VICTIM`'s worker, or a drain, a
+    kill or a freeze of ``victim`` (its agent or replica group). Returns the ranks lost, the
+    event's time, when a drained agent had left, and when a frozen one was killed (see
+    :func:`silent_wait`)."""
+    if event == "worker-crash":
+        return [VICTIM], run.kill_worker(VICTIM), None, None
+    lost = run.ranks_of(victim)
+    if event == "planned-drain":
+        event_at, left, _ = run.drain(victim)
+        return lost, event_at, left, None
+    event_at, _ = run.kill_node(victim, freeze=event == "silent-node")
+    powered_off = (silent_wait(run, cfg.event_at, cfg.silent_limit, event_at)
+                   if event == "silent-node" else None)
+    return lost, event_at, None, powered_off
 
 
 def restarted_processes(records: list[dict[str, Any]], event_at: float,
@@ -286,24 +287,12 @@ def run_torchrun(event: str, cfg: BenchConfig, base: Path) -> dict[str, Any]:
     run = ElasticRun(tcfg, base)
     load_before = os.getloadavg()[0]
     t0 = time.monotonic()
-    drained_left = None
-    powered_off: float | None = None
     try:
         run.start()
         victim = run.agents[1]
-        if event == "worker-crash":
-            run.wait_step(cfg.event_at - 1, timeout=300, ranks=range(VICTIM, VICTIM + 1))
-            lost = [VICTIM]
-            event_at = run.kill_worker(VICTIM)
-        else:
-            run.wait_step(cfg.event_at - 1, timeout=300)
-            lost = run.ranks_of(victim)
-            if event == "planned-drain":
-                event_at, drained_left, _ = run.drain(victim)
-            else:
-                event_at, _ = run.kill_node(victim, freeze=event == "silent-node")
-                if event == "silent-node":
-                    powered_off = silent_wait(run, cfg.event_at, cfg.silent_limit, event_at)
+        run.wait_step(cfg.event_at - 1, timeout=300,
+                      ranks=range(VICTIM, VICTIM + 1) if event == "worker-crash" else None)
+        lost, event_at, drained_left, powered_off = interrupt(run, event, victim, cfg)
         codes = run.wait_finished(timeout=600)
     except TorchrunError as exc:
         raise BenchmarkError(f"torchrun {event}: {exc}\n{run.agent_log_tail()}") from exc
@@ -396,24 +385,13 @@ def run_torchft(event: str, cfg: BenchConfig, base: Path) -> dict[str, Any]:
     run = TorchftRun(fcfg, base)
     load_before = os.getloadavg()[0]
     t0 = time.monotonic()
-    victim = WORLD // recovery.TP - 1  # the replica group of ranks 2 and 3
-    powered_off: float | None = None
+    victim = WORLD // TP - 1  # the replica group of ranks 2 and 3
     try:
         run.start()
         # Every rank, not only the victim: the replica groups commit each on its own, and a
         # kill before the other group's commit would land in the step before.
         run.wait_step(cfg.event_at - 1, timeout=300)
-        if event == "worker-crash":
-            lost = [VICTIM]
-            event_at = run.kill_worker(VICTIM)
-        else:
-            lost = run.ranks_of(victim)
-            if event == "planned-drain":
-                event_at, _, _ = run.drain(victim)
-            else:
-                event_at, _ = run.kill_node(victim, freeze=event == "silent-node")
-                if event == "silent-node":
-                    powered_off = silent_wait(run, cfg.event_at, cfg.silent_limit, event_at)
+        lost, event_at, _, powered_off = interrupt(run, event, victim, cfg)
         codes = run.wait_finished(timeout=600)
     except TorchrunError as exc:
         raise BenchmarkError(f"torchft {event}: {exc}\n{run.log_tail()}") from exc
@@ -461,23 +439,6 @@ def run_torchft(event: str, cfg: BenchConfig, base: Path) -> dict[str, Any]:
 # -- the run -----------------------------------------------------------------------------------
 
 
-def losses(records: list[dict[str, Any]]) -> dict[str, float]:
-    """``"rank:step" -> loss`` of the newest commit of each step on each rank."""
-    out: dict[str, tuple[float, float]] = {}
-    for r in steplog.step_records(records):
-        key = f"{r['rank']}:{r['step']}"
-        if r.get("loss") is not None and r["t"] >= out.get(key, (0.0, 0.0))[0]:
-            out[key] = (r["t"], r["loss"])
-    return {k: v for k, (_, v) in out.items()}
-
-
-def compare_losses(a: dict[str, float], b: dict[str, float]) -> dict[str, Any]:
-    common = sorted(set(a) & set(b))
-    same = sum(a[k] == b[k] for k in common)
-    return {"compared": len(common), "identical": same,
-            "first_difference": next((k for k in common if a[k] != b[k]), None)}
-
-
 def run_repeat(i: int, cfg: BenchConfig, base: Path) -> dict[str, Any]:
     rep: dict[str, Any] = {"repeat": i}
     for event in cfg.events:
@@ -505,10 +466,6 @@ def _version(dist_name: str) -> str | None:
         return importlib.metadata.version(dist_name)
     except importlib.metadata.PackageNotFoundError:
         return None
-
-
-def ratio(num: float, den: float) -> float | None:
-    return num / den if den > 0 else None
 
 
 def collect(repeats: list[dict[str, Any]], cfg: BenchConfig) -> dict[str, Any]:
@@ -558,15 +515,9 @@ def print_summary(result: dict[str, Any]) -> None:
           f"torchrun checkpoints every {cfg['ckpt_every']} steps ({cfg['ckpt_mode']} DCP); "
           f"on {m['cpus_usable']} CPUs, torch {m['torch']}")
 
-    def row(label: str, v: dict[str, float] | None, unit: str) -> None:
-        if v is None:
-            print(f"  {label:<46}{'(none)':>10}")
-            return
-        print(f"  {label:<46}" + "".join(f"{v[k]:>10.3f}" for k in
-                                          ("median", "min", "max", "spread")) + f"  {unit}"
-              + (f" (n={v['n']})" if v["n"] != cfg["repeats"] else ""))
-
-    print(f"\n  {'':<46}{'median':>10}{'min':>10}{'max':>10}{'spread':>10}")
+    table = Table(46, repeats=cfg["repeats"])
+    row = table.row
+    table.header()
     for event in cfg["events"]:
         e = s[event]
         for system in systems:
@@ -591,11 +542,7 @@ def print_summary(result: dict[str, Any]) -> None:
 def plot(result: dict[str, Any], path: Path) -> None:
     """Median downtime per event and system (whiskers: min and max; log scale), and the
     per-phase split of each median."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = harness.pyplot()
     cfg, s = result["config"], result["summary"]
     events, systems = cfg["events"], cfg["systems"]
     colors = {"understudy": "#2a7ab0", "torchrun": "#d0702a", "torchft": "#5a9a3a"}
@@ -650,13 +597,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
                  + (f"; torchft: live recovery, Lighthouse heartbeat timeout "
                     f"{cfg['torchft_heartbeat_ms']} ms" if "torchft" in systems else ""),
                  fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, format="png", dpi=110)
-    plt.close(fig)
+    harness.save_chart(fig, path)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = harness.Parser("downtime", __doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, help="runs per event and system (default 5; smoke 1)")
     p.add_argument("--events", default=",".join(EVENTS),
                    help=f"comma-separated, of {', '.join(EVENTS)} (default: all)")
@@ -675,14 +620,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ckpt-every", type=int, default=20,
                    help="torchrun's checkpoint cadence in steps (default 20: an event at step "
                         "50 lands halfway through an interval, the mean loss of a random one)")
-    p.add_argument("--ckpt-mode", choices=("sync", "async"), default="sync",
-                   help="torchrun's DCP save: dcp.save or dcp.async_save (default sync)")
-    p.add_argument("--ttl", type=int, default=config_mod.LeaseConfig().ttl,
-                   help="understudy's lease TTL in seconds (default: the daemon's)")
-    p.add_argument("--rdzv-keepalive",
-                   help="torchrun's rendezvous keep_alive_interval (s) and keep_alive_max_attempt "
-                        "(default 5,3: torchrun's own; smoke 1,2, so that a node gone from the "
-                        "rendezvous costs the tests seconds, not 15)")
+    harness.side_by_side_options(p)
     p.add_argument("--torchft-heartbeat-ms", type=int,
                    help="torchft's Lighthouse heartbeat timeout (default 5000: torchft's own; "
                         "smoke 1000)")
@@ -691,21 +629,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "before its frozen processes are killed, as an operator would power "
                         "the machine off (default 60; smoke 20)")
     p.add_argument("--smoke", action="store_true", help="one repeat, short runs: for the tests")
-    p.add_argument("--out", type=Path, help=f"JSON results (default {DEFAULT_OUT.relative_to(REPO)}"
-                   f"; smoke {SMOKE_OUT.relative_to(REPO)})")
-    p.add_argument("--png", type=Path, help="the chart (default: next to --out, .png)")
-    p.add_argument("--keep-dir", type=Path, help="keep logs, step lines and checkpoints here")
-    args = p.parse_args(argv)
-
-    def pick(value: Any, full: Any, smoke: Any) -> Any:
-        return value if value is not None else (smoke if args.smoke else full)
-
-    args.repeats = pick(args.repeats, 5, 1)
-    args.steps = pick(args.steps, 300, 200)
-    args.out = pick(args.out, DEFAULT_OUT, SMOKE_OUT)
-    if args.png is None:
-        args.png = (args.out.with_name(args.out.name.removesuffix(".tmp") + ".png.tmp")
-                    if args.out.name.endswith(".tmp") else args.out.with_suffix(".png"))
+    p.outputs(keep="keep logs, step lines and checkpoints here", chart="chart")
+    args = p.parse(argv, {"repeats": (5, 1), "steps": (300, 200),
+                          "torchft_heartbeat_ms": (5000, 1000), "silent_limit": (60.0, 20.0)})
     args.events = tuple(e.strip() for e in args.events.split(",") if e.strip())
     if not args.events or set(args.events) - set(EVENTS):
         p.error(f"--events must name some of {', '.join(EVENTS)}, got {args.events}")
@@ -714,8 +640,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not named or named - set(SYSTEMS):
         p.error(f"--systems must name some of {', '.join(SYSTEMS)}, got {args.systems!r}")
     args.systems = tuple(x for x in SYSTEMS if x in named)
-    args.torchft_heartbeat_ms = pick(args.torchft_heartbeat_ms, 5000, 1000)
-    args.silent_limit = pick(args.silent_limit, 60.0, 20.0)
     if args.silent_limit <= 0:
         p.error(f"--silent-limit must be positive, got {args.silent_limit}")
     if "torchft" in args.systems and importlib.util.find_spec("torchft") is None:
@@ -731,7 +655,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.steps < args.event_at + 60:
         p.error(f"--steps must be at least --event-at + 60 for the interruption to end mid-run "
                 f"(a drain switches after phase 1), got {args.steps}")
-    check_side_by_side(p, args)
+    harness.check_side_by_side(p, args)
     return args
 
 
@@ -744,37 +668,24 @@ def main(argv: list[str] | None = None) -> int:
                       keepalive_attempts=args.keepalive[1], smoke=args.smoke,
                       systems=args.systems, torchft_heartbeat_ms=args.torchft_heartbeat_ms,
                       silent_limit=args.silent_limit)
-    os.environ.update(recovery.ONE_THREAD)  # every process it starts inherits it
-    # SIGTERM takes the Ctrl-C path, so the finally blocks below stop every process.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    base = args.keep_dir or Path(tempfile.mkdtemp(prefix="understudy-bench-down-"))
-    base.mkdir(parents=True, exist_ok=True)
-    started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    outcome = run_repeats("downtime", cfg.repeats, lambda i, d: run_repeat(i, cfg, d), base,
-                          args.keep_dir is not None,
-                          (BenchmarkError, recovery.BenchmarkError, migration.BenchmarkError,
-                           EtcdStartError, StoreError, OSError, UnderstudyError, ValueError,
-                           psutil.Error))
-    if isinstance(outcome, int):
-        return outcome
-    repeats = outcome
+    os.environ.update(ONE_THREAD)  # every process it starts inherits it
+    scratch = harness.Scratch(args.keep_dir, "understudy-bench-down-")
+    repeats = scratch.repeats("downtime benchmark", cfg.repeats,
+                              lambda i, d: run_repeat(i, cfg, d),
+                              (OSError, UnderstudyError, ValueError, psutil.Error))
+    if isinstance(repeats, int):
+        return repeats
 
     result = {
-        "benchmark": "downtime",
-        "started_at": started,
-        "command": shlex.join(sys.orig_argv),
-        "machine": {**machine(), "torch": importlib.metadata.version("torch")},
-        "config": {**asdict(cfg), "tp": recovery.TP, "dp": WORLD // recovery.TP,
+        **harness.header("downtime", scratch.started, torch=True),
+        "config": {**asdict(cfg), "tp": TP, "dp": WORLD // TP,
                    "understudy_standby": 2, "job": "examples/plain_torch/train.py",
                    "threads_per_process": 1, "victim_rank": VICTIM,
-                   "lost_node": {"understudy": recovery.LOST_NODE, "torchrun": "agent 1",
+                   "lost_node": {"understudy": LOST_NODE, "torchrun": "agent 1",
                                  "torchft": "replica group 1 (ranks 2, 3)"},
-                   "torchrun": {"agents": 2, "workers_per_agent": 2, "rdzv_backend": "c10d",
-                                "max_restarts": MAX_RESTARTS, "monitor_interval_s": 0.1,
-                                "drain_notice": True,
-                                "env": {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}},
+                   "torchrun": torchrun_setup(MAX_RESTARTS),
                    "torchft": {"version": _version("torchft"), "replica_groups": 2,
-                               "ranks_per_group": recovery.TP, "min_replica_size": 2,
+                               "ranks_per_group": TP, "min_replica_size": 2,
                                "use_async_quorum": False, "checkpoint_transport": "http",
                                "lighthouse_heartbeat_timeout_ms": cfg.torchft_heartbeat_ms,
                                "lighthouse_join_timeout_ms": 60000,
@@ -790,11 +701,7 @@ def main(argv: list[str] | None = None) -> int:
         "chart": str(args.png),
         "repeats": repeats,
     }
-    print_summary(result)
-    out: Path = args.out
-    write_results(result, out)
-    plot(result, args.png)
-    print(f"\nresults written to {out}, chart to {args.png}")
+    harness.report(result, args.out, print_summary, plot, args.png)
     return 0
 
 

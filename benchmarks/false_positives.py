@@ -19,21 +19,19 @@ SIGTERM included.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import multiprocessing
 import os
 import signal
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import recovery
-from common import write_results
-from recovery import BenchmarkError, bring_up, new_cluster, snapshot, stop_cluster, submit
+import harness
+from harness import BenchmarkError
+from interruptions import JOB, RecoveryConfig, bring_up, submit
 
 #: steps enough for the job to outlast any run (it is stopped with the cluster)
 STEPS = 10**6
@@ -46,30 +44,29 @@ def _burn() -> None:
 
 
 def measure(minutes: float, burners: int, base: Path) -> dict[str, Any]:
-    cfg = recovery.BenchConfig(repeats=1, steps=STEPS, step_sleep=0.0, crash_at=0, ttl=3,
-                               smoke=False, sandbox=True)
-    etcd, cluster = new_cluster(cfg, base)
+    cfg = RecoveryConfig(repeats=1, steps=STEPS, step_sleep=0.0, crash_at=0, ttl=3,
+                         smoke=False, sandbox=True)
     procs: list[multiprocessing.Process] = []
     loads: list[float] = []
-    try:
-        bring_up(etcd, cluster)
-        submit(cluster, cfg, base / "out")
-        procs = [multiprocessing.Process(target=_burn, daemon=True) for _ in range(burners)]
-        for p in procs:
-            p.start()
-        t0 = time.time()
-        end = time.monotonic() + minutes * 60
-        while time.monotonic() < end:
-            loads.append(os.getloadavg()[0])
-            time.sleep(min(10.0, max(0.0, end - time.monotonic())))
-        seen = snapshot(cluster)
-        suspicions = sum(d.log_text().count("answered its probe again")
-                         for d in cluster.daemons.values())
-        job = cluster.status().job(recovery.JOB)
-    finally:
-        for p in procs:
-            p.kill()
-        stop_cluster(etcd, cluster)
+    with harness.local_cluster(base, cfg.ttl) as (_, cluster):
+        try:
+            bring_up(cluster)
+            submit(cluster, cfg, base / "out")
+            procs = [multiprocessing.Process(target=_burn, daemon=True) for _ in range(burners)]
+            for p in procs:
+                p.start()
+            t0 = time.time()
+            end = time.monotonic() + minutes * 60
+            while time.monotonic() < end:
+                loads.append(os.getloadavg()[0])
+                time.sleep(min(10.0, max(0.0, end - time.monotonic())))
+            seen = harness.snapshot(cluster)
+            suspicions = sum(d.log_text().count("answered its probe again")
+                             for d in cluster.daemons.values())
+            job = cluster.status().job(JOB)
+        finally:
+            for p in procs:
+                p.kill()
     since = [e for e in seen["events"] if e["time"] >= t0]
 
     def count(kind: str) -> list[dict[str, Any]]:
@@ -90,33 +87,27 @@ def measure(minutes: float, burners: int, base: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = harness.Parser("false_positives", __doc__.split("\n\n")[0])
     p.add_argument("--minutes", type=float, help="how long the cluster runs (default 10; "
                    "smoke 0.5)")
     p.add_argument("--burners", type=int, default=2,
                    help="CPU-spinning processes besides the job (default 2)")
     p.add_argument("--smoke", action="store_true", help="a short run, for the tests")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/false_positives.json"))
-    args = p.parse_args(argv)
-    minutes = args.minutes if args.minutes is not None else (0.5 if args.smoke else 10.0)
+    args = p.parse(argv, {"minutes": (10.0, 0.5)})
+    minutes = args.minutes
     if minutes <= 0 or args.burners < 0:
         p.error("--minutes must be positive and --burners at least 0")
-    # SIGTERM takes the Ctrl-C path, so the finally blocks stop every process.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    base = Path(tempfile.mkdtemp(prefix="understudy-bench-fp-"))
-    try:
-        res = measure(minutes, args.burners, base)
-    except BenchmarkError as exc:
-        print(f"false-positive benchmark failed: {exc} (logs in {base})", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("false-positive benchmark interrupted; its processes are stopped",
-              file=sys.stderr)
-        return 130
+    scratch = harness.Scratch(None, "understudy-bench-fp-")
+    scratch.keep = True  # this benchmark has always left its scratch directory behind
+    res = scratch.run("false-positive benchmark", (BenchmarkError,),
+                      lambda: measure(minutes, args.burners, scratch.base))
+    if isinstance(res, int):
+        return res
     result = {"benchmark": "false_positives", "command": " ".join(sys.argv),
               "when": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "cpus": os.cpu_count(), **res}
-    write_results(result, args.out)
+    harness.write_results(result, args.out)
     load = res["loadavg_1m"] or {}
     print(f"false positives: {res['false_revocations']} leases revoked, "
           f"{res['nodes_failed']} nodes failed, {res['recoveries_planned']} recoveries "

@@ -37,14 +37,9 @@ SIGTERM included.
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.metadata
 import os
-import shlex
 import signal
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -52,37 +47,28 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import harness
+import interruptions
 import psutil
-import recovery
 import steplog
 import volatile
-from baseline.elastic import ElasticRun, RecordTail, TorchrunConfig, TorchrunError
-from control_plane import machine, summarize
-from downtime import compare_losses, losses
+from baseline.elastic import ElasticRun, TorchrunConfig, TorchrunError, torchrun_setup
+from harness import ONE_THREAD, BenchmarkError, RecordTail, Table, ratio, summarize, wait
+from interruptions import JOB, TP, WORLD
+from steplog import compare_losses, losses
 
-from common import check_side_by_side, run_repeats, write_results
-from understudy.common import config as config_mod
-from understudy.common.errors import StoreError, UnderstudyError
-from understudy.testing.embedded_etcd import EtcdStartError
+from understudy.common.errors import UnderstudyError
 
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = REPO / "benchmarks" / "results" / "goodput.json"
-# Smoke results are throwaway: *.tmp under benchmarks/results is git-ignored.
-SMOKE_OUT = REPO / "benchmarks" / "results" / "goodput.smoke.tmp"
 SYSTEMS = ("understudy", "torchrun")
-WORLD = recovery.WORLD
-JOB = recovery.JOB
 STANDBY_POOL = 2
 #: The window starts once every rank has committed this step (first touches are paid).
 WARM_STEP = steplog.WARMUP_STEPS
+#: torchrun restarts a group at most this often in one run (every crash is a restart).
+MAX_RESTARTS = 1000
 #: Seconds for one event to be served before the run is declared broken.
 SERVE_TIMEOUT = 300.0
 #: The smoke mode's fixed schedule: one event of each kind.
 SMOKE_SCHEDULE = (volatile.Event(0, 4.0, "crash", 1), volatile.Event(1, 12.0, "drain"))
-
-
-class BenchmarkError(UnderstudyError):
-    """The benchmark could not measure what it set out to."""
 
 
 @dataclass(frozen=True)
@@ -105,20 +91,6 @@ class BenchConfig:
     def steps(self) -> int:
         """More than the job can reach before the run stops it."""
         return int((self.duration + 900) / max(self.step_sleep, 0.01))
-
-
-def wait(what: str, check: Callable[[], bool], timeout: float, interval: float = 0.1) -> float:
-    """Poll ``check`` until it holds; returns the seconds it took.
-
-    Raises:
-        BenchmarkError: it did not within ``timeout`` seconds.
-    """
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if check():
-            return time.monotonic() - t0
-        time.sleep(interval)
-    raise BenchmarkError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 class Progress:
@@ -164,19 +136,20 @@ class UnderstudyTrace:
     """The job under understudy on a local cluster; events and the capacity they use."""
 
     def __init__(self, cfg: BenchConfig, base: Path) -> None:
-        self.rcfg = recovery.BenchConfig(repeats=1, steps=cfg.steps, step_sleep=cfg.step_sleep,
-                                         crash_at=recovery.LOG_EVERY, ttl=cfg.ttl,
-                                         smoke=cfg.smoke, sandbox=True, step_log=True)
+        self.rcfg = interruptions.RecoveryConfig(
+            repeats=1, steps=cfg.steps, step_sleep=cfg.step_sleep,
+            crash_at=interruptions.LOG_EVERY, ttl=cfg.ttl, smoke=cfg.smoke, sandbox=True,
+            step_log=True)
         self.base = base
-        self.etcd, self.cluster = recovery.new_cluster(self.rcfg, base)
+        self.etcd, self.cluster = harness.new_cluster(base, cfg.ttl)
         self.progress = Progress(RecordTail(base / "steps"))
-        self.next_standby = len(recovery.STANDBYS) + 1
         self.joined: list[str] = []
         self.left: list[str] = []
 
     def start(self) -> None:
-        recovery.bring_up(self.etcd, self.cluster)
-        recovery.submit(self.cluster, self.rcfg, self.base / "out")  # the standbys are warm
+        harness.start_etcd(self.etcd, self.cluster)
+        interruptions.bring_up(self.cluster)
+        interruptions.submit(self.cluster, self.rcfg, self.base / "out")  # the standbys are warm
         wait(f"every rank to commit step {WARM_STEP}", lambda: self.progress.all_past(WARM_STEP),
              timeout=300, interval=0.2)
 
@@ -244,20 +217,10 @@ class UnderstudyTrace:
                 self.cluster.wait_for(f"{name} to be drained or idle", lambda s, n=name: (
                     (x := s.node(n)) is not None and x.state in ("drained", "active",
                                                                  "standby")), timeout=120)
-            d.signal(signal.SIGTERM)  # a daemon leaves the cluster on SIGTERM, once drained
-            try:
-                d.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                d.kill9()
+            harness.retire(d)
             self.left.append(name)
         missing = STANDBY_POOL - sum(1 for n in a.standbys if self.cluster.daemons[n].alive())
-        new = []
-        for _ in range(missing):
-            name = f"node-s{self.next_standby}"
-            self.next_standby += 1
-            self.cluster.add(name, "standby")
-            new.append(name)
-            self.joined.append(name)
+        new = interruptions.add_standbys(self.cluster, missing, self.joined)
 
         def full() -> bool:
             j = self.cluster.status().job(JOB)
@@ -269,10 +232,9 @@ class UnderstudyTrace:
              full, SERVE_TIMEOUT, interval=0.5)
 
     def stop(self) -> dict[str, Any]:
-        seen = {"tracebacks": sum(d.log_text().count("Traceback")
-                                  for d in self.cluster.daemons.values())}
-        recovery.stop_cluster(self.etcd, self.cluster)
-        return {"daemon_log_tracebacks": seen["tracebacks"], "standbys_joined": self.joined,
+        tracebacks = sum(harness.tracebacks(self.cluster).values())
+        harness.stop_cluster(self.etcd, self.cluster)
+        return {"daemon_log_tracebacks": tracebacks, "standbys_joined": self.joined,
                 "nodes_left": self.left}
 
     def records(self) -> list[dict[str, Any]]:
@@ -289,7 +251,7 @@ class TorchrunTrace:
     def __init__(self, cfg: BenchConfig, base: Path) -> None:
         tcfg = TorchrunConfig(steps=cfg.steps, step_sleep=cfg.step_sleep,
                               ckpt_every=cfg.ckpt_every, ckpt_mode=cfg.ckpt_mode,
-                              drain_notice=True, max_restarts=1000,
+                              drain_notice=True, max_restarts=MAX_RESTARTS,
                               keepalive_interval_s=cfg.keepalive_interval_s,
                               keepalive_attempts=cfg.keepalive_attempts)
         self.run = ElasticRun(tcfg, base)
@@ -450,10 +412,6 @@ def run_repeat(i: int, cfg: BenchConfig, base: Path) -> dict[str, Any]:
     return rep
 
 
-def ratio(num: float, den: float) -> float | None:
-    return num / den if den > 0 else None
-
-
 def collect(repeats: list[dict[str, Any]], cfg: BenchConfig) -> dict[str, Any]:
     """Medians and spreads: over the repeats for the run's figures, over every event of every
     repeat for the per-event ones (by kind)."""
@@ -506,15 +464,9 @@ def print_summary(result: dict[str, Any]) -> None:
           f"checkpoints every {cfg['ckpt_every']} steps ({cfg['ckpt_mode']} DCP); on "
           f"{m['cpus_usable']} CPUs, torch {m['torch']}")
 
-    def row(label: str, v: dict[str, float] | None, unit: str, scale: float = 1.0) -> None:
-        if v is None:
-            print(f"  {label:<44}{'(none)':>10}")
-            return
-        print(f"  {label:<44}" + "".join(f"{v[k] * scale:>10.3f}" for k in
-                                          ("median", "min", "max", "spread")) + f"  {unit}"
-              + f" (n={v['n']})")
-
-    print(f"\n  {'':<44}{'median':>10}{'min':>10}{'max':>10}{'spread':>10}")
+    table = Table(44, count_always=True)
+    row = table.row
+    table.header()
     for system in cfg["systems"]:
         x = s[system]
         row(f"{system}: goodput", x["goodput"], "%", 100)
@@ -548,11 +500,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     """Steps completed over the window for each system (the first repeat), the events marked
     at the moment each system got them (marker and colour by kind), each event's span from
     fired to served shaded on its system's strip."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = harness.pyplot()
     cfg, rep = result["config"], result["repeats"][0]
     systems = cfg["systems"]
     colors = {"understudy": "#2a7ab0", "torchrun": "#d0702a"}
@@ -592,13 +540,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig.suptitle(f"{result['machine']['cpus_usable']} CPUs, TP2 x DP2 plain job, torchrun "
                  f"checkpoints every {cfg['ckpt_every']} steps ({cfg['ckpt_mode']} DCP)",
                  fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, format="png", dpi=110)
-    plt.close(fig)
+    harness.save_chart(fig, path)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = harness.Parser("goodput", __doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=1,
                    help="runs per system, each through the same schedule (default 1)")
     p.add_argument("--systems", default=",".join(SYSTEMS),
@@ -615,29 +561,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "benchmarks)")
     p.add_argument("--ckpt-every", type=int, default=20,
                    help="torchrun's checkpoint cadence in steps (default 20)")
-    p.add_argument("--ckpt-mode", choices=("sync", "async"), default="sync",
-                   help="torchrun's DCP save: dcp.save or dcp.async_save (default sync)")
-    p.add_argument("--ttl", type=int, default=config_mod.LeaseConfig().ttl,
-                   help="understudy's lease TTL in seconds (default: the daemon's)")
-    p.add_argument("--rdzv-keepalive",
-                   help="torchrun's rendezvous keep_alive_interval (s) and keep_alive_max_attempt "
-                        "(default 5,3: torchrun's own; smoke 1,2, so that a node gone from the "
-                        "rendezvous costs the tests seconds, not 15)")
+    harness.side_by_side_options(p)
     p.add_argument("--smoke", action="store_true",
                    help="a 20 s window and two fixed events (a crash of rank 1 at 4 s, a drain "
                         "at 12 s): for the tests")
-    p.add_argument("--out", type=Path, help=f"JSON results (default {DEFAULT_OUT.relative_to(REPO)}"
-                   f"; smoke {SMOKE_OUT.relative_to(REPO)})")
-    p.add_argument("--png", type=Path, help="the timeline (default: next to --out, .png)")
-    p.add_argument("--keep-dir", type=Path, help="keep logs, step lines and checkpoints here")
-    args = p.parse_args(argv)
-    if args.duration is None:
-        args.duration = 20.0 if args.smoke else 600.0
-    if args.out is None:
-        args.out = SMOKE_OUT if args.smoke else DEFAULT_OUT
-    if args.png is None:
-        args.png = (args.out.with_name(args.out.name.removesuffix(".tmp") + ".png.tmp")
-                    if args.out.name.endswith(".tmp") else args.out.with_suffix(".png"))
+    p.outputs(keep="keep logs, step lines and checkpoints here", chart="timeline")
+    args = p.parse(argv, {"duration": (600.0, 20.0)})
     args.systems = tuple(x.strip() for x in args.systems.split(",") if x.strip())
     if not args.systems or set(args.systems) - set(SYSTEMS):
         p.error(f"--systems must name some of {', '.join(SYSTEMS)}, got {args.systems}")
@@ -649,7 +578,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--duration must hold a few events, got {args.duration}")
     if not 0 <= args.drain_fraction <= 1:
         p.error(f"--drain-fraction must be within [0, 1], got {args.drain_fraction}")
-    check_side_by_side(p, args)
+    harness.check_side_by_side(p, args)
     return args
 
 
@@ -661,35 +590,24 @@ def main(argv: list[str] | None = None) -> int:
                       ckpt_every=args.ckpt_every, ckpt_mode=args.ckpt_mode, ttl=args.ttl,
                       keepalive_interval_s=args.keepalive[0],
                       keepalive_attempts=args.keepalive[1], smoke=args.smoke)
-    os.environ.update(recovery.ONE_THREAD)  # every process it starts inherits it
-    # SIGTERM takes the Ctrl-C path, so the finally blocks below stop every process.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    base = args.keep_dir or Path(tempfile.mkdtemp(prefix="understudy-bench-goodput-"))
-    base.mkdir(parents=True, exist_ok=True)
-    started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    os.environ.update(ONE_THREAD)  # every process it starts inherits it
+    scratch = harness.Scratch(args.keep_dir, "understudy-bench-goodput-")
     schedule = make_schedule(cfg)
     print(f"goodput: {len(schedule)} events over {cfg.duration:.0f} s per system: "
           + ", ".join(f"{e.kind}@{e.at:.0f}s" for e in schedule), file=sys.stderr, flush=True)
-    outcome = run_repeats("goodput", cfg.repeats, lambda i, d: run_repeat(i, cfg, d), base,
-                          args.keep_dir is not None,
-                          (BenchmarkError, recovery.BenchmarkError, EtcdStartError, StoreError,
-                           OSError, UnderstudyError, ValueError, TorchrunError, psutil.Error))
-    if isinstance(outcome, int):
-        return outcome
-    repeats = outcome
+    repeats = scratch.repeats("goodput benchmark", cfg.repeats,
+                              lambda i, d: run_repeat(i, cfg, d),
+                              (OSError, UnderstudyError, ValueError, TorchrunError,
+                               psutil.Error))
+    if isinstance(repeats, int):
+        return repeats
     result = {
-        "benchmark": "goodput",
-        "started_at": started,
-        "command": shlex.join(sys.orig_argv),
-        "machine": {**machine(), "torch": importlib.metadata.version("torch")},
-        "config": {**asdict(cfg), "steps": cfg.steps, "tp": recovery.TP,
-                   "dp": WORLD // recovery.TP, "understudy_standby": STANDBY_POOL,
+        **harness.header("goodput", scratch.started, torch=True),
+        "config": {**asdict(cfg), "steps": cfg.steps, "tp": TP,
+                   "dp": WORLD // TP, "understudy_standby": STANDBY_POOL,
                    "job": "examples/plain_torch/train.py", "threads_per_process": 1,
                    "warm_step": WARM_STEP,
-                   "torchrun": {"agents": 2, "workers_per_agent": 2, "rdzv_backend": "c10d",
-                                "max_restarts": 1000, "monitor_interval_s": 0.1,
-                                "drain_notice": True,
-                                "env": {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}},
+                   "torchrun": torchrun_setup(MAX_RESTARTS),
                    "goodput": "useful steps (distinct steps whose last completion is in the "
                               "window) x normal step (median gap in the window) / window",
                    "downtime": "per event: the longest gap between completions from the event "
@@ -699,10 +617,7 @@ def main(argv: list[str] | None = None) -> int:
         "chart": str(args.png),
         "repeats": repeats,
     }
-    print_summary(result)
-    write_results(result, args.out)
-    plot(result, args.png)
-    print(f"\nresults written to {args.out}, chart to {args.png}")
+    harness.report(result, args.out, print_summary, plot, args.png)
     return 0
 
 

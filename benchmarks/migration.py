@@ -33,57 +33,39 @@ sample. Every process it starts is stopped on exit, Ctrl-C and SIGTERM included.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import multiprocessing as mp
 import os
-import re
-import shlex
-import shutil
-import signal
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import harness
 import psutil
-from control_plane import machine, rounded, summarize  # the sibling benchmark's helpers
+from harness import (
+    MIB,
+    ONE_THREAD,
+    TRAIN,
+    BenchmarkError,
+    Table,
+    log_records,
+    summarize,
+    summarize_some,
+    wait,
+)
+from interruptions import AROUND, LEAVERS, analyse_drain, train_processes
 
-from understudy.common.errors import StoreError, UnderstudyError
-from understudy.testing.embedded_etcd import EmbeddedEtcd, EtcdStartError
+from understudy.common.errors import UnderstudyError
 from understudy.testing.localcluster import LocalCluster
 
-REPO = Path(__file__).resolve().parent.parent
-TRAIN = REPO / "examples" / "plain_torch" / "train.py"
-DEFAULT_OUT = REPO / "benchmarks" / "results" / "migration.json"
-# Smoke results are throwaway: *.tmp under benchmarks/results is git-ignored.
-SMOKE_OUT = REPO / "benchmarks" / "results" / "migration.smoke.tmp"
 JOB = "bench"
-SURVIVORS, LEAVERS = (0, 1), (2, 3)
-ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-MIB = 1024 * 1024
 BIG = 64 * MIB
 #: Design targets (/work/shared/design.md, "Targets").
 TARGET_DOWNTIME_S = 0.25
 TARGET_TRANSFER_FRACTION = 0.70
-#: Steps around the switch step whose excess over a normal step is also summed: the steps
-#: next to it pay a little too (the vote that agreed the switch, the first steps on new groups).
-AROUND = range(-3, 4)
-HANDED_OFF = re.compile(
-    r"Handed the state of rank (?P<rank>\d+) off at step (?P<step>\d+): send (?P<bytes>\d+) B "
-    r"of tensors in (?P<entries>\d+) entries in (?P<ms>[\d.]+) ms .*?(?P<chunks>\d+) chunks of "
-    r"(?P<chunk_bytes>\d+) B .*manifest (?P<manifest>\d+) B")
-TOOK_OVER = re.compile(r"Took over rank (?P<rank>\d+): receive (?P<bytes>\d+) B .*? in "
-                       r"(?P<ms>[\d.]+) ms")
-SWITCHED = re.compile(r"Switched to the next versions of .* at step (?P<step>\d+)\.")
-
-
-class BenchmarkError(UnderstudyError):
-    """The benchmark could not measure what it set out to (no switch, a failed job...)."""
 
 
 @dataclass(frozen=True)
@@ -96,158 +78,7 @@ class BenchConfig:
     smoke: bool
 
 
-# -- what the processes left behind ----------------------------------------------------------
-
-
-def log_records(text: str) -> list[dict[str, Any]]:
-    """The JSON lines of a daemon log (its workers' lines included); other lines are skipped."""
-    out = []
-    for line in text.splitlines():
-        if line.startswith("{"):
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return out
-
-
-def wall(record: dict[str, Any]) -> float:
-    return datetime.datetime.fromisoformat(record["timestamp"]).timestamp()
-
-
-def step_totals(timings: list[dict[str, Any]]) -> dict[int, float]:
-    """Seconds per step, every attempt of the step included."""
-    out: dict[int, float] = {}
-    for t in timings:
-        total = t["boundary"] + t["compute"] + t["vote"] + t["apply"]
-        out[t["step"]] = out.get(t["step"], 0.0) + total
-    return out
-
-
-def analyse(out_dir: Path, events: list[dict[str, Any]],
-            logs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    """One repeat's figures from the saved timings, the events and the daemon logs.
-
-    Raises:
-        BenchmarkError: the migration did not switch, or a record is missing.
-    """
-    try:
-        saved = {r: json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(4)}
-    except (OSError, json.JSONDecodeError) as exc:
-        raise BenchmarkError(f"the job's saved timings are missing or unreadable: {exc}") from exc
-    firsts = {r: saved[r]["timings"][0]["step"] for r in LEAVERS}
-    switch = firsts[LEAVERS[0]]
-    if switch == 0 or len(set(firsts.values())) != 1:
-        raise BenchmarkError(f"the joiners' first steps {firsts} do not show one switch step "
-                             f"mid-run: the job finished before the migration switched "
-                             f"(raise --steps)")
-    kinds = {e["kind"]: e for e in events}
-    done = kinds.get("migration-done")
-    if done is None:
-        raise BenchmarkError(f"no migration-done event; events: {sorted(kinds)}")
-    phase = done["details"]["timings"]
-
-    survivors: dict[str, Any] = {}
-    for r in SURVIVORS:
-        totals = step_totals(saved[r]["timings"])
-        at_switch = [t for t in saved[r]["timings"] if t["step"] == switch]
-        # Step 0 pays for first-touch costs; it is no normal step.
-        others = [v for s, v in totals.items() if s not in (0, switch)]
-        normal = statistics.median(others)
-        survivors[str(r)] = {
-            "normal_step_s": normal,
-            "switch_step_s": totals[switch],
-            "switch_boundary_s": sum(t["boundary"] for t in at_switch),
-            "switch_compute_s": sum(t["compute"] for t in at_switch),
-            "downtime_s": totals[switch] - normal,
-            "excess_around_switch_s": sum(totals[switch + k] - normal for k in AROUND
-                                          if switch + k in totals),
-            "slowest_other_step_s": max(others),
-            "slowest_other_step": max((s for s in totals if s not in (0, switch)),
-                                      key=totals.__getitem__),
-            "redone": saved[r]["redone"],
-        }
-    joiners = {}
-    for r in LEAVERS:
-        totals = step_totals(saved[r]["timings"])
-        first = saved[r]["timings"][0]
-        joiners[str(r)] = {
-            "first_step_s": totals[switch], "first_step_compute_s": first["compute"],
-            "normal_step_s": statistics.median([v for s, v in totals.items() if s != switch]),
-        }
-
-    transfers: dict[str, Any] = {}
-    for rec in logs["node-b"]:
-        m = HANDED_OFF.search(str(rec.get("event", "")))
-        if m:
-            seconds = float(m["ms"]) / 1e3
-            transfers[m["rank"]] = {
-                "step": int(m["step"]), "payload_bytes": int(m["bytes"]),
-                "entries": int(m["entries"]), "seconds": seconds,
-                "mb_per_s": int(m["bytes"]) / seconds / 1e6 if seconds > 0 else 0.0,
-                "chunks": int(m["chunks"]), "chunk_bytes": int(m["chunk_bytes"]),
-                "manifest_bytes": int(m["manifest"]), "logged_at": wall(rec)}
-    for node in ("node-s1", "node-s2"):
-        for rec in logs[node]:
-            m = TOOK_OVER.search(str(rec.get("event", "")))
-            if m and m["rank"] in transfers:
-                transfers[m["rank"]]["joiner_receive_s"] = float(m["ms"]) / 1e3
-    if set(transfers) != {str(r) for r in LEAVERS}:
-        raise BenchmarkError(f"hand-off log lines found for ranks {sorted(transfers)} only")
-
-    # When did rank 0 switch, and which of its steps ran while phase 1 did? Walk its step
-    # durations back from the log time of the switch (the end of the switch step's boundary).
-    switched_at = next((wall(rec) for rec in logs["node-a"] if rec.get("rank") == 0
-                        and SWITCHED.search(str(rec.get("event", "")))), None)
-    if switched_at is None or "ready" not in phase:
-        raise BenchmarkError("rank 0 never logged its switch, or the migration was never "
-                             f"ready: {phase}")
-    # No untimed work lies between two steps of the loop; before step 0 lies the job's build.
-    totals0 = step_totals(saved[0]["timings"])
-    end = switched_at - survivors["0"]["switch_boundary_s"]  # the end of step switch-1
-    planned_at = kinds["migration-planned"]["time"]
-    ready_at = kinds.get("migration-ready", {}).get("time", planned_at + phase["ready"])
-    during, before = [], 0
-    for s in range(switch - 1, -1, -1):
-        if planned_at < end <= ready_at:
-            during.append(totals0[s])
-        before += end <= planned_at
-        end -= totals0[s]
-    chosen = [wall(rec) for node in ("node-s1", "node-s2") for rec in logs[node]
-              if str(rec.get("event", "")).startswith("Standby chosen to take over rank")]
-    hand_off_end = max(t["logged_at"] for t in transfers.values())
-    return {
-        "switch_step": switch,
-        "downtime_s": max(s["downtime_s"] for s in survivors.values()),
-        "excess_around_switch_s": max(s["excess_around_switch_s"] for s in survivors.values()),
-        "survivors": survivors,
-        "joiners": joiners,
-        "phases_s": phase,
-        "phase1_s": phase["ready"] - phase["planned"],
-        "phase1_steps": {"count": len(during),
-                         "median_step_s": statistics.median(during) if during else None},
-        # 0 means the drain came before the job's first step (it was still building).
-        "steps_before_planned": before,
-        "training_started_before_planned_s": planned_at - end,
-        # The joiners' side of planned -> preparing: noticing the plan, then building the job.
-        "planned_to_chosen_s": max(chosen) - planned_at if len(chosen) == 2 else None,
-        "transfers": transfers,
-        # The survivors wait for word of the transfer through the daemons and etcd.
-        "hand_off_to_switch_s": switched_at - hand_off_end,
-    }
-
-
 # -- one repeat on a fresh cluster -------------------------------------------------------------
-
-
-def wait(what: str, check: Callable[[], bool], timeout: float, interval: float = 0.1) -> float:
-    """Poll ``check`` until it holds; returns the seconds it took. Raises BenchmarkError."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if check():
-            return time.monotonic() - t0
-        time.sleep(interval)
-    raise BenchmarkError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def ranks_grouped(cluster: LocalCluster) -> bool:
@@ -259,16 +90,6 @@ def ranks_grouped(cluster: LocalCluster) -> bool:
                     and str((rec.get("switched") or {}).get("world", "")).startswith("v0->")):
                 up.add(rec.get("member"))
     return len(up) == 4
-
-
-def train_processes(cluster: LocalCluster, nodes: tuple[str, ...]) -> list[psutil.Process]:
-    """The job's processes under these nodes' daemons."""
-    out = []
-    for node in nodes:
-        for p in psutil.Process(cluster.daemons[node].pid).children(recursive=True):
-            if str(TRAIN) in " ".join(p.cmdline()):
-                out.append(p)
-    return out
 
 
 def ranks_stepping(cluster: LocalCluster, window: float = 1.0, min_writes: int = 60) -> bool:
@@ -298,14 +119,10 @@ def standbys_connected(cluster: LocalCluster) -> bool:
 
 
 def run_repeat(i: int, cfg: BenchConfig, base: Path) -> dict[str, Any]:
-    etcd = EmbeddedEtcd(data_dir=base / "etcd")
-    cluster = LocalCluster(etcd_endpoint="", base_dir=base / "nodes")
     out = base / "out"
     load_before = os.getloadavg()[0]
     t0 = time.monotonic()
-    try:
-        etcd.start()
-        cluster.etcd_endpoint = etcd.endpoint
+    with harness.local_cluster(base) as (_, cluster):
         for n in ("node-a", "node-b"):
             cluster.add(n, "active", extra=["--slots", "2"])
         for n in ("node-s1", "node-s2"):
@@ -331,24 +148,14 @@ def run_repeat(i: int, cfg: BenchConfig, base: Path) -> dict[str, Any]:
         drain_s = time.monotonic() - t_drain
         if drain.returncode != 0:
             raise BenchmarkError(f"the drain failed: {drain.stdout}{drain.stderr}")
-        cluster.wait_for("the job to finish", lambda s: (j := s.job(JOB)) is not None
-                         and j.state in ("done", "failed"), timeout=600)
-        job = cluster.status().job(JOB)
-        if job is None or job.state != "done":
-            raise BenchmarkError(f"the job did not finish: {job.status if job else 'gone'}")
-        events = [json.loads(line) for line in
-                  cluster.cli("events", "--json", "--limit", "200").stdout.splitlines()]
-        logs = {n: log_records(d.log_text()) for n, d in cluster.daemons.items()}
-        tracebacks = sum(d.log_text().count("Traceback") for d in cluster.daemons.values())
-    finally:
-        cluster.stop_all(timeout=5)
-        etcd.stop()
-    figures = analyse(out, events, logs)
+        harness.wait_done(cluster, JOB, timeout=600)
+        seen = harness.snapshot(cluster, limit=200)
+    figures = analyse_drain(out, seen["events"], seen["logs"])
     return {"repeat": i, "wall_s": time.monotonic() - t0, "ranks_groups_up_after_s": started,
             "ranks_stepping_after_s": started + stepping,
             "standbys_connected_after_s": warm, "drain_command_s": drain_s,
             "loadavg_1m_before_after": [load_before, os.getloadavg()[0]],
-            "daemon_log_tracebacks": tracebacks, **figures}
+            "daemon_log_tracebacks": seen["tracebacks"], **figures}
 
 
 # -- raw point-to-point bandwidth, two processes -----------------------------------------------
@@ -457,10 +264,6 @@ def measure_p2p(state_bytes: int, entries: int, iters: int, base: Path) -> dict[
 # -- the run -----------------------------------------------------------------------------------
 
 
-def summarize_some(values: list[float]) -> dict[str, float] | None:
-    return summarize(values) if values else None
-
-
 def collect(repeats: list[dict[str, Any]]) -> dict[str, Any]:
     transfers = [t for r in repeats for t in r["transfers"].values()]
     p2p = [r["p2p"] for r in repeats]
@@ -530,15 +333,9 @@ def print_summary(result: dict[str, Any]) -> None:
           f"steps, state {s['transfer']['state_payload_bytes']} B per rank; on "
           f"{m['cpus_usable']} CPUs, Python {m['python']}, etcd {m['etcd_version']}")
 
-    def row(label: str, v: dict[str, float] | None, unit: str, scale: float = 1.0) -> None:
-        if v is None:
-            print(f"  {label:<40}{'(never recorded)':>20}")
-            return
-        print(f"  {label:<40}" + "".join(f"{v[k] * scale:>10.3f}" for k in
-                                          ("median", "min", "max", "spread")) + f"  {unit}"
-              + (f" (n={v['n']})" if v["n"] != result["config"]["repeats"] else ""))
-
-    print(f"\n  {'':<40}{'median':>10}{'min':>10}{'max':>10}{'spread':>10}")
+    table = Table(40, missing=f"{'(never recorded)':>20}", repeats=cfg["repeats"])
+    row = table.row
+    table.header()
     d, p1, tr, p2p = s["downtime"], s["phase1"], s["transfer"], s["p2p"]
     row("downtime (phase 2)", d["summary"], "s")
     row("  survivors' switch step", d["switch_step_s"], "s")
@@ -579,7 +376,7 @@ def print_summary(result: dict[str, Any]) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = harness.Parser("migration", __doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, help="drains, each on a fresh cluster (default 5; "
                    "smoke 1)")
     p.add_argument("--steps", type=int, help="steps of the job: the drain must land mid-run "
@@ -592,19 +389,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--p2p-iters", type=int,
                    help="64 MiB round trips per repeat; small sizes do 5x (default 10; smoke 3)")
     p.add_argument("--smoke", action="store_true", help="a minute, not many: for the tests")
-    p.add_argument("--out", type=Path, help=f"JSON results (default {DEFAULT_OUT.relative_to(REPO)}"
-                   f"; smoke {SMOKE_OUT.relative_to(REPO)})")
-    p.add_argument("--keep-dir", type=Path, help="keep daemon logs, etcd data and timings here")
-    args = p.parse_args(argv)
-
-    def pick(value: Any, full: Any, smoke: Any) -> Any:
-        return value if value is not None else (smoke if args.smoke else full)
-
-    args.repeats = pick(args.repeats, 5, 1)
-    args.steps = pick(args.steps, 600, 250)
-    args.settle_seconds = pick(args.settle_seconds, 3.0, 1.0)
-    args.p2p_iters = pick(args.p2p_iters, 10, 3)
-    args.out = pick(args.out, DEFAULT_OUT, SMOKE_OUT)
+    p.outputs(keep="keep daemon logs, etcd data and timings here")
+    args = p.parse(argv, {"repeats": (5, 1), "steps": (600, 250), "settle_seconds": (3.0, 1.0),
+                          "p2p_iters": (10, 3)})
     if args.repeats < 1 or args.p2p_iters < 1:
         p.error("--repeats and --p2p-iters must be at least 1")
     if args.steps < 20:
@@ -620,55 +407,33 @@ def main(argv: list[str] | None = None) -> int:
                       settle_seconds=args.settle_seconds, p2p_iters=args.p2p_iters,
                       smoke=args.smoke)
     os.environ.update(ONE_THREAD)  # the daemons, their workers and the p2p peers inherit it
-    # SIGTERM takes the Ctrl-C path, so the finally blocks below stop every process.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    base = args.keep_dir or Path(tempfile.mkdtemp(prefix="understudy-bench-mig-"))
-    base.mkdir(parents=True, exist_ok=True)
-    started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    repeats: list[dict[str, Any]] = []
-    try:
-        for i in range(cfg.repeats):
-            rep = run_repeat(i, cfg, base / f"repeat{i}")
-            t = rep["transfers"][str(LEAVERS[0])]
-            rep["p2p"] = measure_p2p(t["payload_bytes"], t["entries"], cfg.p2p_iters,
-                                     base / f"repeat{i}")
-            repeats.append(rep)
-            print(f"  repeat {i + 1}/{cfg.repeats}: switch at step {rep['switch_step']}, "
-                  f"downtime {rep['downtime_s']:.3f}s, phase 1 {rep['phase1_s']:.2f}s, "
-                  f"transfer {t['seconds'] * 1e3:.1f} ms for {t['payload_bytes']} B; raw 64 MiB "
-                  f"{rep['p2p']['raw']['64MiB']['mb_per_s']:.0f} MB/s; {rep['wall_s']:.0f}s, "
-                  f"load {rep['loadavg_1m_before_after'][1]:.1f}", file=sys.stderr, flush=True)
-    except (BenchmarkError, EtcdStartError, StoreError, OSError, UnderstudyError) as exc:
-        print(f"migration benchmark failed: {exc} (logs in {base})", file=sys.stderr)
-        args.keep_dir = args.keep_dir or base
-        return 1
-    except KeyboardInterrupt:
-        print("migration benchmark interrupted; its processes are stopped", file=sys.stderr)
-        return 130
-    finally:
-        # A second Ctrl-C must not cut the clean-up short (run_repeat stops its cluster).
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if args.keep_dir is None:
-            shutil.rmtree(base, ignore_errors=True)
+    scratch = harness.Scratch(args.keep_dir, "understudy-bench-mig-")
+
+    def run(i: int, base: Path) -> dict[str, Any]:
+        rep = run_repeat(i, cfg, base)
+        t = rep["transfers"][str(LEAVERS[0])]
+        rep["p2p"] = measure_p2p(t["payload_bytes"], t["entries"], cfg.p2p_iters, base)
+        print(f"  repeat {i + 1}/{cfg.repeats}: switch at step {rep['switch_step']}, "
+              f"downtime {rep['downtime_s']:.3f}s, phase 1 {rep['phase1_s']:.2f}s, "
+              f"transfer {t['seconds'] * 1e3:.1f} ms for {t['payload_bytes']} B; raw 64 MiB "
+              f"{rep['p2p']['raw']['64MiB']['mb_per_s']:.0f} MB/s; {rep['wall_s']:.0f}s, "
+              f"load {rep['loadavg_1m_before_after'][1]:.1f}", file=sys.stderr, flush=True)
+        return rep
+
+    # run_repeat stops its cluster.
+    repeats = scratch.repeats("migration benchmark", cfg.repeats, run,
+                              (OSError, UnderstudyError))
+    if isinstance(repeats, int):
+        return repeats
 
     result = {
-        "benchmark": "migration",
-        "started_at": started,
-        "command": shlex.join(sys.orig_argv),
-        "machine": machine(),
+        **harness.header("migration", scratch.started),
         "config": {**asdict(cfg), "tp": 2, "dp": 2, "standby": 2,
                    "job": "examples/plain_torch/train.py", "threads_per_process": 1},
         "summary": collect(repeats),
         "repeats": repeats,
     }
-    print_summary(result)
-    out: Path = args.out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")  # git-ignored should the run die mid-write
-    tmp.write_text(json.dumps(rounded(result), indent=1) + "\n")
-    tmp.replace(out)
-    print(f"\nresults written to {out}")
+    harness.report(result, args.out, print_summary)
     return 0
 
 

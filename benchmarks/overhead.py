@@ -34,48 +34,29 @@ sample. Every process it starts is stopped on exit, Ctrl-C and SIGTERM included.
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.metadata
 import json
 import os
-import shlex
-import signal
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import migration
+import harness
 import psutil
-import recovery
 import steplog
-from baseline.elastic import ElasticRun, TorchrunConfig, TorchrunError, read_records
-from control_plane import machine, summarize  # the sibling benchmarks' helpers
+from baseline.elastic import ElasticRun, TorchrunConfig, TorchrunError
+from harness import ONE_THREAD, TRAIN, BenchmarkError, Table, read_records, summarize
 
-from common import run_repeats, write_results
-from understudy.common.errors import StoreError, UnderstudyError
-from understudy.testing.embedded_etcd import EmbeddedEtcd, EtcdStartError
-from understudy.testing.localcluster import LocalCluster
+from understudy.common.errors import UnderstudyError
 
-REPO = Path(__file__).resolve().parent.parent
-TRAIN = REPO / "examples" / "plain_torch" / "train.py"
-DEFAULT_OUT = REPO / "benchmarks" / "results" / "overhead.json"
-# Smoke results are throwaway: *.tmp under benchmarks/results is git-ignored.
-SMOKE_OUT = REPO / "benchmarks" / "results" / "overhead.smoke.tmp"
 SYSTEMS = ("understudy", "torchrun", "torchrun+dcp")
 JOB = "overhead"
 WORLD, TP = 4, 2
 ACTIVE = ("node-a", "node-b")
-ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 #: Design target (/work/shared/design.md, "Targets"): against torchrun without checkpoints.
 TARGET_OVERHEAD = 0.02
-
-
-class BenchmarkError(UnderstudyError):
-    """The benchmark could not measure what it set out to."""
 
 
 @dataclass(frozen=True)
@@ -90,12 +71,8 @@ class BenchConfig:
 
 
 def run_understudy(cfg: BenchConfig, base: Path) -> dict[str, Any]:
-    etcd = EmbeddedEtcd(data_dir=base / "etcd")
-    cluster = LocalCluster(etcd_endpoint="", base_dir=base / "nodes")
     t0 = time.monotonic()
-    try:
-        etcd.start()
-        cluster.etcd_endpoint = etcd.endpoint
+    with harness.local_cluster(base) as (_, cluster):
         for n in ACTIVE:
             cluster.add(n, "active", extra=["--slots", "2"])
         for n in ACTIVE:
@@ -108,14 +85,8 @@ def run_understudy(cfg: BenchConfig, base: Path) -> dict[str, Any]:
                           "--save", str(base / "out"))
         if run.returncode != 0:
             raise BenchmarkError(f"understudy run failed: {run.stderr.strip()}")
-        cluster.wait_for("the job to finish", lambda s: (j := s.job(JOB)) is not None
-                         and j.state in ("done", "failed"), timeout=900, interval=0.5)
-        job = cluster.status().job(JOB)
-        if job is None or job.state != "done":
-            raise BenchmarkError(f"the job did not finish: {job.status if job else 'gone'}")
-        tracebacks = sum(d.log_text().count("Traceback") for d in cluster.daemons.values())
-    finally:
-        recovery.stop_cluster(etcd, cluster)
+        harness.wait_done(cluster, JOB, timeout=900, interval=0.5)
+        tracebacks = sum(harness.tracebacks(cluster).values())
     return {"wall_s": time.monotonic() - t0, "records": read_records(base / "steps"),
             "runtime_split_s": runtime_split(base / "out", cfg.warmup),
             "daemon_log_tracebacks": tracebacks}
@@ -227,14 +198,9 @@ def print_summary(result: dict[str, Any]) -> None:
           f"torchrun+dcp saves every {cfg['ckpt_every']} steps ({cfg['ckpt_mode']}); on "
           f"{m['cpus_usable']} CPUs, torch {m['torch']}")
 
-    def row(label: str, v: dict[str, float] | None, unit: str, scale: float = 1.0) -> None:
-        if v is None:
-            print(f"  {label:<44}{'(none)':>10}")
-            return
-        print(f"  {label:<44}" + "".join(f"{v[k] * scale:>10.3f}" for k in
-                                          ("median", "min", "max", "spread")) + f"  {unit}")
-
-    print(f"\n  {'':<44}{'median':>10}{'min':>10}{'max':>10}{'spread':>10}")
+    table = Table(44)
+    row = table.row
+    table.header()
     for system in SYSTEMS:
         row(f"{system}: median step", s["step_s"][system]["median_s"], "ms", 1e3)
         row(f"{system}: mean step", s["step_s"][system]["mean_s"], "ms", 1e3)
@@ -256,7 +222,7 @@ def print_summary(result: dict[str, Any]) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = harness.Parser("overhead", __doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, help="runs per system (default 5; smoke 1)")
     p.add_argument("--steps", type=int, help="steps per run (default 600; smoke 80)")
     p.add_argument("--step-sleep", type=float, default=0.04,
@@ -268,18 +234,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "benchmarks/downtime.py)")
     p.add_argument("--ckpt-mode", choices=("sync", "async"), default="sync")
     p.add_argument("--smoke", action="store_true", help="one short run each: for the tests")
-    p.add_argument("--out", type=Path, help=f"JSON results (default {DEFAULT_OUT.relative_to(REPO)}"
-                   f"; smoke {SMOKE_OUT.relative_to(REPO)})")
-    p.add_argument("--keep-dir", type=Path, help="keep logs and step lines here")
-    args = p.parse_args(argv)
-
-    def pick(value: Any, full: Any, smoke: Any) -> Any:
-        return value if value is not None else (smoke if args.smoke else full)
-
-    args.repeats = pick(args.repeats, 5, 1)
-    args.steps = pick(args.steps, 600, 80)
-    args.warmup = pick(args.warmup, 20, 10)
-    args.out = pick(args.out, DEFAULT_OUT, SMOKE_OUT)
+    p.outputs(keep="keep logs and step lines here")
+    args = p.parse(argv, {"repeats": (5, 1), "steps": (600, 80), "warmup": (20, 10)})
     if args.repeats < 1 or args.ckpt_every < 1 or args.warmup < 1:
         p.error("--repeats, --ckpt-every and --warmup must be at least 1")
     if args.steps < args.warmup + 2 * args.ckpt_every:
@@ -295,24 +251,15 @@ def main(argv: list[str] | None = None) -> int:
                       warmup=args.warmup, ckpt_every=args.ckpt_every, ckpt_mode=args.ckpt_mode,
                       smoke=args.smoke)
     os.environ.update(ONE_THREAD)  # every process it starts inherits it
-    # SIGTERM takes the Ctrl-C path, so the finally blocks below stop every process.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    base = args.keep_dir or Path(tempfile.mkdtemp(prefix="understudy-bench-ovh-"))
-    base.mkdir(parents=True, exist_ok=True)
-    started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    outcome = run_repeats("overhead", cfg.repeats, lambda i, d: run_repeat(i, cfg, d), base,
-                          args.keep_dir is not None,
-                          (BenchmarkError, migration.BenchmarkError, EtcdStartError,
-                           StoreError, OSError, UnderstudyError, ValueError, psutil.Error))
-    if isinstance(outcome, int):
-        return outcome
-    repeats = outcome
+    scratch = harness.Scratch(args.keep_dir, "understudy-bench-ovh-")
+    repeats = scratch.repeats("overhead benchmark", cfg.repeats,
+                              lambda i, d: run_repeat(i, cfg, d),
+                              (OSError, UnderstudyError, ValueError, psutil.Error))
+    if isinstance(repeats, int):
+        return repeats
 
     result = {
-        "benchmark": "overhead",
-        "started_at": started,
-        "command": shlex.join(sys.orig_argv),
-        "machine": {**machine(), "torch": importlib.metadata.version("torch")},
+        **harness.header("overhead", scratch.started, torch=True),
         "config": {**asdict(cfg), "tp": TP, "dp": WORLD // TP, "understudy_standby": 0,
                    "job": "examples/plain_torch/train.py", "threads_per_process": 1,
                    "torchrun": {"agents": 2, "workers_per_agent": 2, "rdzv_backend": "c10d",
@@ -322,10 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         "summary": collect(repeats),
         "repeats": repeats,
     }
-    print_summary(result)
-    out: Path = args.out
-    write_results(result, out)
-    print(f"\nresults written to {out}")
+    harness.report(result, args.out, print_summary)
     return 0
 
 

@@ -29,34 +29,29 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime
 import json
 import os
 import random
-import shlex
-import shutil
-import signal
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import harness
 import psutil
-from control_plane import (
+from harness import (
+    MIB,
     BenchmarkError,
     Probe,
     by_label,
     cpu_seconds,
     delta,
-    machine,
     percentile,
     scrape,
     summarize,
 )
 from scale_sim import Fleet, NoWorkers
 
-from common import write_results
 from understudy.common import config as config_mod
 from understudy.common import logs
 from understudy.common.errors import StoreError
@@ -70,17 +65,12 @@ from understudy.daemon.metrics import Metrics
 from understudy.daemon.node import NodeAgent
 from understudy.daemon.planner import plan
 from understudy.testing.embedded_etcd import EmbeddedEtcd, EtcdStartError
-from understudy.testing.localcluster import LocalCluster
 
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = REPO / "benchmarks" / "results" / "scale.json"
-SMOKE_OUT = REPO / "benchmarks" / "results" / "scale.smoke.tmp"
 PREFIX = "/understudy"
 CONTROLLER = "zz-controller"  # sorts last: never picked as a job's standby before the spares
 #: one rank per node: the planner pairs each lost rank with its own standby node (a standby
 #: node warms one rank per job), so an 8-rank node would need 8 standbys per job
 SLOTS = 1
-MIB = 1024 * 1024
 #: design target: node failure to committed plan, p99, at 4,096 nodes (failure = lease gone)
 TARGET_P99_S = 0.5
 
@@ -90,9 +80,7 @@ TARGET_P99_S = 0.5
 
 async def observe(endpoint: str, prefix: str) -> None:
     """Print one JSON line per change under nodes/, registry/ and jobs/ (wall time first)."""
-    cfg = config_mod.load(overrides={"etcd.endpoints": endpoint, "etcd.prefix": prefix},
-                          environ={}, require_node=False)
-    store = EtcdStore(cfg.etcd)
+    store = harness.etcd_store(endpoint, prefix)
     keys = Keys(prefix)
     stop = asyncio.Event()
     rev = await store.current_revision()
@@ -297,96 +285,91 @@ async def run_size(n: int, args: argparse.Namespace, base: Path, rng: random.Ran
                    ) -> dict[str, Any]:
     lay = layout(n, args.job_nodes, args.job_standbys, args.max_jobs)
     log = lambda msg: print(f"[{n} nodes] {msg}", file=sys.stderr, flush=True)  # noqa: E731
-    etcd = EmbeddedEtcd(data_dir=base / "etcd")
-    cluster = LocalCluster(etcd_endpoint="", base_dir=base / "daemons", lease_ttl=args.ttl)
-    observer = Observer()
-    fleet: Fleet | None = None
-    probe: Probe | None = None
-    try:
-        etcd.start()
-        cluster.etcd_endpoint = etcd.endpoint
-        probe = Probe(etcd.endpoint, PREFIX)
-        daemon = cluster.add(CONTROLLER, "standby")
-        t0 = time.monotonic()
-        while await _safe(probe.controller()) != CONTROLLER:
-            if time.monotonic() - t0 > 30 or not daemon.alive():
-                raise BenchmarkError("the real daemon did not become the controller")
-            await asyncio.sleep(0.05)
-        await observer.start(etcd.endpoint)
-        fleet = Fleet(etcd.endpoint, PREFIX, args.ttl, args.keepalive_interval,
-                      channels=args.channels, keepalive_streams=args.keepalive_streams,
-                      keepalive_procs=args.keepalive_procs,
-                      daemon_traffic=args.daemon_traffic, seed=args.seed)
-        await fleet.start()
-        meters = Meters(etcd, daemon.pid, fleet)
-        names = [(f"sim-{i:05d}", "active" if i < lay["active"] else "standby",
-                  SLOTS if i < lay["active"] else 1) for i in range(n)]
-        m0 = await asyncio.to_thread(meters.read)
-        fleet.loop_lag.take()
-        await fleet.add(names, concurrency=args.join_concurrency)
-        join = await meters.phase(m0)
-        join["register_s"] = {**summarize(fleet.register_s),
-                              "p99": percentile(fleet.register_s, 99)}
-        join_s = join["seconds"]
-        log(f"{n} simulated nodes joined in {join_s:.1f}s (registration p99 "
-            f"{join['register_s']['p99']:.2f}s, max {join['register_s']['max']:.2f}s); "
-            f"{health(join)}; placing {lay['jobs']} jobs")
-        m0 = await asyncio.to_thread(meters.read)
+    with harness.local_cluster(base, args.ttl, nodes="daemons") as (etcd, cluster):
+        observer = Observer()
+        fleet: Fleet | None = None
+        probe: Probe | None = None
         try:
-            jobs = await submit_jobs(probe.store, observer, lay["jobs"], args)
-        except BenchmarkError as exc:
-            # Placement is part of what may break at a size: record it, go on to the next.
+            probe = Probe(etcd.endpoint, PREFIX)
+            daemon = cluster.add(CONTROLLER, "standby")
+            t0 = time.monotonic()
+            while await _safe(probe.controller()) != CONTROLLER:
+                if time.monotonic() - t0 > 30 or not daemon.alive():
+                    raise BenchmarkError("the real daemon did not become the controller")
+                await asyncio.sleep(0.05)
+            await observer.start(etcd.endpoint)
+            fleet = Fleet(etcd.endpoint, PREFIX, args.ttl, args.keepalive_interval,
+                          channels=args.channels, keepalive_streams=args.keepalive_streams,
+                          keepalive_procs=args.keepalive_procs,
+                          daemon_traffic=args.daemon_traffic, seed=args.seed)
+            await fleet.start()
+            meters = Meters(etcd, daemon.pid, fleet)
+            names = [(f"sim-{i:05d}", "active" if i < lay["active"] else "standby",
+                      SLOTS if i < lay["active"] else 1) for i in range(n)]
+            m0 = await asyncio.to_thread(meters.read)
+            fleet.loop_lag.take()
+            await fleet.add(names, concurrency=args.join_concurrency)
+            join = await meters.phase(m0)
+            join["register_s"] = {**summarize(fleet.register_s),
+                                  "p99": percentile(fleet.register_s, 99)}
+            join_s = join["seconds"]
+            log(f"{n} simulated nodes joined in {join_s:.1f}s (registration p99 "
+                f"{join['register_s']['p99']:.2f}s, max {join['register_s']['max']:.2f}s); "
+                f"{health(join)}; placing {lay['jobs']} jobs")
+            m0 = await asyncio.to_thread(meters.read)
+            try:
+                jobs = await submit_jobs(probe.store, observer, lay["jobs"], args)
+            except BenchmarkError as exc:
+                # Placement is part of what may break at a size: record it, go on to the next.
+                place = await meters.phase(m0)
+                log(f"broke while placing jobs: {exc}; {health(place)}")
+                return {"nodes": n, "layout": lay, "join_s": join_s, "failovers": [],
+                        "broke": f"while placing jobs: {exc}",
+                        "phases": {"join": join, "place_jobs": place},
+                        "expired_keepalive_acks": fleet.expired_acks,
+                        "keepalive_sender_late_s": fleet.keepalives.late_s,
+                        "unexpected_failed_nodes": sorted(
+                            {e["key"].rsplit("/", 1)[-1] for e in observer.events
+                             if e.get("state") == "failed"}),
+                        "controller_fenced": daemon.log_text().count("Node fenced itself")}
             place = await meters.phase(m0)
-            log(f"broke while placing jobs: {exc}; {health(place)}")
-            return {"nodes": n, "layout": lay, "join_s": join_s, "failovers": [],
-                    "broke": f"while placing jobs: {exc}",
-                    "phases": {"join": join, "place_jobs": place},
-                    "expired_keepalive_acks": fleet.expired_acks,
-                    "keepalive_sender_late_s": fleet.keepalives.late_s,
-                    "unexpected_failed_nodes": sorted(
-                        {e["key"].rsplit("/", 1)[-1] for e in observer.events
-                         if e.get("state") == "failed"}),
-                    "controller_fenced": daemon.log_text().count("Node fenced itself")}
-        place = await meters.phase(m0)
-        place_s = place["seconds"]
-        log(f"{lay['jobs']} jobs placed in {place_s:.1f}s; {health(place)}; settling "
-            f"{args.settle_seconds:.0f}s")
-        m0 = await asyncio.to_thread(meters.read)
-        await asyncio.sleep(args.settle_seconds)
-        settle = await meters.phase(m0)
-        out: dict[str, Any] = {
-            "nodes": n, "layout": {**lay, "job_nodes": args.job_nodes,
-                                   "job_standbys": args.job_standbys, "slots": SLOTS},
-            "join_s": join_s, "place_jobs_s": place_s, "failovers": [], "broke": None,
-            "phases": {"join": join, "place_jobs": place, "settle": settle}}
-        try:
-            await measure(out, n, meters, fleet, observer, probe.store, jobs, etcd, args, rng,
-                          log)
-        except (BenchmarkError, StoreError) as exc:
-            # A size the machine cannot hold is a result: say where and how it broke (a request
-            # of this process's own that times out is a way of breaking too: its event loop
-            # serves the simulated nodes).
-            out["broke"] = str(exc)
-            log(f"broke: {exc}")
-        victims = {keys_registry(f["victim"]) for f in out["failovers"]}
-        out["unexpected_failed_nodes"] = sorted(
-            {e["key"].rsplit("/", 1)[-1] for e in observer.events
-             if e.get("state") == "failed" and e["key"] not in victims})
-        out["controller_fenced"] = daemon.log_text().count("Node fenced itself")
-        out["controller_log_tracebacks"] = daemon.log_text().count("Traceback")
-        out["expired_keepalive_acks"] = fleet.expired_acks
-        out["keepalive_sender_late_s"] = fleet.keepalives.late_s
-        if out["failovers"]:
-            out["failover_summary"] = summarize_failovers(out["failovers"])
-        return out
-    finally:
-        await observer.close()
-        if fleet is not None:
-            await fleet.close()
-        if probe is not None:
-            await probe.close()
-        cluster.stop_all(timeout=5)
-        etcd.stop()
+            place_s = place["seconds"]
+            log(f"{lay['jobs']} jobs placed in {place_s:.1f}s; {health(place)}; settling "
+                f"{args.settle_seconds:.0f}s")
+            m0 = await asyncio.to_thread(meters.read)
+            await asyncio.sleep(args.settle_seconds)
+            settle = await meters.phase(m0)
+            out: dict[str, Any] = {
+                "nodes": n, "layout": {**lay, "job_nodes": args.job_nodes,
+                                       "job_standbys": args.job_standbys, "slots": SLOTS},
+                "join_s": join_s, "place_jobs_s": place_s, "failovers": [], "broke": None,
+                "phases": {"join": join, "place_jobs": place, "settle": settle}}
+            try:
+                await measure(out, n, meters, fleet, observer, probe.store, jobs, etcd, args, rng,
+                              log)
+            except (BenchmarkError, StoreError) as exc:
+                # A size the machine cannot hold is a result: say where and how it broke (a request
+                # of this process's own that times out is a way of breaking too: its event loop
+                # serves the simulated nodes).
+                out["broke"] = str(exc)
+                log(f"broke: {exc}")
+            victims = {keys_registry(f["victim"]) for f in out["failovers"]}
+            out["unexpected_failed_nodes"] = sorted(
+                {e["key"].rsplit("/", 1)[-1] for e in observer.events
+                 if e.get("state") == "failed" and e["key"] not in victims})
+            out["controller_fenced"] = daemon.log_text().count("Node fenced itself")
+            out["controller_log_tracebacks"] = daemon.log_text().count("Traceback")
+            out["expired_keepalive_acks"] = fleet.expired_acks
+            out["keepalive_sender_late_s"] = fleet.keepalives.late_s
+            if out["failovers"]:
+                out["failover_summary"] = summarize_failovers(out["failovers"])
+            return out
+        finally:
+            await observer.close()
+            if fleet is not None:
+                await fleet.close()
+            if probe is not None:
+                await probe.close()
 
 
 def health(w: dict[str, Any]) -> str:
@@ -607,11 +590,7 @@ def print_summary(result: dict[str, Any]) -> None:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = harness.pyplot()
     sizes = [s for s in result["sizes"] if "failover_summary" in s and "controller_code" in s]
     if not sizes:
         return
@@ -660,13 +639,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
             a.grid(alpha=0.3)
     fig.suptitle(f"understudy control plane at scale (TTL {result['config']['ttl']} s, "
                  f"{result['machine']['cpus_usable']} CPUs shared)")
-    fig.tight_layout()
-    fig.savefig(path, format="png", dpi=100)
-    plt.close(fig)
+    harness.save_chart(fig, path, dpi=100)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = harness.Parser("scale", __doc__.splitlines()[0])
     p.add_argument("--nodes", help="comma-separated cluster sizes (default 256,1024,4096; "
                    "smoke 24)")
     p.add_argument("--repeats", type=int, help="failovers per size (default 20; smoke 2)")
@@ -699,27 +676,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="timed runs of the controller's re-list and planning round")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--smoke", action="store_true", help="seconds, not minutes: for the tests")
-    p.add_argument("--out", type=Path, help=f"JSON results (default "
-                   f"{DEFAULT_OUT.relative_to(REPO)}; smoke {SMOKE_OUT.relative_to(REPO)})")
-    p.add_argument("--png", type=Path, help="the chart (default: next to --out, .png)")
-    p.add_argument("--keep-dir", type=Path, help="keep etcd data and daemon logs here")
+    p.outputs(keep="keep etcd data and daemon logs here", chart="chart")
     p.add_argument("--observe", metavar="ENDPOINT", help=argparse.SUPPRESS)
     p.add_argument("--time-controller", metavar="ENDPOINT", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-
-    def pick(value: Any, full: Any, smoke: Any) -> Any:
-        return value if value is not None else (smoke if args.smoke else full)
-
-    args.nodes = [int(x) for x in str(pick(args.nodes, "256,1024,4096", "24")).split(",")]
-    args.repeats = pick(args.repeats, 20, 2)
-    args.keepalive_interval = pick(args.keepalive_interval, args.ttl / 3, args.ttl / 3)
-    args.steady_seconds = pick(args.steady_seconds, 30.0, 2.0)
-    args.settle_seconds = pick(args.settle_seconds, 15.0, 1.0)
-    args.job_nodes = pick(args.job_nodes, 32, 4)
-    args.out = pick(args.out, DEFAULT_OUT, SMOKE_OUT)
-    if args.png is None:
-        args.png = (args.out.with_name(args.out.name.removesuffix(".tmp") + ".png.tmp")
-                    if args.out.name.endswith(".tmp") else args.out.with_suffix(".png"))
+    args = p.parse(argv, {"nodes": ("256,1024,4096", "24"), "repeats": (20, 2),
+                          "steady_seconds": (30.0, 2.0), "settle_seconds": (15.0, 1.0),
+                          "job_nodes": (32, 4)})
+    args.nodes = [int(x) for x in str(args.nodes).split(",")]
+    if args.keepalive_interval is None:
+        args.keepalive_interval = args.ttl / 3
     if args.repeats < 1 or min(args.nodes) < 8:
         p.error("--repeats must be >= 1 and every size >= 8 nodes")
     if args.ttl < 3:
@@ -742,33 +707,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     # The simulated nodes' agents log like daemons: only their warnings are of interest here.
     logs.configure("warning", "console")
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    base = args.keep_dir or Path(tempfile.mkdtemp(prefix="understudy-scale-"))
-    base.mkdir(parents=True, exist_ok=True)
-    started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    scratch = harness.Scratch(args.keep_dir, "understudy-scale-")
     load_before = os.getloadavg()
     rng = random.Random(args.seed)
-    sizes = []
-    try:
-        for n in args.nodes:
-            sizes.append(asyncio.run(run_size(n, args, base / f"n{n}", rng)))
-    except (BenchmarkError, EtcdStartError, StoreError, OSError, psutil.Error) as exc:
-        print(f"scale benchmark failed: {exc} (logs in {base})", file=sys.stderr)
-        args.keep_dir = base
-        return 1
-    except KeyboardInterrupt:
-        print("scale benchmark interrupted; its processes are stopped", file=sys.stderr)
-        return 130
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if args.keep_dir is None:
-            shutil.rmtree(base, ignore_errors=True)
+    sizes = scratch.run("scale benchmark",
+                        (BenchmarkError, EtcdStartError, StoreError, OSError, psutil.Error),
+                        lambda: [asyncio.run(run_size(n, args, scratch.base / f"n{n}", rng))
+                                 for n in args.nodes])
+    if isinstance(sizes, int):
+        return sizes
     result = {
-        "benchmark": "scale",
-        "started_at": started,
-        "command": shlex.join(sys.orig_argv),
-        "machine": machine(),
+        **harness.header("scale", scratch.started),
         "config": {"nodes": args.nodes, "repeats": args.repeats, "ttl": args.ttl,
                    "keepalive_interval": args.keepalive_interval,
                    "steady_seconds": args.steady_seconds,
@@ -786,7 +735,7 @@ def main(argv: list[str] | None = None) -> int:
     print_summary(result)
     args.png.parent.mkdir(parents=True, exist_ok=True)
     plot(result, args.png)
-    write_results(result, args.out)
+    harness.write_results(result, args.out)
     print(f"\nresults written to {args.out}, chart {args.png}")
     return 0
 

@@ -50,47 +50,35 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime
 import itertools
 import json
 import os
 import random
-import shlex
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import harness
+import interruptions
 import psutil
-import recovery
 import soak_plan
 import steplog
 import volatile
-from baseline.elastic import read_records
-from control_plane import machine
-from migration import log_records
+from harness import ONE_THREAD, REPO, TRAIN, log_records, read_records
+from interruptions import JOB, TP, WORLD
 from soak_plan import Hit, Picture, Planned
 
-from common import write_results
 from understudy.cli.cluster import ClusterStatus, JobView, read_events
 from understudy.common import config as config_mod
 from understudy.common.errors import StoreError, UnderstudyError
 from understudy.common.keys import Keys
 from understudy.common.layout import Layout
-from understudy.common.store import EtcdStore
 
-REPO = Path(__file__).resolve().parent.parent
-TRAIN = recovery.TRAIN
-DEFAULT_OUT = REPO / "benchmarks" / "results" / "soak.json"
-# Smoke results are throwaway: *.tmp under benchmarks/results is git-ignored.
-SMOKE_OUT = REPO / "benchmarks" / "results" / "soak.smoke.tmp"
-JOB, WORLD, TP = recovery.JOB, recovery.WORLD, recovery.TP
 LAYOUT = Layout(world_size=WORLD, tp=TP)
 STANDBY = 2
 #: The first faults wait until every rank has committed this step (first touches are paid).
@@ -263,17 +251,13 @@ class Soak:
         self.cfg, self.base = cfg, base
         #: wall time this soak began: only processes started since are its own
         self.began = time.time()
-        rcfg = recovery.BenchConfig(repeats=1, steps=cfg.steps, step_sleep=cfg.step_sleep,
-                                    crash_at=recovery.LOG_EVERY, ttl=cfg.ttl, smoke=cfg.smoke,
-                                    sandbox=True, step_log=True)
-        self.etcd, self.cluster = recovery.new_cluster(rcfg, base)
+        self.etcd, self.cluster = harness.new_cluster(base, cfg.ttl)
         self.out, self.steps_dir = base / "out", base / "steps"
         self.faults_over = base / "faults-over"
         self.progress = Steps(self.steps_dir)
         #: node -> the pids stopped by a silent-node fault and not woken yet
         self.frozen: dict[str, list[int]] = {}
         self.cordoned: list[str] = []
-        self.next_standby = len(recovery.STANDBYS) + 1
         self.joined: list[str] = []
         self.retired: list[str] = []
         #: the autoscaler holds off (a while-paused fault uses the pool up)
@@ -288,8 +272,9 @@ class Soak:
 
     def start(self) -> None:
         self.steps_dir.mkdir(parents=True, exist_ok=True)
-        recovery.bring_up(self.etcd, self.cluster)
-        env = {**recovery.ONE_THREAD, "UNDERSTUDY_RECORDINGS": str(self.base / "recordings")}
+        harness.start_etcd(self.etcd, self.cluster)
+        interruptions.bring_up(self.cluster)
+        env = {**ONE_THREAD, "UNDERSTUDY_RECORDINGS": str(self.base / "recordings")}
         run = self.cluster.cli(
             "run", "--job", JOB, "--tp", str(TP), "--dp", str(WORLD // TP), "--standby",
             str(STANDBY), *(f"--env={k}={v}" for k, v in env.items()), "--", sys.executable,
@@ -383,16 +368,6 @@ class Soak:
         d = self.cluster.daemons.get(node)
         return d is not None and d.alive() and node not in self.frozen
 
-    def add_standbys(self, count: int) -> list[str]:
-        names = []
-        for _ in range(count):
-            name = f"node-s{self.next_standby}"
-            self.next_standby += 1
-            self.cluster.add(name, "standby")
-            names.append(name)
-        self.joined += names
-        return names
-
     def retire_idle(self) -> None:
         """Nodes that hold no rank and are no standby (a drained node, one that fenced itself
         and joined again empty) leave, as a cloud would reclaim them; the controller stays."""
@@ -406,11 +381,7 @@ class Soak:
             if (d is None or not d.alive() or not n.online or n.name == s.controller
                     or n.name in job.assignment.ranks or n.name in self.frozen or not idle):
                 continue
-            d.signal(signal.SIGTERM)
-            try:
-                d.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                d.kill9()
+            harness.retire(d)
             self.retired.append(n.name)
 
     def autoscale(self, want: int = STANDBY) -> list[str]:
@@ -421,8 +392,9 @@ class Soak:
         s = self.status()
         online = {n.name for n in s.nodes if n.online}
         coming = [n for n in self.joined if self.runs(n) and n not in online]
-        return self.add_standbys(max(0, want - len(self.free_standbys(s, self.job(s)))
-                                     - len(coming)))
+        return interruptions.add_standbys(
+            self.cluster, max(0, want - len(self.free_standbys(s, self.job(s))) - len(coming)),
+            self.joined)
 
     def pool_ready(self) -> bool:
         s = self.status()
@@ -450,7 +422,7 @@ class Soak:
             return lambda: os.kill(pid, signal.SIGKILL), info
         if hit.action == "kill-joiner":
             assert d is not None
-            pid = recovery.worker_pid(d, f"{JOB}.standby")
+            pid = harness.worker_pid(d, f"{JOB}.standby")
             info["pid"] = pid
             return lambda: signal_all([pid], signal.SIGKILL), info
         if hit.action in ("kill-daemon", "kill-node", "freeze-node"):
@@ -699,10 +671,7 @@ class Soak:
     def read_events(self) -> None:
         """Keep every event seen (the controller prunes the oldest past a thousand)."""
         async def read() -> list[Any]:
-            cfg = config_mod.load(overrides={"etcd.endpoints": self.cluster.etcd_endpoint,
-                                             "etcd.prefix": self.cluster.prefix},
-                                  environ={}, require_node=False)
-            store = EtcdStore(cfg.etcd)
+            store = harness.etcd_store(self.cluster.etcd_endpoint, self.cluster.prefix)
             try:
                 return (await read_events(store, Keys(self.cluster.prefix)))[0]
             finally:
@@ -845,7 +814,7 @@ def reference_run(base: Path, steps: int) -> Path:
                     [sys.executable, str(TRAIN), "--steps", str(steps), "--step-sleep", "0",
                      "--save", str(base / "out"), "--rank", str(r), "--world-size", str(WORLD),
                      "--tp", str(TP), "--pp", "1", "--store", str(base / "store")],
-                    env={**os.environ, **recovery.ONE_THREAD}, stdout=subprocess.DEVNULL,
+                    env={**os.environ, **ONE_THREAD}, stdout=subprocess.DEVNULL,
                     stderr=log))
         deadline = time.monotonic() + 120 + 0.1 * steps
         for r, p in enumerate(procs):
@@ -995,7 +964,7 @@ def print_summary(result: dict[str, Any]) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = harness.Parser("soak", __doc__.splitlines()[0])
     p.add_argument("--seed", type=int, default=0, help="the schedule's seed (default 0)")
     p.add_argument("--faults", type=int, help="faults in the schedule (default 50; smoke 7)")
     p.add_argument("--steps", type=int,
@@ -1015,19 +984,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ttl", type=int, default=config_mod.LeaseConfig().ttl,
                    help="the daemons' lease TTL in seconds (default: the daemon's)")
     p.add_argument("--smoke", action="store_true", help="a short mixed schedule: for the tests")
-    p.add_argument("--out", type=Path, help=f"JSON results (default {DEFAULT_OUT.relative_to(REPO)}"
-                   f"; smoke {SMOKE_OUT.relative_to(REPO)})")
-    p.add_argument("--keep-dir", type=Path, help="keep daemon logs, step lines and states here")
-    args = p.parse_args(argv)
-
-    def pick(value: Any, full: Any, smoke: Any) -> Any:
-        return value if value is not None else (smoke if args.smoke else full)
-
-    args.faults = pick(args.faults, 50, 7)
-    args.steps = pick(args.steps, 200 * args.faults + 1000, 1000)
-    args.step_sleep = pick(args.step_sleep, 0.08, 0.15)
-    args.out = pick(args.out, DEFAULT_OUT, SMOKE_OUT)
-    gap = pick(args.gap, "2,8", "0.5,1.5")
+    p.outputs(keep="keep daemon logs, step lines and states here")
+    args = p.parse(argv, {"faults": (50, 7), "step_sleep": (0.08, 0.15),
+                          "gap": ("2,8", "0.5,1.5")})
+    if args.steps is None:
+        args.steps = 1000 if args.smoke else 200 * args.faults + 1000
+    gap = args.gap
     try:
         args.gap = tuple(float(x) for x in gap.split(","))
     except ValueError:
@@ -1047,41 +1009,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def passed(found: dict[str, Any]) -> bool:
+    """Every fault survived, no hang, no failed job, and the job done with the reference's
+    state."""
+    t = found["totals"]
+    return (t["faults_survived"] == t["faults_planned"] and t["hangs"] == 0
+            and t["jobs_failed"] == 0 and t["job_done"] and t["bitwise_equal"] is True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = SoakConfig(seed=args.seed, faults=args.faults, steps=args.steps,
                      step_sleep=args.step_sleep, gap_s=args.gap, hang_s=args.hang_timeout,
                      serve_timeout_s=args.serve_timeout, ttl=args.ttl, smoke=args.smoke)
-    os.environ.update(recovery.ONE_THREAD)  # the daemons and their workers inherit it
-    # SIGTERM takes the Ctrl-C path, so the finally blocks below stop every process.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    base = args.keep_dir or Path(tempfile.mkdtemp(prefix="understudy-soak-"))
-    base.mkdir(parents=True, exist_ok=True)
-    started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    # The scratch directory goes unless asked to keep it or the soak found something: then its
-    # daemon logs are the evidence.
-    keep = args.keep_dir is not None
-    try:
-        found = run(cfg, base)
-        t = found["totals"]
-        ok = (t["faults_survived"] == t["faults_planned"] and t["hangs"] == 0
-              and t["jobs_failed"] == 0 and t["job_done"] and t["bitwise_equal"] is True)
-        keep = keep or not ok
-    except (OSError, UnderstudyError, psutil.Error) as exc:
-        print(f"soak failed: {exc} (logs in {base})", file=sys.stderr)
-        keep = True
-        return 1
-    except KeyboardInterrupt:
-        print("soak interrupted; its processes are stopped", file=sys.stderr)
-        return 130
-    finally:
-        # A second Ctrl-C must not cut the clean-up short.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if not keep:
-            shutil.rmtree(base, ignore_errors=True)
-    result = {"benchmark": "soak", "started_at": started, "command": shlex.join(sys.orig_argv),
-              "machine": machine(),
+    os.environ.update(ONE_THREAD)  # the daemons and their workers inherit it
+    scratch = harness.Scratch(args.keep_dir, "understudy-soak-")
+
+    def work() -> dict[str, Any]:
+        found = run(cfg, scratch.base)
+        # The scratch directory goes unless asked to keep it or the soak found something: then
+        # its daemon logs are the evidence.
+        scratch.keep = scratch.keep or not passed(found)
+        return found
+
+    found = scratch.run("soak", (OSError, UnderstudyError, psutil.Error), work)
+    if isinstance(found, int):
+        return found
+    ok = passed(found)
+    result = {**harness.header("soak", scratch.started),
               "config": {**asdict(cfg), "tp": TP, "dp": WORLD // TP, "standby": STANDBY,
                          "job": "examples/plain_torch/train.py", "threads_per_process": 1,
                          "kinds": list(soak_plan.KINDS),
@@ -1090,8 +1045,9 @@ def main(argv: list[str] | None = None) -> int:
                                      "step of the 30 s before the fault"},
               "passed": ok, **found}
     print_summary(result)
-    write_results(result, args.out)
-    print(f"\nresults written to {args.out}" + ("" if not keep else f"; logs in {base}"))
+    harness.write_results(result, args.out)
+    print(f"\nresults written to {args.out}"
+          + ("" if not scratch.keep else f"; logs in {scratch.base}"))
     return 0 if ok else 1
 
 

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from control_plane import summarize
+from harness import summarize
 
 from understudy.common.layout import Layout
 
@@ -200,7 +200,7 @@ def second(pic: Picture, first: tuple[Hit, ...], rng: random.Random,
 
 def by_kind(faults: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per kind, in :data:`KINDS` order: how many were fired and survived, and the summaries
-    (``control_plane.summarize``) of the downtime, the time lost and the steps redone of those
+    (``harness.summarize``) of the downtime, the time lost and the steps redone of those
     measured."""
     out: dict[str, dict[str, Any]] = {}
     for kind in KINDS:

@@ -19,6 +19,7 @@ the wall time just after the optimizer step. From them, pure functions (no proce
 - **Time to full strength**: from the last completion before the interruption to the completion
   of the first step beyond it (``last + 1``): the job is back where it was, every rank training.
   **Time lost** is that minus one normal step: the downtime plus the redone steps.
+- **Losses**: each rank's loss at each step, to check that two systems trained the same model.
 """
 
 from __future__ import annotations
@@ -177,3 +178,22 @@ def steady_steps(done: list[Completion], warmup: int = WARMUP_STEPS) -> dict[str
             "mean_s": (steady[-1].t - steady[0].t) / (steady[-1].step - steady[0].step),
             "p10_s": g_sorted[len(g) // 10], "p90_s": g_sorted[(len(g) * 9) // 10],
             "max_s": g_sorted[-1]}
+
+
+def losses(records: list[dict[str, Any]]) -> dict[str, float]:
+    """``"rank:step" -> loss`` of the newest commit of each step on each rank."""
+    out: dict[str, tuple[float, float]] = {}
+    for r in step_records(records):
+        key = f"{r['rank']}:{r['step']}"
+        if r.get("loss") is not None and r["t"] >= out.get(key, (0.0, 0.0))[0]:
+            out[key] = (r["t"], r["loss"])
+    return {k: v for k, (_, v) in out.items()}
+
+
+def compare_losses(a: dict[str, float], b: dict[str, float]) -> dict[str, Any]:
+    """How many steps two runs of the same job (:func:`losses`) both committed, and how many
+    of those had the same loss, bit for bit."""
+    common = sorted(set(a) & set(b))
+    same = sum(a[k] == b[k] for k in common)
+    return {"compared": len(common), "identical": same,
+            "first_difference": next((k for k in common if a[k] != b[k]), None)}

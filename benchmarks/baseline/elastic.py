@@ -26,23 +26,20 @@ Events:
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import psutil
+from harness import ONE_THREAD, REPO, RecordTail, wait
 
 JOB_SCRIPT = Path(__file__).resolve().parent / "torchrun_job.py"
-REPO = JOB_SCRIPT.parents[2]
-ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 #: Workers get a store of their own each round (rank 0 hosts it), not the agent's shared one:
 #: with the shared store (torch's default since 2.5) a restarted group can read the previous
 #: round's keys and connect to ports that are gone (seen here with gloo; pytorch/pytorch#135712,
@@ -50,6 +47,16 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "LOGLEVEL": "INFO"}
 NPROC = 2  # workers per agent: one agent stands for a node with two slots
 NODES = 2
+#: How often an agent looks at its workers, in seconds (torchrun's default: 5).
+MONITOR_INTERVAL_S = 0.1
+
+
+def torchrun_setup(max_restarts: int) -> dict[str, Any]:
+    """How a run with the drain handler starts torchrun, for a result's configuration."""
+    return {"agents": NODES, "workers_per_agent": NPROC, "rdzv_backend": "c10d",
+            "max_restarts": max_restarts, "monitor_interval_s": MONITOR_INTERVAL_S,
+            "drain_notice": True,
+            "env": {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}}
 
 
 class TorchrunError(RuntimeError):
@@ -91,45 +98,6 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def read_records(directory: Path) -> list[dict[str, Any]]:
-    """Every JSON line of the ``*.jsonl`` files under ``directory``."""
-    tail = RecordTail(directory)
-    tail.poll()
-    return tail.records
-
-
-class RecordTail:
-    """The JSON lines of the ``*.jsonl`` files under ``directory``, read incrementally (polling
-    must not load the machine it measures). A line still being written is left for the next
-    poll; one cut short by a kill is skipped."""
-
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self.records: list[dict[str, Any]] = []
-        #: per rank, (time, step) of the newest committed step
-        self.newest: dict[int, tuple[float, int]] = {}
-        self._offsets: dict[Path, int] = {}
-
-    def poll(self) -> list[dict[str, Any]]:
-        """Read what was appended since the last poll; returns the new records."""
-        new: list[dict[str, Any]] = []
-        for path in sorted(self.directory.glob("*.jsonl")):
-            offset = self._offsets.get(path, 0)
-            with open(path, "rb") as f:
-                f.seek(offset)
-                data = f.read()
-            end = data.rfind(b"\n") + 1
-            self._offsets[path] = offset + end
-            for line in data[:end].splitlines():
-                with contextlib.suppress(json.JSONDecodeError, UnicodeDecodeError):
-                    new.append(json.loads(line))
-        for r in new:
-            if r.get("kind", "step") == "step" and r["t"] >= self.newest.get(r["rank"], (0, 0))[0]:
-                self.newest[r["rank"]] = (r["t"], r["step"])
-        self.records += new
-        return new
-
-
 @dataclass
 class Agent:
     index: int
@@ -148,8 +116,126 @@ class Agent:
             return []
 
 
+class BaselineRun:
+    """What a baseline's run (:class:`ElasticRun`, ``torchft_run.TorchftRun``) does the same
+    way: read its workers' step lines (``tail``, from ``start()`` on), wait on them, and hurt
+    it. Its agents are ``agents``; what :meth:`hit_node` froze is ``frozen_procs``."""
+
+    #: the job's ranks
+    world = NODES * NPROC
+    #: what this run raises when it does not do what the benchmark waited for
+    error: type[TorchrunError] = TorchrunError
+    base: Path
+    agents: list[Agent]
+    frozen_procs: list[psutil.Process]
+    tail: RecordTail | None
+
+    def spawn(self, argv: list[str], log_name: str, env: dict[str, str]) -> Agent:
+        """Start an agent, ``argv`` in a session of its own with ``env`` on top of ours, its
+        output to ``log_name`` in the run's directory."""
+        log_path = self.base / log_name
+        with open(log_path, "wb") as log:
+            t = time.time()
+            proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True,
+                                    env={**os.environ, **ONE_THREAD, **env})
+        agent = Agent(len(self.agents), proc, t, log_path)
+        self.agents.append(agent)
+        return agent
+
+    # -- what the workers wrote -----------------------------------------------------------
+
+    def records(self) -> list[dict[str, Any]]:
+        assert self.tail is not None, "start() first"
+        self.tail.poll()
+        return self.tail.records
+
+    def committed(self) -> dict[int, int]:
+        """Per rank, the newest step committed (by its newest process)."""
+        assert self.tail is not None, "start() first"
+        self.tail.poll()
+        return {rank: s for rank, (_, s) in self.tail.newest.items()}
+
+    def wait_step(self, step: int, timeout: float, ranks: range | None = None) -> None:
+        """Wait until each of ``ranks`` (default: all) has committed ``step``."""
+        ranks = range(self.world) if ranks is None else ranks
+
+        def done() -> bool:
+            c = self.committed()
+            return all(c.get(r, -1) >= step for r in ranks)
+        wait(f"ranks {list(ranks)} to commit step {step}", done, timeout, interval=0.02,
+             error=self.error)
+
+    def worker_pid(self, rank: int) -> int:
+        """The live worker process of ``rank``."""
+        for r in sorted(self.records(), key=lambda r: -r["t"]):
+            if r.get("kind") == "start" and r["rank"] == rank and psutil.pid_exists(r["pid"]):
+                return int(r["pid"])
+        raise self.error(f"no live worker of rank {rank}")
+
+    # -- events -----------------------------------------------------------------------------
+
+    def kill_worker(self, rank: int) -> float:
+        pid = self.worker_pid(rank)
+        t = time.time()
+        os.kill(pid, signal.SIGKILL)
+        return t
+
+    def stop_agent(self, agent: Agent, what: str, timeout: float) -> tuple[float, float]:
+        """SIGTERM to ``agent`` (``what``, for a message); returns the SIGTERM's time and the
+        agent's exit time."""
+        t = time.time()
+        agent.proc.send_signal(signal.SIGTERM)
+        try:
+            agent.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            raise self.error(f"{what} did not stop within {timeout}s of SIGTERM") from exc
+        return t, time.time()
+
+    def hit_node(self, agent: Agent, freeze: bool) -> float:
+        """kill -9 of ``agent`` and its workers at once (``freeze``: SIGSTOP, a node gone
+        silent: nothing dies, no connection closes); returns when."""
+        victims = [psutil.Process(agent.pid), *agent.workers()]
+        t = time.time()
+        for p in victims:
+            with contextlib.suppress(psutil.Error):
+                p.suspend() if freeze else p.kill()
+        if freeze:
+            self.frozen_procs += victims
+        else:
+            psutil.wait_procs(victims, timeout=10)
+        return t
+
+    def kill_frozen(self) -> None:
+        """kill -9 of what kill_node froze (an operator powering the silent machine off)."""
+        for p in self.frozen_procs:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        psutil.wait_procs(self.frozen_procs, timeout=10)
+
+    # -- the end ----------------------------------------------------------------------------
+
+    def kill_all(self, others: tuple[subprocess.Popen[bytes] | None, ...] = ()) -> None:
+        """Kill every agent and worker still running, and ``others``."""
+        procs: list[psutil.Process] = []
+        for a in self.agents:
+            with contextlib.suppress(psutil.Error):
+                procs += [psutil.Process(a.pid), *a.workers()]
+        for other in others:
+            if other is not None:
+                with contextlib.suppress(psutil.Error):
+                    procs.append(psutil.Process(other.pid))
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        psutil.wait_procs(procs, timeout=10)
+        for proc in [a.proc for a in self.agents] + [o for o in others if o is not None]:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+
+
 @dataclass
-class ElasticRun:
+class ElasticRun(BaselineRun):
     """One torchrun job on this machine (see the module docstring)."""
 
     cfg: TorchrunConfig
@@ -169,8 +255,8 @@ class ElasticRun:
         self.run_id = f"bench-{os.getpid()}-{self.port}"
         self.add_agent()
         # Agent 0 binds the rendezvous store before agent 1 looks for it.
-        wait("agent 0 to host the rendezvous store", lambda: _listening(self.port), timeout,
-             interval=0.05)
+        wait("agent 0 to host the rendezvous store", lambda: listening(self.port), timeout,
+             interval=0.05, error=TorchrunError)
         self.add_agent()
 
     def argv(self) -> list[str]:
@@ -180,47 +266,14 @@ class ElasticRun:
                 "--nproc-per-node", str(NPROC), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", self.run_id,
                 "--rdzv-conf", conf, "--max-restarts", str(self.cfg.max_restarts),
-                "--monitor-interval", "0.1", str(JOB_SCRIPT), *self.cfg.job_args(self.base)]
+                "--monitor-interval", str(MONITOR_INTERVAL_S), str(JOB_SCRIPT),
+                *self.cfg.job_args(self.base)]
 
     def add_agent(self) -> Agent:
         """Start an agent: one of the two nodes, or the spare that replaces a lost one."""
-        index = len(self.agents)
-        log_path = self.base / f"agent{index}.log"
-        with open(log_path, "wb") as log:
-            t = time.time()
-            proc = subprocess.Popen(self.argv(), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True,
-                                    env={**os.environ, **ONE_THREAD, **TORCHRUN_ENV})
-        agent = Agent(index, proc, t, log_path)
-        self.agents.append(agent)
-        return agent
+        return self.spawn(self.argv(), f"agent{len(self.agents)}.log", TORCHRUN_ENV)
 
     # -- what the workers wrote -----------------------------------------------------------
-
-    def records(self) -> list[dict[str, Any]]:
-        assert self.tail is not None, "start() first"
-        self.tail.poll()
-        return self.tail.records
-
-    def committed(self) -> dict[int, int]:
-        """Per rank, the newest step committed (by its newest process)."""
-        assert self.tail is not None, "start() first"
-        self.tail.poll()
-        return {rank: s for rank, (_, s) in self.tail.newest.items()}
-
-    def wait_step(self, step: int, timeout: float, ranks: range = range(NODES * NPROC)) -> None:
-        """Wait until each of ``ranks`` has committed ``step``."""
-        def done() -> bool:
-            c = self.committed()
-            return all(c.get(r, -1) >= step for r in ranks)
-        wait(f"ranks {list(ranks)} to commit step {step}", done, timeout, interval=0.02)
-
-    def worker_pid(self, rank: int) -> int:
-        """The live worker process of ``rank``."""
-        for r in sorted(self.records(), key=lambda r: -r["t"]):
-            if r["kind"] == "start" and r["rank"] == rank and psutil.pid_exists(r["pid"]):
-                return int(r["pid"])
-        raise TorchrunError(f"no live worker of rank {rank}")
 
     def ranks_of(self, agent: Agent) -> list[int]:
         pids = {p.pid for p in agent.workers()}
@@ -232,46 +285,18 @@ class ElasticRun:
 
     # -- events -----------------------------------------------------------------------------
 
-    def kill_worker(self, rank: int) -> float:
-        pid = self.worker_pid(rank)
-        t = time.time()
-        os.kill(pid, signal.SIGKILL)
-        return t
-
     def drain(self, agent: Agent, timeout: float = 120.0) -> tuple[float, float, Agent]:
         """SIGTERM to ``agent``; once it has exited, a replacement agent. Returns the SIGTERM's
         time, the drained agent's exit time and the replacement."""
-        t = time.time()
-        agent.proc.send_signal(signal.SIGTERM)
-        try:
-            agent.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired as exc:
-            raise TorchrunError(f"agent {agent.index} did not stop within {timeout}s of "
-                                "SIGTERM") from exc
-        left = time.time()
+        t, left = self.stop_agent(agent, f"agent {agent.index}", timeout)
         return t, left, self.add_agent()
 
     def kill_node(self, agent: Agent, freeze: bool = False) -> tuple[float, Agent]:
         """kill -9 of ``agent`` and its workers at once (``freeze``: SIGSTOP, a node gone
         silent: nothing dies, no connection closes), then a replacement agent."""
-        victims = [psutil.Process(agent.pid), *agent.workers()]
-        t = time.time()
-        for p in victims:
-            with contextlib.suppress(psutil.Error):
-                p.suspend() if freeze else p.kill()
         if freeze:
             self.frozen.add(agent.index)
-            self.frozen_procs += victims
-        else:
-            psutil.wait_procs(victims, timeout=10)
-        return t, self.add_agent()
-
-    def kill_frozen(self) -> None:
-        """kill -9 of what kill_node froze (an operator powering the silent machine off)."""
-        for p in self.frozen_procs:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-        psutil.wait_procs(self.frozen_procs, timeout=10)
+        return self.hit_node(agent, freeze), self.add_agent()
 
     # -- the end ----------------------------------------------------------------------------
 
@@ -299,38 +324,15 @@ class ElasticRun:
 
     def stop(self) -> None:
         """Kill every agent and worker still running."""
-        procs: list[psutil.Process] = []
-        for a in self.agents:
-            with contextlib.suppress(psutil.Error):
-                procs += [psutil.Process(a.pid), *a.workers()]
-        for p in procs:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-        psutil.wait_procs(procs, timeout=10)
-        for a in self.agents:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                a.proc.wait(timeout=5)
+        self.kill_all()
 
     def agent_log_tail(self, chars: int = 3000) -> str:
         return "\n".join(f"-- agent {a.index}:\n" + a.log_path.read_text(errors="replace")[-chars:]
                          for a in self.agents if a.log_path.exists())
 
 
-def _listening(port: int) -> bool:
+def listening(port: int) -> bool:
+    """Something on this machine accepts connections on ``port``."""
     with socket.socket() as s:
         s.settimeout(0.2)
         return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def wait(what: str, check: Callable[[], bool], timeout: float, interval: float = 0.1) -> float:
-    """Poll ``check`` until it holds; returns the seconds it took.
-
-    Raises:
-        TorchrunError: it did not within ``timeout`` seconds.
-    """
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if check():
-            return time.monotonic() - t0
-        time.sleep(interval)
-    raise TorchrunError(f"timed out after {timeout:.0f}s waiting for {what}")

@@ -27,27 +27,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import psutil
-from baseline.elastic import (
-    ONE_THREAD,
-    Agent,
-    RecordTail,
-    TorchrunError,
-    _listening,
-    free_port,
-    wait,
-)
+from baseline.elastic import Agent, BaselineRun, TorchrunError, free_port, listening
+from harness import RecordTail, wait
 
 JOB_SCRIPT = Path(__file__).resolve().parent / "torchft_job.py"
-REPO = JOB_SCRIPT.parents[2]
 #: As in elastic.py: a store per incarnation of a group, hosted by its local rank 0, so that a
 #: restarted group reads no keys of the previous one (the manager's address among them).
 AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "LOGLEVEL": "INFO"}
@@ -80,8 +70,11 @@ class TorchftConfig:
 
 
 @dataclass
-class TorchftRun:
+class TorchftRun(BaselineRun):
     """One torchft job on this machine (see the module docstring)."""
+
+    world = TP * DP
+    error = TorchftError
 
     cfg: TorchftConfig
     base: Path
@@ -107,52 +100,22 @@ class TorchftRun:
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True, env={**os.environ, "RUST_LOG": "info"})
         self.lighthouse_addr = f"http://127.0.0.1:{port}"
-        wait("the Lighthouse to listen", lambda: _listening(port), timeout, interval=0.05)
+        wait("the Lighthouse to listen", lambda: listening(port), timeout, interval=0.05,
+             error=TorchrunError)
         for replica in range(DP):
             self.add_group(replica)
 
     def add_group(self, replica: int) -> Agent:
         """Start an agent for ``replica``: one of the groups, or a spare that replaces one."""
-        index = len(self.agents)
-        log_path = self.base / f"agent{index}-replica{replica}.log"
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
                 "--nproc-per-node", str(TP), "--max-restarts", str(self.cfg.max_restarts),
                 "--monitor-interval", "0.1", str(JOB_SCRIPT),
                 *self.cfg.job_args(self.base, replica, self.lighthouse_addr)]
-        with open(log_path, "wb") as log:
-            t = time.time()
-            proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True,
-                                    env={**os.environ, **ONE_THREAD, **AGENT_ENV})
-        agent = Agent(index, proc, t, log_path)
-        self.agents.append(agent)
+        agent = self.spawn(argv, f"agent{len(self.agents)}-replica{replica}.log", AGENT_ENV)
         self.groups[replica] = agent
         return agent
 
     # -- what the workers wrote -----------------------------------------------------------
-
-    def records(self) -> list[dict[str, Any]]:
-        assert self.tail is not None, "start() first"
-        self.tail.poll()
-        return self.tail.records
-
-    def committed(self) -> dict[int, int]:
-        assert self.tail is not None, "start() first"
-        self.tail.poll()
-        return {rank: s for rank, (_, s) in self.tail.newest.items()}
-
-    def wait_step(self, step: int, timeout: float, ranks: range = range(TP * DP)) -> None:
-        """Wait until each of ``ranks`` has committed ``step``."""
-        def done() -> bool:
-            c = self.committed()
-            return all(c.get(r, -1) >= step for r in ranks)
-        wait(f"ranks {list(ranks)} to commit step {step}", done, timeout, interval=0.02)
-
-    def worker_pid(self, rank: int) -> int:
-        for r in sorted(self.records(), key=lambda r: -r["t"]):
-            if r.get("kind") == "start" and r["rank"] == rank and psutil.pid_exists(r["pid"]):
-                return int(r["pid"])
-        raise TorchftError(f"no live worker of rank {rank}")
 
     @staticmethod
     def ranks_of(replica: int) -> list[int]:
@@ -160,47 +123,17 @@ class TorchftRun:
 
     # -- events -----------------------------------------------------------------------------
 
-    def kill_worker(self, rank: int) -> float:
-        pid = self.worker_pid(rank)
-        t = time.time()
-        os.kill(pid, signal.SIGKILL)
-        return t
-
     def drain(self, replica: int, timeout: float = 120.0) -> tuple[float, float, Agent]:
         """SIGTERM to the group's agent; once it has exited, a replacement. Returns the
         SIGTERM's time, the agent's exit time and the replacement."""
-        agent = self.groups[replica]
-        t = time.time()
-        agent.proc.send_signal(signal.SIGTERM)
-        try:
-            agent.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired as exc:
-            raise TorchftError(f"replica group {replica}'s agent did not stop within "
-                               f"{timeout}s of SIGTERM") from exc
-        left = time.time()
+        t, left = self.stop_agent(self.groups[replica], f"replica group {replica}'s agent",
+                                  timeout)
         return t, left, self.add_group(replica)
 
     def kill_node(self, replica: int, freeze: bool = False) -> tuple[float, Agent]:
         """kill -9 of the group's agent and workers at once (``freeze``: SIGSTOP, a node gone
         silent: nothing dies, no connection closes; killed at the end), then a replacement."""
-        agent = self.groups[replica]
-        victims = [psutil.Process(agent.pid), *agent.workers()]
-        t = time.time()
-        for p in victims:
-            with contextlib.suppress(psutil.Error):
-                p.suspend() if freeze else p.kill()
-        if freeze:
-            self.frozen_procs += victims
-        else:
-            psutil.wait_procs(victims, timeout=10)
-        return t, self.add_group(replica)
-
-    def kill_frozen(self) -> None:
-        """kill -9 of what kill_node froze (an operator powering the silent machine off)."""
-        for p in self.frozen_procs:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-        psutil.wait_procs(self.frozen_procs, timeout=10)
+        return self.hit_node(self.groups[replica], freeze), self.add_group(replica)
 
     # -- the end ----------------------------------------------------------------------------
 
@@ -223,21 +156,7 @@ class TorchftRun:
 
     def stop(self) -> None:
         """Kill every agent, worker and the Lighthouse still running."""
-        procs: list[psutil.Process] = []
-        for a in self.agents:
-            with contextlib.suppress(psutil.Error):
-                procs += [psutil.Process(a.pid), *a.workers()]
-        if self.lighthouse is not None:
-            with contextlib.suppress(psutil.Error):
-                procs.append(psutil.Process(self.lighthouse.pid))
-        for p in procs:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-        psutil.wait_procs(procs, timeout=10)
-        for proc in [a.proc for a in self.agents] + [self.lighthouse]:
-            if proc is not None:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=5)
+        self.kill_all((self.lighthouse,))
 
     def log_tail(self, chars: int = 3000) -> str:
         paths = [a.log_path for a in self.agents] + [self.base / "lighthouse.log"]

@@ -1,0 +1,610 @@
+"""What every benchmark script shares, so that each one holds only what it measures.
+
+- **The command line**: :class:`Parser`, an ``argparse`` parser whose options left out take
+  their ``(full, smoke)`` default from a table by ``--smoke``, with the ``--out``, ``--png`` and
+  ``--keep-dir`` every benchmark has; the side-by-side runs' shared options.
+- **The run**: :class:`Scratch`, the scratch directory and the way a run ends (its processes
+  stopped on failure, Ctrl-C and SIGTERM; the directory removed unless kept), and the results:
+  :func:`header` (machine and command), :func:`report` (summary, JSON, chart).
+- **Statistics**: :func:`summarize` and friends, :func:`rounded` for the JSON.
+- **A local cluster**: an embedded etcd and ``understudyd`` daemons on this machine
+  (:func:`local_cluster`, :func:`wait_done`, :func:`retire`), a direct line to its etcd
+  (:func:`etcd_store`, :class:`Probe`) and its Prometheus metrics (:func:`scrape`).
+- **What the processes leave behind**: the daemons' JSON logs and events (:func:`snapshot`,
+  :func:`worker_pid`), the jobs' per-step lines (:class:`RecordTail`).
+- **Tables and charts**: :class:`Table` rows of summaries, :func:`pyplot` and
+  :func:`save_chart`.
+
+Benchmarks are scripts, not a package: each one imports this module from its own folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import psutil
+from prometheus_client.parser import text_string_to_metric_families
+
+from understudy.cli.cluster import JobView
+from understudy.common import config as config_mod
+from understudy.common.errors import RecordError, UnderstudyError
+from understudy.common.keys import Keys
+from understudy.common.records import ControllerRecord, NodeRecord, RegistryEntry
+from understudy.common.states import NodeState
+from understudy.common.store import EtcdStore
+from understudy.testing.embedded_etcd import EmbeddedEtcd
+from understudy.testing.localcluster import DaemonProcess, LocalCluster
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+#: The plain-PyTorch example's job, which every benchmark of a training job runs.
+TRAIN = REPO / "examples" / "plain_torch" / "train.py"
+#: One thread per process: the benchmarks run many of them on few cores.
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+MIB = 1024 * 1024
+
+T = TypeVar("T")
+
+
+class BenchmarkError(UnderstudyError):
+    """A benchmark could not measure what it set out to (a node never failed, a job did not
+    finish, a log line is missing...)."""
+
+
+# -- the command line ------------------------------------------------------------------------
+
+
+class Parser(argparse.ArgumentParser):
+    """A benchmark's command line. ``--smoke`` (seconds or minutes, for the tests) picks the
+    second of each ``(full, smoke)`` pair in the table given to :meth:`parse` for an option left
+    out; :meth:`outputs` adds ``--out`` (default ``benchmarks/results/<name>.json``; smoke
+    ``<name>.smoke.tmp``, git-ignored: smoke results are throwaway), ``--png`` (default: next to
+    ``--out``) and ``--keep-dir``."""
+
+    def __init__(self, name: str, description: str) -> None:
+        super().__init__(description=description)
+        self.results = (RESULTS / f"{name}.json", RESULTS / f"{name}.smoke.tmp")
+        self._outputs = False
+
+    def outputs(self, keep: str, chart: str = "") -> None:
+        """``--out``, ``--png`` if there is a ``chart`` (what it is, for the help), and
+        ``--keep-dir`` (``keep``: its help)."""
+        full, smoke = self.results
+        self.add_argument("--out", type=Path, help=f"JSON results (default "
+                          f"{full.relative_to(REPO)}; smoke {smoke.relative_to(REPO)})")
+        if chart:
+            self.add_argument("--png", type=Path,
+                              help=f"the {chart} (default: next to --out, .png)")
+        self.add_argument("--keep-dir", type=Path, help=keep)
+        self._outputs = True
+
+    def parse(self, argv: list[str] | None = None,
+              defaults: Mapping[str, tuple[Any, Any]] | None = None) -> argparse.Namespace:
+        """The arguments, each option of ``defaults`` that was left out set to its full or its
+        smoke default, and ``--out`` and ``--png`` to theirs."""
+        args = self.parse_args(argv)
+        table = {**(defaults or {}), **({"out": self.results} if self._outputs else {})}
+        for name, (full, smoke) in table.items():
+            if getattr(args, name) is None:
+                setattr(args, name, smoke if args.smoke else full)
+        if getattr(args, "png", False) is None:
+            out: Path = args.out
+            args.png = (out.with_name(out.name.removesuffix(".tmp") + ".png.tmp")
+                        if out.name.endswith(".tmp") else out.with_suffix(".png"))
+        return args
+
+
+def side_by_side_options(p: argparse.ArgumentParser) -> None:
+    """The options of a side-by-side run's systems that :func:`check_side_by_side` checks
+    besides the job's: the baseline's checkpoint mode and rendezvous keep-alive, understudy's
+    lease TTL."""
+    p.add_argument("--ckpt-mode", choices=("sync", "async"), default="sync",
+                   help="torchrun's DCP save: dcp.save or dcp.async_save (default sync)")
+    p.add_argument("--ttl", type=int, default=config_mod.LeaseConfig().ttl,
+                   help="understudy's lease TTL in seconds (default: the daemon's)")
+    p.add_argument("--rdzv-keepalive",
+                   help="torchrun's rendezvous keep_alive_interval (s) and keep_alive_max_attempt "
+                        "(default 5,3: torchrun's own; smoke 1,2, so that a node gone from the "
+                        "rendezvous costs the tests seconds, not 15)")
+
+
+def check_side_by_side(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The options every side-by-side run (``downtime.py``, ``goodput.py``) shares (the
+    baseline's checkpoint cadence and rendezvous keep-alive, the job's step sleep,
+    understudy's lease TTL): exit 2 with a sentence on a bad one; ``args.keepalive`` becomes
+    ``(interval, attempts)``. Without ``--rdzv-keepalive``: torchrun's own 5,3, or 1,2 with
+    ``--smoke`` (a node gone from the rendezvous then costs the tests seconds, not 15)."""
+    if args.rdzv_keepalive is None:
+        args.rdzv_keepalive = "1,2" if args.smoke else "5,3"
+    if args.ckpt_every < 1 or args.step_sleep < 0:
+        p.error("--ckpt-every must be at least 1 and --step-sleep >= 0")
+    if args.ttl < 3:
+        p.error(f"--ttl must be at least 3, got {args.ttl}")
+    try:
+        interval, attempts = (int(x) for x in args.rdzv_keepalive.split(","))
+    except ValueError:
+        p.error(f"--rdzv-keepalive takes two integers, got {args.rdzv_keepalive!r}")
+    if interval < 1 or attempts < 1:
+        p.error(f"--rdzv-keepalive values must be at least 1, got {args.rdzv_keepalive!r}")
+    args.keepalive = (interval, attempts)
+
+
+# -- the run ---------------------------------------------------------------------------------
+
+
+class Scratch:
+    """A run's scratch directory (``keep_dir``, or a fresh temporary one) and the way the run
+    ends. Made at the start of a run: from then on SIGTERM takes the Ctrl-C path, so that the
+    ``finally`` blocks of the run stop every process it started."""
+
+    def __init__(self, keep_dir: Path | None, prefix: str) -> None:
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        self.base = keep_dir or Path(tempfile.mkdtemp(prefix=prefix))
+        self.base.mkdir(parents=True, exist_ok=True)
+        #: the directory outlives the run: asked for, or a failure's logs are in it
+        self.keep = keep_dir is not None
+        self.started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+    def run(self, what: str, errors: tuple[type[BaseException], ...],
+            work: Callable[[], T]) -> T | int:
+        """``work()``'s result, or the exit code: 1 when it raised one of ``errors`` (said in
+        a sentence on stderr, the directory kept for its logs), 130 when interrupted. The
+        directory is removed afterwards unless :attr:`keep`."""
+        try:
+            return work()
+        except errors as exc:
+            print(f"{what} failed: {exc} (logs in {self.base})", file=sys.stderr)
+            self.keep = True
+            return 1
+        except KeyboardInterrupt:
+            print(f"{what} interrupted; its processes are stopped", file=sys.stderr)
+            return 130
+        finally:
+            # A second Ctrl-C must not cut the clean-up short.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            if not self.keep:
+                shutil.rmtree(self.base, ignore_errors=True)
+
+    def repeats(self, what: str, count: int, run: Callable[[int, Path], dict[str, Any]],
+                errors: tuple[type[BaseException], ...]) -> list[dict[str, Any]] | int:
+        """``run(i, base / "repeat<i>")`` for each repeat, as :meth:`run`."""
+        return self.run(what, errors,
+                        lambda: [run(i, self.base / f"repeat{i}") for i in range(count)])
+
+
+def machine(torch: bool = False) -> dict[str, Any]:
+    """The machine, the versions and the commit a result comes from (``torch``: its version
+    too)."""
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    etcd_version = "unknown"
+    binary = shutil.which("etcd") or "/usr/bin/etcd"
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10)
+        etcd_version = out.stdout.splitlines()[0].split(":", 1)[1].strip()
+    except (OSError, IndexError, subprocess.TimeoutExpired):
+        pass
+    commit, dirty = "", None
+    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                                capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = bool(subprocess.run(["git", "-C", str(REPO), "status", "--porcelain",
+                                     "--untracked-files=no"],
+                                    capture_output=True, text=True, timeout=10).stdout.strip())
+    return {
+        "platform": platform.platform(), "machine": platform.machine(), "cpu_model": model,
+        "cpu_count": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)),
+        "memory_gib": round(psutil.virtual_memory().total / 1024**3, 1),
+        "python": platform.python_version(), "etcd_version": etcd_version,
+        "git_commit": commit, "git_dirty": dirty,
+        **({"torch": importlib.metadata.version("torch")} if torch else {}),
+    }
+
+
+def header(name: str, started: str, torch: bool = False) -> dict[str, Any]:
+    """The first keys of every result: the benchmark, when, the command line, the machine."""
+    return {"benchmark": name, "started_at": started, "command": shlex.join(sys.orig_argv),
+            "machine": machine(torch)}
+
+
+def report(result: dict[str, Any], out: Path, summary: Callable[[dict[str, Any]], None],
+           chart: Callable[[dict[str, Any], Path], None] | None = None,
+           png: Path | None = None) -> None:
+    """Print ``result``'s summary, write it to ``out``, draw its ``chart`` at ``png`` if it has
+    one, and say where they are."""
+    summary(result)
+    write_results(result, out)
+    if chart is None or png is None:
+        print(f"\nresults written to {out}")
+        return
+    chart(result, png)
+    print(f"\nresults written to {out}, chart to {png}")
+
+
+def write_results(result: dict[str, Any], out: Path) -> None:
+    """``result`` as JSON at ``out`` (floats :func:`rounded`), written whole or not at all."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")  # git-ignored should the run die mid-write
+    tmp.write_text(json.dumps(rounded(result), indent=1) + "\n")
+    tmp.replace(out)
+
+
+# -- statistics -------------------------------------------------------------------------------
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default), ``q`` in [0, 100].
+
+    Raises:
+        ValueError: no values.
+    """
+    if not values:
+        raise ValueError("percentile of no values")
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def summarize(values: list[float]) -> dict[str, float]:
+    return {
+        "n": len(values), "median": statistics.median(values), "min": min(values),
+        "max": max(values), "p90": percentile(values, 90), "spread": max(values) - min(values),
+    }
+
+
+def summarize_some(values: list[float]) -> dict[str, float] | None:
+    """:func:`summarize`, or None for no values (a figure never recorded)."""
+    return summarize(values) if values else None
+
+
+def ratio(num: float, den: float) -> float | None:
+    return num / den if den > 0 else None
+
+
+def rounded(value: Any) -> Any:
+    """Floats to microseconds: the JSON stays small and diffable."""
+    if isinstance(value, float):
+        return round(value, 6)
+    if isinstance(value, dict):
+        return {k: rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [rounded(v) for v in value]
+    return value
+
+
+# -- a local cluster ---------------------------------------------------------------------------
+
+
+def new_cluster(base: Path, lease_ttl: int = 3,
+                nodes: str = "nodes") -> tuple[EmbeddedEtcd, LocalCluster]:
+    """An etcd (its data in ``base/etcd``) and a cluster of daemons on it (their directories
+    and logs in ``base/<nodes>``), neither started yet: :func:`start_etcd` starts etcd, the
+    caller adds the daemons."""
+    etcd = EmbeddedEtcd(data_dir=base / "etcd")
+    cluster = LocalCluster(etcd_endpoint="", base_dir=base / nodes, lease_ttl=lease_ttl)
+    return etcd, cluster
+
+
+def start_etcd(etcd: EmbeddedEtcd, cluster: LocalCluster) -> None:
+    etcd.start()
+    cluster.etcd_endpoint = etcd.endpoint
+
+
+def stop_cluster(etcd: EmbeddedEtcd, cluster: LocalCluster) -> None:
+    """Stop the daemons, any worker they left behind (workers run in sessions of their own, out
+    of reach of the daemon's process group), then etcd."""
+    workers: list[psutil.Process] = []
+    for d in cluster.daemons.values():
+        if d.alive():
+            with contextlib.suppress(psutil.Error):
+                workers += psutil.Process(d.pid).children(recursive=True)
+    cluster.stop_all(timeout=5)
+    for p in workers:
+        with contextlib.suppress(psutil.Error):
+            if p.is_running():
+                p.kill()
+    psutil.wait_procs(workers, timeout=10)
+    etcd.stop()
+
+
+@contextlib.contextmanager
+def local_cluster(base: Path, lease_ttl: int = 3,
+                  nodes: str = "nodes") -> Iterator[tuple[EmbeddedEtcd, LocalCluster]]:
+    """:func:`new_cluster` with etcd started; on the way out every process is stopped
+    (:func:`stop_cluster`), whatever happened."""
+    etcd, cluster = new_cluster(base, lease_ttl, nodes)
+    try:
+        start_etcd(etcd, cluster)
+        yield etcd, cluster
+    finally:
+        stop_cluster(etcd, cluster)
+
+
+def wait_done(cluster: LocalCluster, job: str, timeout: float,
+              interval: float = 0.05) -> JobView:
+    """Wait for ``job`` to end; returns it, done.
+
+    Raises:
+        BenchmarkError: it failed or is gone. ClusterTimeout: it ran past ``timeout``.
+    """
+    cluster.wait_for("the job to finish", lambda s: (j := s.job(job)) is not None
+                     and j.state in ("done", "failed"), timeout=timeout, interval=interval)
+    view = cluster.status().job(job)
+    if view is None or view.state != "done":
+        raise BenchmarkError(f"the job did not finish: {view.status if view else 'gone'}")
+    return view
+
+
+def etcd_store(endpoint: str, prefix: str) -> EtcdStore:
+    """A connection to the cluster's etcd, as the CLI opens one (no node of its own)."""
+    cfg = config_mod.load(overrides={"etcd.endpoints": endpoint, "etcd.prefix": prefix},
+                          environ={}, require_node=False)
+    return EtcdStore(cfg.etcd)
+
+
+class Probe:
+    """Direct reads of the cluster's keys over one long-lived etcd connection."""
+
+    def __init__(self, endpoint: str, prefix: str) -> None:
+        self.store = etcd_store(endpoint, prefix)
+        self.keys = Keys(prefix)
+
+    async def _read(self, key: str, decode: Callable[[bytes], T]) -> T | None:
+        """The record at ``key``; None if there is none or it does not decode."""
+        kv = await self.store.get(key)
+        if kv is None:
+            return None
+        try:
+            return decode(kv.value)
+        except RecordError:
+            return None
+
+    async def registry_state(self, node: str) -> NodeState | None:
+        entry = await self._read(self.keys.registry_entry(node), RegistryEntry.decode)
+        return None if entry is None else entry.state
+
+    async def live_state(self, node: str) -> NodeState | None:
+        """The state in the node's lease-bound record; None once the lease has gone."""
+        record = await self._read(self.keys.node(node), NodeRecord.decode)
+        return None if record is None else record.state
+
+    async def controller(self) -> str | None:
+        record = await self._read(self.keys.controller, ControllerRecord.decode)
+        return None if record is None else record.node
+
+    async def close(self) -> None:
+        await self.store.close()
+
+
+def wait(what: str, check: Callable[[], bool], timeout: float, interval: float = 0.1,
+         error: type[Exception] = BenchmarkError) -> float:
+    """Poll ``check`` until it holds; returns the seconds it took.
+
+    Raises:
+        error: it did not within ``timeout`` seconds (default BenchmarkError).
+    """
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if check():
+            return time.monotonic() - t0
+        time.sleep(interval)
+    raise error(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+# -- what the daemons say ----------------------------------------------------------------------
+
+
+def log_records(text: str) -> list[dict[str, Any]]:
+    """The JSON lines of a daemon log (its workers' lines included); other lines are skipped."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def wall(record: dict[str, Any]) -> float:
+    """A log record's time, in seconds since the epoch."""
+    return datetime.datetime.fromisoformat(record["timestamp"]).timestamp()
+
+
+def wait_log(d: DaemonProcess, text: str, timeout: float) -> float:
+    """Wait until daemon ``d``'s log holds ``text``; returns the seconds it took.
+
+    Raises:
+        BenchmarkError: it did not within ``timeout`` seconds.
+    """
+    return wait(f"{d.name} to log {text!r}", lambda: text in d.log_text(), timeout,
+                interval=0.02)
+
+
+def worker_pid(d: DaemonProcess, child: str) -> int:
+    """The pid of the newest worker ``child`` (``mig.r1``) of daemon ``d``, from its log.
+
+    Raises:
+        BenchmarkError: no such worker ever started.
+    """
+    pids = [rec["pid"] for rec in log_records(d.log_text())
+            if rec.get("child") == child and "started with pid" in str(rec.get("event", ""))]
+    if not pids:
+        raise BenchmarkError(f"{child} never started on {d.name}")
+    return int(pids[-1])
+
+
+def retire(d: DaemonProcess) -> None:
+    """Daemon ``d``'s node leaves the cluster: SIGTERM (a daemon leaves on it, once drained),
+    SIGKILL if it is still there a minute later."""
+    d.signal(signal.SIGTERM)
+    try:
+        d.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        d.kill9()
+
+
+def tracebacks(cluster: LocalCluster) -> dict[str, int]:
+    """Per daemon, the tracebacks in its log: each one a finding."""
+    return {n: d.log_text().count("Traceback") for n, d in cluster.daemons.items()}
+
+
+def snapshot(cluster: LocalCluster, limit: int = 0) -> dict[str, Any]:
+    """What the cluster has to say: its newest ``limit`` events (0: all) as ``understudy
+    events --json`` prints them, every daemon's JSON log records, and their tracebacks."""
+    events = [json.loads(line) for line in
+              cluster.cli("events", "--json", "--limit", str(limit)).stdout.splitlines()]
+    logs = {n: log_records(d.log_text()) for n, d in cluster.daemons.items()}
+    return {"events": events, "logs": logs, "tracebacks": sum(tracebacks(cluster).values())}
+
+
+def scrape(url: str, timeout: float = 5.0) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Prometheus samples by sample name: ``{name: [(labels, value), ...]}``."""
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        text = resp.read().decode()
+    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples.setdefault(s.name, []).append((dict(s.labels), float(s.value)))
+    return samples
+
+
+def by_label(samples: dict[str, list[tuple[dict[str, str], float]]], name: str,
+             label: str) -> dict[str, float]:
+    """Sum one metric's samples grouped by one label."""
+    out: dict[str, float] = {}
+    for labels, value in samples.get(name, []):
+        out[labels.get(label, "")] = out.get(labels.get(label, ""), 0.0) + value
+    return out
+
+
+def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before.get(k, 0.0) for k in sorted(after)
+            if after[k] - before.get(k, 0.0) != 0}
+
+
+def cpu_seconds(proc: psutil.Process) -> float:
+    t = proc.cpu_times()
+    return float(t.user + t.system)
+
+
+# -- the jobs' step lines ----------------------------------------------------------------------
+
+
+def read_records(directory: Path) -> list[dict[str, Any]]:
+    """Every JSON line of the ``*.jsonl`` files under ``directory``."""
+    tail = RecordTail(directory)
+    tail.poll()
+    return tail.records
+
+
+class RecordTail:
+    """The JSON lines of the ``*.jsonl`` files under ``directory`` (each process of a job
+    appends a line per committed step, and the baselines' workers others: ``start``, ``init``,
+    ``saved``...), read incrementally (polling must not load the machine it measures). A line
+    still being written is left for the next poll; one cut short by a kill is skipped."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.records: list[dict[str, Any]] = []
+        #: per rank, (time, step) of the newest committed step
+        self.newest: dict[int, tuple[float, int]] = {}
+        self._offsets: dict[Path, int] = {}
+
+    def poll(self) -> list[dict[str, Any]]:
+        """Read what was appended since the last poll; returns the new records."""
+        new: list[dict[str, Any]] = []
+        for path in sorted(self.directory.glob("*.jsonl")):
+            offset = self._offsets.get(path, 0)
+            with open(path, "rb") as f:
+                f.seek(offset)
+                data = f.read()
+            end = data.rfind(b"\n") + 1
+            self._offsets[path] = offset + end
+            for line in data[:end].splitlines():
+                with contextlib.suppress(json.JSONDecodeError, UnicodeDecodeError):
+                    new.append(json.loads(line))
+        for r in new:
+            if r.get("kind", "step") == "step" and r["t"] >= self.newest.get(r["rank"], (0, 0))[0]:
+                self.newest[r["rank"]] = (r["t"], r["step"])
+        self.records += new
+        return new
+
+
+# -- tables and charts -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Table:
+    """Rows of :func:`summarize` figures, one column per statistic, under a header."""
+
+    #: characters of the label column
+    label_width: int
+    columns: tuple[str, ...] = ("median", "min", "max", "spread")
+    column_width: int = 10
+    #: what a row says for a figure never recorded
+    missing: str = f"{'(none)':>10}"
+    #: a row whose count differs from this says so, ``(n=N)``
+    repeats: int | None = None
+    #: every row says its count
+    count_always: bool = False
+
+    def header(self, title: str = "") -> None:
+        print(f"\n  {title:<{self.label_width}}"
+              + "".join(f"{c:>{self.column_width}}" for c in self.columns))
+
+    def row(self, label: str, v: dict[str, float] | None, unit: str, scale: float = 1.0,
+            fmt: str = ".3f") -> None:
+        if v is None:
+            print(f"  {label:<{self.label_width}}{self.missing}")
+            return
+        shown = self.count_always or (self.repeats is not None and v["n"] != self.repeats)
+        print(f"  {label:<{self.label_width}}"
+              + "".join(f"{v[k] * scale:>{self.column_width}{fmt}}" for k in self.columns)
+              + f"  {unit}" + (f" (n={v['n']})" if shown else ""))
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the Agg backend (no display), imported only when a chart is
+    drawn: a benchmark that draws none does not pay for it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_chart(fig: Any, path: Path, dpi: int = 110) -> None:
+    """Write ``fig`` as a PNG at ``path`` and free it."""
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=dpi)
+    pyplot().close(fig)
