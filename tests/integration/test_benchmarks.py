@@ -108,8 +108,11 @@ def test_migration_smoke(tmp_path: Path) -> None:
         # The phases follow each other; the steps before the switch are placed in them.
         ph = rep["phases_s"]
         assert ph["planned"] == 0
-        assert ph["planned"] < ph["preparing"] <= ph["ready"] <= ph["switching"]
-        assert ph["switching"] <= ph["done"]
+        assert ph["planned"] < ph["preparing"] <= ph["ready"] <= ph["done"]
+        # The controller goes from ready straight to done when the joiners' switch reports
+        # beat the "switching" one to its round; when it did pass through, it did so in order.
+        if "switching" in ph:
+            assert ph["ready"] <= ph["switching"] <= ph["done"]
         assert rep["phase1_s"] == ph["ready"]
         counted = rep["phase1_steps"]["count"] + rep["steps_before_planned"]
         assert 0 <= counted <= rep["switch_step"]
