@@ -29,7 +29,6 @@ from pathlib import Path
 
 from understudy.common import logs
 from understudy.common.daemon_client import DaemonClient, DaemonError
-from understudy.common.env import RECORDINGS as RECORDINGS
 from understudy.common.layout import Layout
 from understudy.groups.groupset import GroupSet
 from understudy.sandbox.manifest import MANIFEST, RoleType, recording_ranks, role_directory

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from understudy.common import env, failpoints
-from understudy.common import logs as daemon_logs
+from understudy.common import env, failpoints, logs
 from understudy.common.daemon_client import DaemonClient
+from understudy.common.env import RECORDINGS, WorkerRole
 from understudy.common.errorfile import record_error
 from understudy.common.layout import Layout
 from understudy.groups.groupset import GroupSet
@@ -37,7 +37,6 @@ from understudy.sandbox.manifest import CodeVersion
 from understudy.sandbox.recording import Recorder, should_record
 from understudy.sandbox.standby import (
     RECORDED_ITERATIONS,
-    RECORDINGS,
     import_lazy_modules,
     sandboxed,
     warm_standby,
@@ -82,7 +81,7 @@ def main(make_job: Callable[[], TrainingJob], steps: int, *, seed: int = 0,
          collective_timeout: float = 60.0) -> int:
     """Run this worker's part of the job. Returns the process exit code."""
     worker = _start(make_job, seed, collective_timeout)
-    if _env(env.WORKER_ROLE) == "standby":
+    if _env(env.WORKER_ROLE) == WorkerRole.STANDBY:
         seat = _run_standby(worker)
         if seat is None:
             return 0
@@ -149,7 +148,7 @@ def _start(make_job: Callable[[], TrainingJob], seed: int, timeout: float) -> _W
     """
     install_excepthook()
     tie_to_daemon()  # no worker outlives its daemon
-    daemon_logs.configure("info", "json")
+    logs.configure("info", "json")
     failpoints.check()  # a malformed UNDERSTUDY_FAILPOINTS fails the worker at start
     job = _env(env.JOB)
     node = _env(env.CHILD_NODE)
@@ -167,7 +166,7 @@ def _start(make_job: Callable[[], TrainingJob], seed: int, timeout: float) -> _W
     return _Worker(
         make_job=make_job, job=job, node=node, layout=layout, epoch=epoch, seed=seed,
         timeout=timeout, control=control, nodes=tuple(info["assignment"]["ranks"]), stop=stop,
-        log=daemon_logs.get(job=job, node=node), script=Path(sys.argv[0]).resolve(),
+        log=logs.get(job=job, node=node), script=Path(sys.argv[0]).resolve(),
         recordings=(Path(recordings) if recordings is not None and sandboxed(make_job())
                     else None),
         snapshots=Path(os.environ[SNAPSHOTS]) if os.environ.get(SNAPSHOTS) else None)
