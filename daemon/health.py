@@ -152,6 +152,7 @@ def _gpu_findings(gpu: GpuReading, cfg: HealthConfig) -> list[Finding]:
         out.append(Finding(subject, f"{label} failed to remap a memory row; the GPU needs "
                                     "service"))
     if gpu.temperature_c is not None:
+        limit: float | None
         if cfg.max_gpu_temperature_c is not None:
             limit, what = cfg.max_gpu_temperature_c, "health.max_gpu_temperature_c"
         else:

@@ -171,12 +171,12 @@ class JobRunner:
                 assert job.spec and job.assignment and job.status
                 if job.status.state != JobState.RUNNING:
                     continue
-                for rank in job.assignment.ranks_on(self.node):
-                    name = rank_child(job.spec.name, rank)
+                for held in job.assignment.ranks_on(self.node):
+                    name = rank_child(job.spec.name, held)
                     self._held_epoch[name] = job.assignment.epoch
                     # A draining node keeps its ranks until they have moved (or its deadline).
                     if state in (NodeState.ACTIVE, NodeState.DRAINING):
-                        wanted[name] = (job, rank)
+                        wanted[name] = (job, held)
                 if self.node in job.assignment.standbys and state == NodeState.STANDBY:
                     wanted[standby_child(job.spec.name)] = (job, None)
         for name, (job, rank) in sorted(wanted.items()):

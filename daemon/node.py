@@ -51,7 +51,8 @@ VERSION = "0.1.0"
 class Workers(Protocol):
     """What the node needs of its worker supervisor."""
 
-    running_count: int
+    @property
+    def running_count(self) -> int: ...
 
     def kill_all_now(self) -> None: ...
 

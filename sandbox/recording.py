@@ -176,11 +176,13 @@ class Recorder:
             TypeError: a group is not a stable :class:`VersionedGroup` (use :meth:`provider`).
             ValueError: as ``groups.current``.
         """
-        found = {name: groups.current(name) for name in self.layout.logical()}
-        for name, group in found.items():
+        found: dict[str, VersionedGroup] = {}
+        for name in self.layout.logical():
+            group = groups.current(name)
             if not isinstance(group, VersionedGroup):
                 raise TypeError(f"group {name} is a {type(group).__name__}, not a stable "
                                 "VersionedGroup: record it through Recorder.provider")
+            found[name] = group
         with self._lock:
             if self.state is not RecordState.RECORDING:
                 return
@@ -424,7 +426,7 @@ class RecordingGroup(dist.ProcessGroup):
         self.logical_name = name
         self.inner = inner
         self.recorder = recorder
-        ranks = _world.pg_group_ranks.get(inner)
+        ranks = _world.pg_group_ranks.get(inner)  # type: ignore[call-overload]
         if ranks is not None:
             _world.pg_group_ranks[self] = dict(ranks)
 

@@ -130,7 +130,7 @@ def wire_parallel_state(tp: VersionedGroup, dp: VersionedGroup, world: Versioned
     # No store: nothing may bootstrap a group through the default one (GroupSet builds every
     # group), and a new_group() attempt fails at once instead of waiting for peers.
     c10d._world.pg_map[world] = (backend, None)  # type: ignore[assignment]
-    c10d._world.pg_names[world] = world.logical_name
+    c10d._world.pg_names[world] = world.logical_name  # type: ignore[assignment]
     own = LoneGroup(layout.rank)
     tp_ranks, dp_ranks = layout.ranks("tp"), layout.ranks("dp")
     values: dict[str, Any] = {
