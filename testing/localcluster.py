@@ -21,15 +21,20 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
-from understudy.cli.cluster import ClusterStatus, read_cluster
+from understudy.cli.cluster import ClusterStatus, read_cluster, read_events
 from understudy.common import config as config_mod
+from understudy.common.config import EtcdConfig
 from understudy.common.errors import StoreError, UnderstudyError
 from understudy.common.keys import Keys
+from understudy.common.records import Event
 from understudy.common.store import EtcdStore
+
+T = TypeVar("T")
 
 
 class ClusterTimeout(UnderstudyError):
@@ -136,15 +141,24 @@ class LocalCluster:
         )
 
     def status(self) -> ClusterStatus:
-        return asyncio.run(self._status())
+        return asyncio.run(self._read(read_cluster))
 
-    async def _status(self) -> ClusterStatus:
-        cfg = config_mod.load(overrides={"etcd.endpoints": self.etcd_endpoint,
-                                         "etcd.prefix": self.prefix},
-                              environ={}, require_node=False)
-        store = EtcdStore(cfg.etcd)
+    def events(self) -> list[Event]:
+        """Every event, oldest first, as ``understudy events`` shows them, read in this process
+        (a test polling the events starts no CLI process each time)."""
+        return asyncio.run(self._read(read_events))[0]
+
+    def etcd_config(self) -> EtcdConfig:
+        """How the harness's own reads (``status``, ``events``) reach etcd; a cluster behind TLS
+        or a login says so here."""
+        return config_mod.load(overrides={"etcd.endpoints": self.etcd_endpoint,
+                                          "etcd.prefix": self.prefix},
+                               environ={}, require_node=False).etcd
+
+    async def _read(self, read: Callable[[EtcdStore, Keys], Awaitable[T]]) -> T:
+        store = EtcdStore(self.etcd_config())
         try:
-            return await read_cluster(store, Keys(self.prefix))
+            return await read(store, Keys(self.prefix))
         finally:
             await store.close()
 

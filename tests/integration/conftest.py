@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.once import build_once
 from tests.integration.scenarios import assert_no_tracebacks
 from understudy.testing.embedded_etcd import EmbeddedEtcd
 from understudy.testing.localcluster import LocalCluster
@@ -27,6 +28,7 @@ def cluster(etcd: EmbeddedEtcd, tmp_path: Path) -> Iterator[LocalCluster]:
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The uninterrupted run (TP=2 x DP=2, plain processes, no daemons) that the migration and
-    recovery tests compare with bit for bit: one per session, shared by their modules."""
+    recovery tests compare with bit for bit: one per test run, shared by their modules and by
+    every xdist worker."""
     from tests.integration.test_migration import standalone_run
-    return standalone_run(tmp_path_factory.mktemp("reference"))
+    return build_once(tmp_path_factory, "reference", standalone_run)

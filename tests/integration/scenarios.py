@@ -101,6 +101,7 @@ def wait_log(d: DaemonProcess, text: str, timeout: float = 60, times: int = 1) -
 
 
 def events(c: LocalCluster) -> list[dict[str, Any]]:
-    """Every event of the cluster, oldest first."""
-    out = c.cli("events", "--json", "--limit", "0").stdout
-    return [json.loads(line) for line in out.splitlines()]
+    """Every event of the cluster, oldest first, as ``understudy events --json`` prints them.
+    Read in this process: tests poll it, and a CLI process each time kept a core busy."""
+    return [{"time": e.time, "kind": e.kind, "node": e.node, "message": e.message,
+             "details": e.details} for e in c.events()]

@@ -40,6 +40,7 @@ import torch
 
 from tests.integration import bitwise, scenarios
 from tests.integration.bitwise import load_state
+from tests.integration.once import build_once
 from tests.integration.scenarios import events, start, wait_log, wait_standbys, worker_pid
 from tests.unit.test_sandbox import replay_without_a_network
 from understudy.testing.embedded_etcd import EmbeddedEtcd
@@ -83,8 +84,9 @@ def _standalone(base: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The uninterrupted run of the seed the other runs are compared with."""
-    return _standalone(tmp_path_factory.mktemp("reference"))
+    """The uninterrupted run of the seed the other runs are compared with (one per test run,
+    shared by every xdist worker)."""
+    return build_once(tmp_path_factory, "megatron-reference", _standalone)
 
 
 def _state(directory: Path, rank: int) -> dict[str, Any]:

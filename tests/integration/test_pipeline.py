@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.bitwise import assert_bitwise_equal
+from tests.integration.once import build_once
 from tests.integration.scenarios import events, wait_log, worker_pid
 from tests.integration.test_migration import STEPS, _finish, standalone_run
 from tests.integration.test_recovery import STANDBYS, _recovery_done, _wait_steps, training
@@ -27,7 +28,9 @@ NODES = {"node-a": 2, "node-b": 2}
 
 @pytest.fixture(scope="module")
 def pipeline_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return standalone_run(tmp_path_factory.mktemp("pp-reference"), world=4, tp=1, pp=2)
+    """The uninterrupted PP=2 run (one per test run, shared by every xdist worker)."""
+    return build_once(tmp_path_factory, "pp-reference",
+                      lambda base: standalone_run(base, world=4, tp=1, pp=2))
 
 
 def _rebuilt(log: str, rank: int) -> list[str]:

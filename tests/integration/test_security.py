@@ -35,7 +35,6 @@ import pytest
 
 from tests.integration.certs import CertAuthority, CertPair, have_openssl
 from tests.integration.scenarios import wait_log
-from understudy.cli.cluster import ClusterStatus, read_cluster
 from understudy.common import config
 from understudy.common import env as env_vars
 from understudy.common.config import EtcdConfig
@@ -382,13 +381,9 @@ class SecureCluster(LocalCluster):
             env={**os.environ, **self.cli_env, **(env or {})},
         )
 
-    async def _status(self) -> ClusterStatus:
+    def etcd_config(self) -> EtcdConfig:
         assert self.etcd_cfg is not None
-        store = EtcdStore(self.etcd_cfg)
-        try:
-            return await read_cluster(store, Keys(self.prefix))
-        finally:
-            await store.close()
+        return self.etcd_cfg
 
 
 def _daemon_env(pki: Pki, user: str, password: str) -> dict[str, str]:
