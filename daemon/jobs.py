@@ -43,6 +43,10 @@ MAX_STANDBY_FAILURES = 3
 #: A warm standby worker polls its daemon every 0.1 s while it waits; one silent this long is
 #: hung (stopped, deadlocked, swapping) and is replaced.
 STANDBY_SILENCE_S = 10.0
+#: How long the daemon of a joiner that died at the switch waits for its leaver's word on the
+#: transfer before it calls the migration off anyway: longer than a leaver's send may take to fail
+#: (its transfer timeout, 60 s), since a decision without that word can lose the rank.
+JOINER_VERDICT_WAIT_S = 90.0
 
 
 def rank_child(job: str, rank: int) -> str:
@@ -93,6 +97,8 @@ class JobRunner:
         #: child name -> (migration id, epoch) of a joiner promoted here whose migration may not
         #: have committed yet
         self._promoted: dict[str, tuple[str, int]] = {}
+        #: rank child names whose process ended and whose exit is still being decided
+        self._settling: set[str] = set()
         #: rank child name -> (migration id, rank, new epoch, pid of the standby worker) for a
         #: joiner chosen on this node: its promotion stands even if the migration record is
         #: replaced by the next one before this daemon saw it done
@@ -180,8 +186,8 @@ class JobRunner:
                 if self.node in job.assignment.standbys and state == NodeState.STANDBY:
                     wanted[standby_child(job.spec.name)] = (job, None)
         for name, (job, rank) in sorted(wanted.items()):
-            if name in running or (name in promotions and name not in
-                                   self._assigned_here(job)):
+            if name in running or name in self._settling or \
+                    (name in promotions and name not in self._assigned_here(job)):
                 # a joiner's rank comes from its standby worker, never from a fresh process
                 # (until the new assignment makes it this node's rank)
                 continue
@@ -501,9 +507,15 @@ class JobRunner:
             return
         rank = int(m["rank"])
         promoted = self._promoted.pop(child.name, None)
-        if promoted is not None and \
-                await self._joiner_died_before_commit(m["job"], rank, child, *promoted):
-            return
+        if promoted is not None:
+            # Until the exit is settled (the wait below reads etcd), a reconcile must not take
+            # the rank for one that no process holds.
+            self._settling.add(child.name)
+            try:
+                if await self._joiner_died_before_commit(m["job"], rank, child, *promoted):
+                    return
+            finally:
+                self._settling.discard(child.name)
         epoch = self._held_epoch.get(child.name, 0)
         self._ended.add((m["job"], rank, epoch))
         code = child.returncode if child.returncode is not None else -(child.signal or 0)
@@ -531,36 +543,64 @@ class JobRunner:
         leaver's state never reached it, the leaver still holds the rank (the survivors switch
         only after ``transferred ok``): the migration is called off, no exit is recorded for
         the rank (the epoch is reused by the next attempt) and the node is a standby again.
-        True in that case; False if the joiner held the rank (its exit is the rank's)."""
-        j = self._jobs.get(job)
-        if j is None or j.assignment is None or j.assignment.epoch >= epoch:
-            return False
+        True in that case; False if the joiner held the rank (its exit is the rank's).
+
+        The leaver's word decides, never its absence: a joiner that took the whole state can
+        die before its leaver has said so (the two reports travel through different daemons),
+        and calling the migration off then would lose the rank, since its leaver has handed
+        off and left. So this waits, reading etcd afresh, until the leaver reports the
+        transfer, the migration is called off (by anyone), or the new epoch is committed."""
         prefix = self.keys.kv(f"{job}/migration/{migration}")
-        for _ in range(20):
+        deadline = time.monotonic() + JOINER_VERDICT_WAIT_S
+        outcome: str | None = None
+        while outcome is None:
+            if self.stop.is_set():
+                return False
             try:
                 transferred = await self.store.get(prefix + Report.TRANSFERRED.of(rank))
+                if transferred is not None:
+                    outcome = "ok" if transferred.value == TRANSFER_OK else "failed"
+                    break
+                a = await self.store.get(self.keys.job_assignment(job))
+                if a is not None and Assignment.decode(a.value).epoch >= epoch:
+                    return False  # committed: the joiner held the rank
+                m = await self.store.get(self.keys.job_migration(job))
+                mig = Migration.decode(m.value) if m is not None else None
+                if mig is None or mig.id != migration or mig.phase == MigrationPhase.ABORTED:
+                    outcome = "called off"
+                    break
+            except (StoreError, RecordError) as exc:
+                self.log.debug("Cannot read the migration's outcome yet.", job=job,
+                               error=str(exc))
+            if time.monotonic() > deadline:
+                outcome = "no word"
+                self.log.error(f"No word from rank {rank}'s leaver within "
+                               f"{JOINER_VERDICT_WAIT_S:.0f} s of its joiner's death; calling "
+                               "the migration off.", job=job, rank=rank, migration=migration)
                 break
-            except StoreError:
-                if self.stop.is_set():
-                    return False
-                await wait_any((self.stop,), 0.5)
-        else:
-            return False
-        if transferred is not None and transferred.value == TRANSFER_OK:
+            await wait_any((self.stop,), 0.1)
+        if outcome == "ok":
             return False
         why = _joiner_end(self.node, child, "before it held the state")
-        with contextlib.suppress(StoreError):
-            await self.store.put(prefix + Report.ABORTED, why.encode())
+        if outcome != "called off":
+            with contextlib.suppress(StoreError):
+                await self.store.put(prefix + Report.ABORTED, why.encode())
         self.log.warning("A joiner ended before it held the state; its migration is called "
                          "off and the leaver keeps the rank.", job=job, rank=rank,
                          migration=migration, cause=why)
         holds = any(jb.assignment and jb.assignment.ranks_on(self.node)
-                    for jb in self._jobs.values())
+                    for jb in (await self._read_jobs_or_cached()).values())
         if self.agent.state == NodeState.ACTIVE and not holds:
             with contextlib.suppress(StoreError):
                 await self.agent.set_state(NodeState.STANDBY,
                                            "its joiner died before the switch completed")
         return True
+
+    async def _read_jobs_or_cached(self) -> dict[str, _Job]:
+        try:
+            return await self._read_jobs()
+        except StoreError:
+            return self._jobs
 
     async def _rank_missing(self, job: str, rank: int, epoch: int) -> None:
         self._ended.add((job, rank, epoch))

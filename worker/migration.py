@@ -404,6 +404,7 @@ class MigrationHook:
             self._forget("aborted")
             return False
         self.log.info(f"Handed the state of rank {self.rank} off at step {step}: {stats}.")
+        failpoints.hit("leaver.handed_off")  # the joiner holds the state; nobody knows yet
         self._report(Report.TRANSFERRED.of(self.rank), TRANSFER_OK)
         return True
 

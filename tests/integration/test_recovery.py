@@ -440,8 +440,11 @@ def test_a_joiner_dying_after_its_state_arrived_is_recovered_after_the_drain_com
         etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:
     # node-s2's joiner (rank 3) exits holding the leaver's state, before it says it switched:
     # the leaver has handed off, so the drain is committed (epoch 2) and rank 3, lost under the
-    # new epoch, is recovered onto node-s3 from its replica, rank 1 (epoch 3).
-    armed = {"node-s2": {"UNDERSTUDY_FAILPOINTS": "joiner.switch=exit(3)"}}
+    # new epoch, is recovered onto node-s3 from its replica, rank 1 (epoch 3). The leaver says
+    # it handed off 3 s late, so the joiner's death is always known first: its daemon must wait
+    # for the leaver's word, not take its absence for a failed transfer.
+    armed = {"node-s2": {"UNDERSTUDY_FAILPOINTS": "joiner.switch=exit(3)"},
+             "node-b": {"UNDERSTUDY_FAILPOINTS": "leaver.handed_off=sleep(3)"}}
     with training(etcd, tmp_path, {"node-a": 2, "node-b": 2}, (*STANDBYS, "node-s3"),
                   armed=armed, standby=3) as (c, out):
         _wait_steps(c.daemons["node-b"], 3, 50)
