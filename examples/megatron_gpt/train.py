@@ -27,7 +27,7 @@ import os
 import sys
 import time
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,18 +46,27 @@ with warnings.catch_warnings():
     from understudy.worker.megatron.adapter import GPTShape, MegatronJob, file_store_groups
 
 from understudy.common import logs
+from understudy.common.sizes import size_arg
 from understudy.worker.api import JobContext
 from understudy.worker.errors import record
 from understudy.worker.runtime import Runtime
 
 
 class GPTJob(MegatronJob):
-    """:class:`MegatronJob` with optional extra work per step (to stand in for a bigger model)."""
+    """:class:`MegatronJob` with optional extra work per step (to stand in for a bigger model)
+    and a model sized to hold ``state_bytes`` per rank (None: ``shape`` as given)."""
 
     def __init__(self, shape: GPTShape | None = None, step_sleep: float = 0.0,
-                 step_sleep_off: Path | None = None) -> None:
+                 step_sleep_off: Path | None = None, state_bytes: int | None = None) -> None:
         super().__init__(shape)
         self.step_sleep, self.step_sleep_off = step_sleep, step_sleep_off
+        self.state_bytes = state_bytes
+
+    def build(self, ctx: JobContext) -> None:
+        if self.state_bytes is not None:
+            self.shape = replace(self.shape, hidden_size=hidden_for(
+                self.state_bytes, self.shape, tp=ctx.tp))
+        super().build(ctx)
 
     def compute(self, step: int) -> float:
         if self.step_sleep and not (self.step_sleep_off and self.step_sleep_off.exists()):
@@ -65,11 +74,40 @@ class GPTJob(MegatronJob):
         return super().compute(step)
 
 
+#: bytes of state per parameter: the fp32 value and Adam's two moments
+STATE_PER_PARAM = 3 * 4
+
+
+def rank_params(shape: GPTShape, tp: int) -> int:
+    """Parameters a rank holds (megatron-core's local GPT layer spec, embeddings shared with the
+    output layer): what TP splits (QKV, the projection's and the MLP's weights, the vocabulary)
+    over ``tp``, the rest (biases of the row-parallel layers, layer norms, positions) whole."""
+    h, v = shape.hidden_size, shape.vocab_size
+    split_per_layer = 3 * h * h + 3 * h + h * h + 4 * h * h + 4 * h + 4 * h * h
+    whole_per_layer = h + h + 2 * 2 * h  # proj and fc2 biases, two layer norms
+    return (shape.num_layers * (split_per_layer // tp + whole_per_layer) + v * h // tp
+            + shape.seq_length * h + 2 * h)
+
+
+def hidden_for(state_bytes: int, shape: GPTShape, tp: int) -> int:
+    """The smallest hidden size, a multiple of the attention heads, at which a rank holds at
+    least ``state_bytes`` of parameters and Adam state."""
+    step = shape.num_attention_heads
+    hidden = step
+    while rank_params(replace(shape, hidden_size=hidden), tp) * STATE_PER_PARAM < state_bytes:
+        hidden += step
+    return hidden
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rank", type=int, default=int(os.environ.get("RANK", "0")))
     p.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", "1")))
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--state-size", type=size_arg, metavar="SIZE",
+                   help="the state a rank holds (parameters and Adam's moments): 27KB, 64MiB, "
+                   "1GiB...; sets the hidden size to match (default: hidden 64, about 0.5 MB "
+                   "per rank at TP 2)")
     p.add_argument("--store", help="file shared by all ranks to bootstrap groups (standalone "
                    "runs; under `understudy run` the daemons bootstrap the groups)")
     p.add_argument("--job", default="megatron-gpt")
@@ -87,6 +125,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def make_job(args: argparse.Namespace) -> GPTJob:
+    return GPTJob(step_sleep=args.step_sleep, step_sleep_off=args.step_sleep_off,
+                  state_bytes=args.state_size)
+
+
 @record
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
@@ -100,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                                          timeout=args.group_timeout)
     ctx = JobContext(job=args.job, rank=args.rank, world_size=args.world_size, tp=args.tp,
                      groups=provider, seed=args.seed, collective_timeout=args.collective_timeout)
-    runtime = Runtime(GPTJob(step_sleep=args.step_sleep, step_sleep_off=args.step_sleep_off), ctx)
+    runtime = Runtime(make_job(args), ctx)
     runtime.build()
     runtime.run(args.steps)
     if args.save is not None:
@@ -117,8 +160,7 @@ def _under_understudy(args: argparse.Namespace) -> int:
         if args.save is not None:
             save(runtime, args.save, runtime.ctx.rank)
 
-    return launch(lambda: GPTJob(step_sleep=args.step_sleep, step_sleep_off=args.step_sleep_off),
-                  args.steps, seed=args.seed, on_finish=finish,
+    return launch(lambda: make_job(args), args.steps, seed=args.seed, on_finish=finish,
                   collective_timeout=args.collective_timeout)
 
 

@@ -46,6 +46,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from understudy.common import logs
+from understudy.common.sizes import size_arg
 from understudy.worker import rng
 from understudy.worker.api import JobContext, TrainingJob, allreduce_options
 from understudy.worker.errors import record
@@ -96,6 +97,7 @@ class PlainJob(TrainingJob):
     seed in one order whatever the layout, so every layout trains the same model."""
 
     def __init__(self, *, features: int = 16, hidden: int = 64, batch: int = 32,
+                 state_bytes: int | None = None,
                  layers: int | None = None, microbatches: int | None = None,
                  lr: float = 1e-2, warmup: int = 5, total_steps: int = 1000,
                  dropout: float = 0.1, fail_at: int | None = None,
@@ -103,6 +105,9 @@ class PlainJob(TrainingJob):
                  step_sleep: float = 0.0, step_log: Path | None = None,
                  step_sleep_off: Path | None = None) -> None:
         self.features, self.hidden, self.batch = features, hidden, batch
+        #: the state a rank should hold, in bytes (None: ``hidden`` as given); the hidden width
+        #: that gives it is worked out in ``build``, once the layout is known
+        self.state_bytes = state_bytes
         # Defaults, once the layout is known: a block per stage, a micro-batch per stage.
         self._layers, self._microbatches = layers, microbatches
         self.layers = self.microbatches = 1
@@ -154,6 +159,9 @@ class PlainJob(TrainingJob):
     def build(self, ctx: JobContext) -> None:
         self.layers = self._layers or ctx.pp
         self.microbatches = self._microbatches or ctx.pp
+        if self.state_bytes is not None:
+            self.hidden = hidden_for(self.state_bytes, features=self.features,
+                                     layers=self.layers, tp=ctx.tp, pp=ctx.pp)
         if self.hidden % ctx.tp:
             raise ValueError(f"hidden={self.hidden} does not split over tp={ctx.tp}")
         if self.layers % ctx.pp:
@@ -333,6 +341,24 @@ class StepLog:
         self._files.clear()
 
 
+#: bytes of state per parameter: the fp32 value and Adam's two moments
+STATE_PER_PARAM = 3 * 4
+
+
+def hidden_for(state_bytes: int, *, features: int, layers: int, tp: int, pp: int) -> int:
+    """The hidden width at which a rank of the largest stage holds about ``state_bytes`` of
+    parameters and Adam state (the embedding and the head count on the stages that have them;
+    a block's ``W1``, ``b1`` and ``W2`` are split over TP, ``b2`` is not). At least ``tp``,
+    and a multiple of it."""
+    f = features
+    fixed = 2 * (f * f + f) if pp == 1 else f * f + f  # embedding and head, or one of them
+    per_block_fixed, per_block_slice = f, 2 * f + 1  # b2; W1 row + b1 + W2 column per unit
+    blocks = layers // pp
+    units = (state_bytes // STATE_PER_PARAM - fixed - blocks * per_block_fixed) // \
+        (blocks * per_block_slice)
+    return max(1, units) * tp
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rank", type=int, default=int(os.environ.get("RANK", "0")))
@@ -344,6 +370,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "one per stage)")
     p.add_argument("--microbatches", type=int, help="micro-batches per step (default: one per "
                    "stage)")
+    p.add_argument("--features", type=int, default=16, help="width of the embedding, the head "
+                   "and the blocks' inputs and outputs (default 16)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--hidden", type=int, default=64, help="width inside a block, split over "
+                      "TP (default 64: 20 KB of tensors per rank at TP 2)")
+    size.add_argument("--state-size", type=size_arg, metavar="SIZE",
+                      help="the state a rank holds instead (parameters and Adam's moments): "
+                      "27KB, 64MiB, 1GiB...; sets --hidden to match")
     p.add_argument("--store", help="file shared by all ranks to bootstrap groups (standalone "
                    "runs; under `understudy run` the daemons bootstrap the groups)")
     p.add_argument("--job", default="plain-torch")
@@ -369,6 +403,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def make_job(args: argparse.Namespace) -> PlainJob:
+    return PlainJob(features=args.features, hidden=args.hidden, state_bytes=args.state_size,
+                    layers=args.layers, microbatches=args.microbatches, fail_at=args.fail_at,
+                    freeze_at=args.freeze_at, marker_dir=args.save, step_sleep=args.step_sleep,
+                    step_log=args.step_log, step_sleep_off=args.step_sleep_off)
+
+
 @record
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
@@ -385,9 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = JobContext(job=args.job, rank=args.rank, world_size=args.world_size, tp=args.tp,
                      pp=args.pp,
                      groups=groups, seed=args.seed, collective_timeout=args.collective_timeout)
-    job = PlainJob(layers=args.layers, microbatches=args.microbatches, fail_at=args.fail_at,
-                   freeze_at=args.freeze_at, marker_dir=args.save, step_sleep=args.step_sleep,
-                   step_log=args.step_log, step_sleep_off=args.step_sleep_off)
+    job = make_job(args)
     runtime = Runtime(job, ctx)
     runtime.build()
     if args.load is not None:
@@ -410,11 +449,7 @@ def _under_understudy(args: argparse.Namespace) -> int:
         if args.save is not None:
             save(runtime, args.save, runtime.ctx.rank)
 
-    return launch(lambda: PlainJob(layers=args.layers, microbatches=args.microbatches,
-                                   fail_at=args.fail_at, freeze_at=args.freeze_at,
-                                   marker_dir=args.save, step_sleep=args.step_sleep,
-                                   step_log=args.step_log, step_sleep_off=args.step_sleep_off),
-                  args.steps, seed=args.seed, on_finish=finish,
+    return launch(lambda: make_job(args), args.steps, seed=args.seed, on_finish=finish,
                   collective_timeout=args.collective_timeout)
 
 

@@ -1,0 +1,85 @@
+"""Sizes on the command line (``common/sizes.py``) and the example job sized by them."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from understudy.common.sizes import format_size, parse_size, size_arg
+from understudy.worker.api import JobContext
+from understudy.worker.runtime import StaticGroups
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "plain_torch" / "train.py"
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("1000", 1000), ("27KB", 27_000), ("27kb", 27_000), ("64MiB", 64 * 2**20),
+    ("1GiB", 2**30), ("1.5GB", 1_500_000_000), (" 256 MiB ".replace(" ", ""), 256 * 2**20),
+    ("12B", 12)])
+def test_parse_size_reads_decimal_and_binary_units(text: str, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "MiB", "12XB", "1..5GB", "-3MiB", "0", "ten"])
+def test_parse_size_refuses_what_is_not_a_size(text: str) -> None:
+    with pytest.raises(ValueError, match="size"):
+        parse_size(text)
+    with pytest.raises(argparse.ArgumentTypeError, match="size"):
+        size_arg(text)
+
+
+def test_format_size_uses_the_largest_whole_binary_unit() -> None:
+    assert [format_size(n) for n in (64 * 2**20, 2**30, 27_000, 3 * 2**10)] == \
+        ["64 MiB", "1 GiB", "27000 B", "3 KiB"]
+
+
+def _example() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("plain_train", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _tensor_bytes(tree: object) -> int:
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, dict):
+        return sum(_tensor_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in tree)
+    return 0
+
+
+@pytest.mark.parametrize(("tp", "pp", "layers"), [(1, 1, 1), (2, 1, 1), (4, 1, 2), (2, 2, 4)])
+def test_the_hidden_width_for_a_state_size_gives_that_size(tp: int, pp: int,
+                                                           layers: int) -> None:
+    # The formula counts what the job holds: its parameters and Adam's two moments.
+    train = _example()
+    target = 8 * 2**20
+    hidden = train.hidden_for(target, features=16, layers=layers, tp=tp, pp=pp)
+    assert hidden % tp == 0
+    per_block = (2 * 16 + 1) * hidden // tp + 16
+    fixed = 2 * (16 * 16 + 16) if pp == 1 else 16 * 16 + 16
+    held = (fixed + layers // pp * per_block) * train.STATE_PER_PARAM
+    assert target - 0.01 * target <= held <= target
+
+
+def test_a_job_built_at_a_state_size_holds_it(tmp_path: Path) -> None:
+    train = _example()
+    groups = StaticGroups(dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1,
+                          tp=1, timeout=10)
+    ctx = JobContext(job="sized", rank=0, world_size=1, tp=1, groups=groups,
+                     collective_timeout=5)
+    job = train.PlainJob(state_bytes=4 * 2**20)
+    job.build(ctx)
+    job.compute(0)
+    job.apply(0)  # Adam's moments exist once it stepped
+    held = _tensor_bytes(job.state())
+    assert 0.99 * 4 * 2**20 <= held <= 1.001 * 4 * 2**20, held
