@@ -6,6 +6,9 @@ by :class:`understudy.worker.megatron.adapter.MegatronJob`; the data is syntheti
 from ``(seed, step, dp_index)``. Every run with the same arguments is bitwise identical, and so
 is a run whose ranks move to standbys midway under ``understudy run``.
 
+``--state-size 64MiB`` (also ``27KB``, ``1GiB``...) picks the hidden size at which a rank holds
+that much parameters and Adam state (the smallest multiple of the attention heads that does).
+
 Four ranks, TP=2 x DP=2, bootstrapped through a file store::
 
     for r in 0 1 2 3; do

@@ -22,6 +22,10 @@ two stages)::
             --store /tmp/plain-store --steps 50 &
     done; wait
 
+The model's size is the command line's: ``--features`` and ``--hidden`` (default 16 and 64: 27 KB
+of state per rank at TP 2), or ``--state-size 64MiB`` (also ``27KB``, ``1GiB``...), which picks the
+hidden width at which a rank holds that much parameters and Adam state.
+
 ``--fail-at`` and ``--freeze-at`` inject faults for tests (a transient compute error, a frozen
 process); production code knows nothing of them. ``--step-log DIR`` appends a line per committed
 step (step, wall time, rank, pid, loss) to ``DIR/rank<r>-<pid>.jsonl``: the benchmarks compute
