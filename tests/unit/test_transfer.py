@@ -922,7 +922,7 @@ def _round_trip(state: Any) -> Any:
     skeleton = transfer._flatten(state, (), tensors)
     entries = [transfer._Entry(p, transfer._dtype_name(t.dtype), tuple(t.shape), "cpu")
                for p, t in tensors]
-    m = safe_unpickle.load(transfer._dump_manifest(skeleton, entries, 4096, []))
+    m = safe_unpickle.load(transfer._dump_manifest(skeleton, entries, 4096))
     assert [tuple(e[0]) for e in m["entries"]] == [p for p, _ in tensors]
     return safe_unpickle.load(m["skeleton"], [t for _, t in tensors])
 

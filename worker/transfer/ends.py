@@ -1,11 +1,12 @@
 """What the two ends of a state transfer share: how a chunk maps onto this end's tensors, the
-staging buffer, the statistics, and failing both ends at once.
+staging ring, the statistics, and failing both ends at once.
 
 Memory: neither end copies the state. A chunk that lies inside one contiguous tensor goes
 straight from the leaver's tensor into the joiner's (no staging at all); a chunk that packs
-several small tensors, or covers part of a non-contiguous one, goes through one staging buffer
-of at most ``chunk_bytes`` on each end. ``TransferStats.peak_staging_bytes`` reports what was
-used. The joiner writes into preallocated destinations: with
+several small tensors, or covers part of a non-contiguous one, goes through the end's staging
+ring, one buffer of at most ``chunk_bytes`` (:class:`_Staging`) in which several such chunks
+can be in flight at once. ``TransferStats.peak_staging_bytes`` reports what was used. The
+joiner writes into preallocated destinations: with
 :func:`~understudy.worker.transfer.receive_into`, into the joiner's own tensors wherever path,
 dtype and shape match.
 """
@@ -13,7 +14,9 @@ dtype and shape match.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +28,7 @@ from understudy.worker.transfer.transports import (
     StateTransport,
     TransferError,
 )
-from understudy.worker.transfer.wire import CHECKSUM, _Chunk, _Entry, _plan
+from understudy.worker.transfer.wire import ALIGN, CHECKSUM, _Chunk, _digest, _Entry, _plan
 
 
 @dataclass
@@ -66,24 +69,91 @@ def _run(end: _End, body: Callable[[], Any]) -> Any:
             end.transport.abort(str(exc) if isinstance(exc, TransferError)
                                 else f"{type(exc).__name__}: {exc}")
         raise
+    finally:
+        end.digests.close()
+
+
+class _Digests:
+    """This end's chunk digests, computed in chunk order on a thread of their own while this
+    end's thread moves the bytes (torch's reduction releases the GIL). On the leaver this is
+    what keeps the stream going: digesting inline, its thread would write each chunk into the
+    socket in ``send`` (gloo writes at once when nothing is queued) and only then digest it,
+    one after the other. One per transfer; :func:`_run` closes it."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._digests: list[Future[int]] = []
+
+    def add(self, buf: torch.Tensor) -> None:
+        """Digest the next chunk's bytes; ``buf`` stays untouched until :meth:`wait` for it."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="understudy-transfer-digest")
+        self._digests.append(self._pool.submit(_digest, buf))
+
+    def wait(self, index: int) -> None:
+        """Block until chunk ``index``'s digest is taken (its buffer may then be reused)."""
+        self._digests[index].result()
+
+    def results(self) -> list[int]:
+        return [d.result() for d in self._digests]
+
+    def close(self) -> None:
+        """Drop the digests not started and join the thread (a digest takes milliseconds)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
 
 
 class _Staging:
-    """The one scratch buffer of an end, allocated on first use with the size of the largest
-    chunk of this transfer (at most ``chunk_bytes``)."""
+    """The scratch bytes of an end: one buffer of ``capacity`` bytes (at most ``chunk_bytes``),
+    allocated on first use and used as a ring. Each staged chunk takes the next free region and
+    gives it back (:meth:`release`) in the order it was taken (the leaver: once its send
+    completed; the joiner: once unpacked), so that several staged chunks can be in flight at
+    once without a second buffer."""
 
     def __init__(self, device: torch.device, stats: TransferStats) -> None:
         self._device = device
         self._stats = stats
         self._buf: torch.Tensor | None = None
         self.capacity = 0
+        self._live: deque[tuple[int, int]] = deque()  # regions in use, oldest first
 
-    def get(self, nbytes: int) -> torch.Tensor:
-        assert nbytes <= self.capacity, "a chunk is never larger than the staging capacity"
+    def size_for(self, staged: list[_Chunk], chunk_bytes: int) -> None:
+        """Room for all the ``staged`` chunks at once, or ``chunk_bytes``, whichever is less
+        (a chunk is never larger than ``chunk_bytes``, a multiple of :data:`ALIGN`)."""
+        sizes = [_aligned(c.nbytes) for c in staged]
+        self.capacity = max(max(sizes, default=0), min(sum(sizes), chunk_bytes))
+
+    def take(self, nbytes: int) -> torch.Tensor | None:
+        """A region of ``nbytes`` (starting at a multiple of :data:`ALIGN`), or None while the
+        regions in use leave no room for it: :meth:`release` the oldest first."""
+        n = _aligned(nbytes)
+        assert 0 < n <= self.capacity, "a staged chunk always fits in the staging"
+        if not self._live:
+            start = 0
+        else:
+            first, end = self._live[0][0], self._live[-1][1]
+            if self._live[-1][0] < first:           # wrapped: the room is between them
+                start = end if end + n <= first else -1
+            elif end + n <= self.capacity:          # after the newest region
+                start = end
+            else:                                   # wrap around to the front
+                start = 0 if n <= first else -1
+        if start < 0:
+            return None
         if self._buf is None:
             self._buf = torch.empty(self.capacity, dtype=torch.uint8, device=self._device)
             self._stats.peak_staging_bytes = max(self._stats.peak_staging_bytes, self.capacity)
-        return self._buf[:nbytes]
+        self._live.append((start, start + n))
+        return self._buf[start:start + nbytes]
+
+    def release(self) -> None:
+        """Give back the oldest region in use."""
+        self._live.popleft()
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
 
 
 class _End:
@@ -96,6 +166,7 @@ class _End:
         self.should_abort = should_abort
         self.device = transport.device
         self.staging = _Staging(self.device, stats)
+        self.digests = _Digests()
         self.tensors: list[torch.Tensor] = []
         self.entries: list[_Entry] = []
         self.peer_informed = False  # the peer was told why this end fails
@@ -107,8 +178,8 @@ class _End:
         self.stats.chunks = len(chunks)
         self.stats.direct_chunks = sum(v is not None for v in views)
         self.stats.payload_bytes = sum(e.nbytes for e in self.entries)
-        self.staging.capacity = max((c.nbytes for c, v in zip(chunks, views, strict=True)
-                                     if v is None), default=0)
+        self.staging.size_for([c for c, v in zip(chunks, views, strict=True) if v is None],
+                              chunk_bytes)
         return chunks, views
 
     def direct(self, chunk: _Chunk) -> torch.Tensor | None:

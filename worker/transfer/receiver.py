@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import pickle
 import time
 import zlib
@@ -21,8 +20,6 @@ from understudy.worker.transfer.transports import (
     TransferError,
 )
 from understudy.worker.transfer.wire import (
-    _ACK,
-    _ACK_MAGIC,
     _CORRUPT,
     _DIGESTS,
     _HEADER,
@@ -34,19 +31,17 @@ from understudy.worker.transfer.wire import (
     DEFAULT_MAX_MANIFEST_BYTES,
     VERSION,
     _Chunk,
-    _digest,
     _dtype,
     _Entry,
     _reply,
     _tensors_by_path,
     _to_bytes,
-    _to_tensor,
     _unpack_digests,
 )
 
 #: Chunks the joiner keeps posted ahead; costs no memory for chunks that move straight between
 #: tensors.
-_LOOKAHEAD = 16
+_LOOKAHEAD = 64
 ChunkHook = Callable[[int, torch.Tensor], None]
 
 
@@ -101,7 +96,6 @@ class _Receiver(_End):
         super().__init__(transport, stats, should_abort)
         self.alloc_device = device
         self.on_chunk = on_chunk
-        self.leaver_staged: list[int] = []
 
     def run(self, target: Any, max_manifest_bytes: int) -> Any:
         header = torch.empty(_HEADER.size, dtype=torch.uint8, device=self.device)
@@ -130,7 +124,7 @@ class _Receiver(_End):
             self._reject(f"the manifest is malformed: {exc}")
         self.wait(self.send(_reply(_OK, "", self.device)))
         chunks, views = self.plan(chunk_bytes)
-        self._stream(chunks, views, self.leaver_staged)
+        self._stream(chunks, views)
         return state
 
     def _load(self, manifest: bytes, target: Any) -> tuple[Any, int]:
@@ -138,9 +132,6 @@ class _Receiver(_End):
         if type(m) is not dict or type(m.get("skeleton")) is not bytes:
             raise ValueError("the manifest is not a dict with a skeleton")
         chunk_bytes = m["chunk_bytes"]
-        self.leaver_staged = [int(i) for i in m["staged"]]
-        if self.leaver_staged != sorted(set(self.leaver_staged)):
-            raise ValueError("the leaver's staged chunks are not in order")
         if (m["version"] != VERSION or m["align"] != ALIGN or m["checksum"] != CHECKSUM
                 or not isinstance(chunk_bytes, int) or chunk_bytes <= 0 or chunk_bytes % ALIGN):
             raise ValueError(f"unsupported parameters "
@@ -169,73 +160,56 @@ class _Receiver(_End):
         self.peer_informed = True
         raise TransferError(f"the joiner rejected the transfer: {reason}")
 
-    def _stream(self, chunks: list[_Chunk], views: list[torch.Tensor | None],
-                leaver_staged: list[int]) -> None:
+    def _stream(self, chunks: list[_Chunk], views: list[torch.Tensor | None]) -> None:
         # Up to _LOOKAHEAD chunks are posted ahead, in order, so that the bytes never wait for
-        # a receive. A chunk this end stages waits until the previous one was unpacked; a chunk
-        # the leaver stages waits until the leaver's previous one landed here and was
-        # acknowledged (the leaver reuses its staging on that word).
+        # a receive; a chunk this end stages is posted once the staging ring has room for it,
+        # which unpacking the chunks staged before it makes.
         if not chunks:
             return
-        # {a chunk the leaver stages: the one it staged before, to acknowledge first}
-        ack_before = {nxt: prev for prev, nxt in itertools.pairwise(leaver_staged)}
         posted: deque[tuple[torch.Tensor, Pending]] = deque()
-        sends: list[tuple[Pending, torch.Tensor]] = []
-        staging_busy = False
         next_to_post = 0
-        landed = -1  # the last chunk whose bytes are here
         table = torch.empty(_DIGESTS.size + 8 * len(chunks), dtype=torch.uint8,
                             device=self.device)
         table_op: Pending | None = None
 
         def fill() -> None:
-            nonlocal staging_busy, next_to_post, table_op
+            nonlocal next_to_post, table_op
             while len(posted) < _LOOKAHEAD and next_to_post < len(chunks):
-                j = next_to_post
-                if views[j] is None and staging_busy:
-                    return
-                prev = ack_before.get(j)
-                if prev is not None:
-                    if landed < prev:
+                buf = views[next_to_post]
+                if buf is None:
+                    buf = self.staging.take(chunks[next_to_post].nbytes)
+                    if buf is None:
                         return
-                    ack = _to_tensor(_ACK.pack(_ACK_MAGIC, prev), self.device)
-                    sends.append((self.send(ack), ack))
-                staging_busy = staging_busy or views[j] is None
-                buf = self.staging.get(chunks[j].nbytes) if views[j] is None else views[j]
-                assert buf is not None
                 posted.append((buf, self.recv(buf)))
                 next_to_post += 1
             if next_to_post == len(chunks) and table_op is None:
                 table_op = self.recv(table)
 
         fill()
-        digests: list[int] = []
         for chunk, view in zip(chunks, views, strict=True):
             self.check_abort()
             buf, data = posted.popleft()
             self.wait(data)
-            landed = chunk.index
             fill()
             if self.on_chunk is not None:
                 self.on_chunk(chunk.index, buf)
-            digests.append(_digest(buf))  # while the next chunks land
+            self.digests.add(buf)  # while the next chunks land
             if view is None:
                 self.copy(chunk, buf, pack=False)
-                staging_busy = False
+                self.digests.wait(chunk.index)
+                self.staging.release()
                 fill()
         assert table_op is not None, "the table is posted once every chunk is"
         self.wait(table_op)
         failed = [self.describe(c) for c, mine, theirs in zip(
-            chunks, digests, _unpack_digests(table, len(chunks)), strict=True) if mine != theirs]
+            chunks, self.digests.results(), _unpack_digests(table, len(chunks)), strict=True)
+            if mine != theirs]
         # The verdict comes after every chunk: a failure is reported once the stream is drained,
         # which keeps both ends' operation order (and the pair) intact.
         reason = f"{failed[0]} failed its checksum" if failed else ""
         if len(failed) > 1:
             reason += f" ({len(failed)} chunks failed)"
-        verdict = _reply(_CORRUPT if failed else _OK, reason, self.device)
-        sends.append((self.send(verdict), verdict))
-        for op, _ in sends:
-            self.wait(op)
+        self.wait(self.send(_reply(_CORRUPT if failed else _OK, reason, self.device)))
         if failed:
             self.peer_informed = True
             raise TransferError(f"{reason}: the state arrived corrupted")

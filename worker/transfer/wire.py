@@ -1,33 +1,39 @@
 """The state transfer's wire format: the manifest, the chunk plan, the digests.
 
-The wire protocol (version 1)
+The wire protocol (version 2)
 -----------------------------
 1. leaver -> joiner: a 32-byte header (magic, version, manifest length, crc32 of the manifest).
 2. leaver -> joiner: the manifest, a pickle of ``{version, chunk_bytes, checksum, entries,
-   staged, skeleton}``: one entry ``(path, dtype, shape, device type)`` per tensor, in state
-   order; the chunks the leaver packs into its staging buffer; the *skeleton*, the state
-   pickled with every tensor replaced by a reference to its entry. Plain Python values travel
-   inside the skeleton; the manifest is capped by ``max_manifest_bytes`` on both ends.
+   skeleton}``: one entry ``(path, dtype, shape, device type)`` per tensor, in state order; the
+   *skeleton*, the state pickled with every tensor replaced by a reference to its entry. Plain
+   Python values travel inside the skeleton; the manifest is capped by ``max_manifest_bytes``
+   on both ends.
 3. joiner -> leaver: a 128-byte reply: the manifest is accepted, or why not.
 4. leaver -> joiner: the chunks, then a table of their digests (8 bytes each). Both ends
    derive the same chunk plan from the manifest (:func:`_plan`): a tensor of at least
    ``chunk_bytes // 8`` bytes is cut into chunks of its own, of ``chunk_bytes`` but for its
    last; smaller ones are packed in order, each at a multiple of :data:`ALIGN` (zero gaps),
-   into shared chunks of at most ``chunk_bytes``. The joiner keeps up to 16 chunks posted
-   ahead, so the bytes never wait for a receive, and digests each chunk as it lands. When the
-   leaver is about to reuse its staging buffer, the joiner first acknowledges (16 bytes) that
-   the leaver's previous staged chunk landed: the leaver never waits for a send.
+   into shared chunks of at most :func:`_pack_bytes` (a quarter of ``chunk_bytes``), so that
+   several of them fit in an end's staging ring at once (:mod:`.ends`). The joiner keeps
+   chunks posted ahead (:mod:`.receiver`), so the bytes never wait for a receive, and digests
+   each chunk as it lands. Neither end waits for the other between chunks: the leaver reuses
+   a staging region once the transport says its send completed.
 5. joiner -> leaver: a final reply: every chunk verified, or which did not. A corrupted chunk
    does not stop the stream: the joiner drains it to the end, so that both ends' operations
    stay matched, then reports.
+
+Version 1 acknowledged each staged chunk before the leaver reused its one staging buffer, and
+packed small tensors into chunks of a full ``chunk_bytes``: a round trip whenever two staged
+chunks followed each other closely. Version 2 has no acknowledgements.
 
 Every operation is issued by both ends in one global order, so a backend that serialises a
 pair's operations on one stream (NCCL) cannot deadlock.
 
 Checksums: each chunk's digest is a 64-bit blake2b over its length, the wrapping int64 sums
 of its 4 KiB rows, and its last partial row. The row sums are one torch reduction where the
-bytes are (on the GPU for NCCL only 1/512 of the bytes reach the host), computed by the leaver
-while the chunk is in flight and by the joiner while the next chunks land. Any change to a
+bytes are (on the GPU for NCCL only 1/512 of the bytes reach the host), computed on a thread of
+each end's own (``_Digests`` in :mod:`.ends`) by the leaver while the chunk is in flight and by
+the joiner while the next chunks land. Any change to a
 single 8-byte word (every bit flip), truncation and shifted or misplaced data are always
 detected; random damage (garbage, stale or zeroed bytes) escapes with odds of about 2**-64 per
 row; what escapes for sure (compensating changes within one row, words swapped within a row)
@@ -54,6 +60,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import functools
 import hashlib
 import io
 import math
@@ -67,21 +74,21 @@ import torch
 
 from understudy.worker.transfer.transports import TransferError
 
-#: Bytes per chunk unless the caller says otherwise; 8 MiB measured best on gloo here.
+#: Bytes per chunk unless the caller says otherwise: with 2, 4 and 8 MiB the 256 MiB and 1 GiB
+#: states moved at the same rate within the noise here, 8 MiB with the least CPU
+#: (docs/benchmarks.md, "State transfer at real sizes").
 DEFAULT_CHUNK_BYTES = 8 * 1024 * 1024
 #: Cap on the manifest (entries plus plain Python values), enforced on both ends.
 DEFAULT_MAX_MANIFEST_BYTES = 16 * 1024 * 1024
 #: Every entry starts at a multiple of this in the stream; also the largest element size.
 ALIGN = 16
-VERSION = 1
+VERSION = 2
 CHECKSUM = "rowsum64-blake2b"
 _ROW_WORDS = 512  # 4 KiB rows for the chunk digest
 
 _HEADER = struct.Struct("<8sIIQI4x")   # magic, version, flags, manifest length, manifest crc
 _HEADER_MAGIC = b"USTXFER\x00"
 _DIGESTS = struct.Struct("<4sI")       # magic, count; then one u64 digest per chunk
-_ACK = struct.Struct("<4sQ4x")         # magic, chunk index
-_ACK_MAGIC = b"USTG"
 _DIGESTS_MAGIC = b"UDGT"
 _REPLY = struct.Struct("<4sI120s")     # magic, status, reason
 _REPLY_MAGIC = b"UACK"
@@ -98,13 +105,13 @@ class _Entry:
     shape: tuple[int, ...]
     device_type: str
 
-    @property
-    def nbytes(self) -> int:
+    @functools.cached_property
+    def nbytes(self) -> int:  # computed once: the plan asks for it per chunk, on both ends
         return math.prod(self.shape) * _dtype(self.dtype).itemsize
 
     @property
     def name(self) -> str:
-        return "/".join(str(k) for k in self.path) or "<root>"
+        return _where(self.path)
 
 
 class _Ref:
@@ -156,13 +163,16 @@ def _tensors_by_path(obj: Any) -> dict[Path, torch.Tensor]:
 
 
 def _check_tensor(t: torch.Tensor, path: Path) -> None:
-    where = "/".join(str(k) for k in path) or "<root>"
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
-        raise ValueError(f"state entry {where} is a {type(t).__name__}; only plain dense "
-                         f"tensors travel (convert it to its local tensor first)")
+        raise ValueError(f"state entry {_where(path)} is a {type(t).__name__}; only plain "
+                         f"dense tensors travel (convert it to its local tensor first)")
     if t.layout != torch.strided or t.device.type == "meta":
-        raise ValueError(f"state entry {where} is a {t.layout} tensor on {t.device}; only "
-                         f"dense tensors with data travel")
+        raise ValueError(f"state entry {_where(path)} is a {t.layout} tensor on {t.device}; "
+                         f"only dense tensors with data travel")
+
+
+def _where(path: Path) -> str:
+    return "/".join(str(k) for k in path) or "<root>"
 
 
 class _SkeletonPickler(pickle.Pickler):
@@ -175,15 +185,13 @@ class _SkeletonPickler(pickle.Pickler):
         return None
 
 
-def _dump_manifest(skeleton: Any, entries: list[_Entry], chunk_bytes: int,
-                   staged: list[int]) -> bytes:
+def _dump_manifest(skeleton: Any, entries: list[_Entry], chunk_bytes: int) -> bytes:
     buf = io.BytesIO()
     try:
         _SkeletonPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(skeleton)
         manifest = pickle.dumps({
             "version": VERSION, "chunk_bytes": chunk_bytes, "align": ALIGN, "checksum": CHECKSUM,
             "entries": [(e.path, e.dtype, e.shape, e.device_type) for e in entries],
-            "staged": staged,
             "skeleton": buf.getvalue()}, protocol=pickle.HIGHEST_PROTOCOL)
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
         raise ValueError(f"the state's plain values do not pickle: {exc}") from exc
@@ -214,15 +222,23 @@ class _Chunk:
     segments: list[tuple[int, int, int, int]] = field(default_factory=list)
 
 
+def _pack_bytes(chunk_bytes: int) -> int:
+    """The most bytes of a chunk that packs small entries: a quarter of ``chunk_bytes`` (so that
+    four fit in an end's staging ring), never less than the largest small entry."""
+    return max(ALIGN, chunk_bytes // 8, chunk_bytes // 4 // ALIGN * ALIGN)
+
+
 def _plan(entries: list[_Entry], chunk_bytes: int) -> list[_Chunk]:
     """Cut the tensors' bytes into chunks of at most ``chunk_bytes``, the same way on both ends.
 
     An entry of at least ``chunk_bytes // 8`` gets chunks of its own (full ones but its last),
     so that each can move straight from the leaver's tensor into the joiner's; smaller entries
-    are packed in order, each at a multiple of :data:`ALIGN`, into shared chunks. Pieces start
-    at multiples of ``chunk_bytes`` (itself a multiple of ``ALIGN``): no element is ever split.
+    are packed in order, each at a multiple of :data:`ALIGN`, into shared chunks of at most
+    :func:`_pack_bytes`. Pieces start at multiples of ``chunk_bytes`` (itself a multiple of
+    ``ALIGN``): no element is ever split.
     """
     large = max(ALIGN, chunk_bytes // 8)
+    pack = _pack_bytes(chunk_bytes)
     chunks: list[_Chunk] = []
     packing: _Chunk | None = None
     for k, e in enumerate(entries):
@@ -233,7 +249,7 @@ def _plan(entries: list[_Entry], chunk_bytes: int) -> list[_Chunk]:
                 chunks.append(_Chunk(len(chunks), hi - lo, [(k, lo, hi, 0)]))
         elif n > 0:
             at = 0 if packing is None else -(-packing.nbytes // ALIGN) * ALIGN
-            if packing is None or at + n > chunk_bytes:
+            if packing is None or at + n > pack:
                 packing, at = _Chunk(len(chunks), 0), 0
                 chunks.append(packing)
             packing.segments.append((k, 0, n, at))
