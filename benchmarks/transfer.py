@@ -374,7 +374,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = harness.Parser("transfer", __doc__.splitlines()[0])
     p.add_argument("--sizes", help="state sizes in MiB, comma-separated (default 64,256,1024; "
                    "smoke 1,4)")
-    p.add_argument("--rounds", type=int, help="measured rounds per size (default 7; smoke 2)")
+    p.add_argument("--rounds", type=int, help="measured rounds per size (default 11; smoke 2)")
     p.add_argument("--warmup", type=int, help="rounds left out per size (default 1; smoke 1)")
     p.add_argument("--chunk-bytes", type=int, default=0,
                    help="send_state's chunk_bytes (default: the library's)")
@@ -382,7 +382,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="cProfile each end's send_state / receive_into at the largest size")
     p.add_argument("--smoke", action="store_true", help="seconds, not minutes: for the tests")
     p.outputs(keep="keep the rendezvous file here")
-    args = p.parse(argv, {"sizes": ("64,256,1024", "1,4"), "rounds": (7, 2), "warmup": (1, 1)})
+    args = p.parse(argv, {"sizes": ("64,256,1024", "1,4"), "rounds": (11, 2), "warmup": (1, 1)})
     try:
         args.sizes = [int(x) for x in args.sizes.split(",")]
     except ValueError:
