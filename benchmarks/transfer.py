@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import collections
 import ctypes
+import dataclasses
 import datetime as dt
 import gc
 import multiprocessing as mp
@@ -115,12 +116,13 @@ def model_state(nbytes: int, seed: int | None) -> dict[str, Any]:
             "data": {"epoch": 3, "position": 123_456}}
 
 
-def tensor_bytes(state: Any) -> tuple[int, int]:
-    """(bytes, count) of the tensors in ``state``."""
+def tensor_bytes(state: Any, under: int | None = None) -> tuple[int, int]:
+    """(bytes, count) of the tensors in ``state`` (``under``: of those smaller than that)."""
     from understudy.worker.transfer import _tensors_by_path
 
-    ts = _tensors_by_path(state).values()
-    return sum(t.numel() * t.element_size() for t in ts), len(ts)
+    sizes = [t.numel() * t.element_size() for t in _tensors_by_path(state).values()]
+    sizes = [n for n in sizes if under is None or n < under]
+    return sum(sizes), len(sizes)
 
 
 # -- memory ------------------------------------------------------------------------------------
@@ -212,7 +214,10 @@ def _measure(rank: int, store_path: str, cfg: dict[str, Any]) -> dict[str, Any]:
         nbytes, count = tensor_bytes(state)
         buf = torch.ones(nbytes, dtype=torch.uint8)
         pieces = list(buf.split(chunk_bytes))
-        size: dict[str, Any] = {"bytes": nbytes, "tensors": count,
+        # The plan packs tensors under chunk_bytes // 8 into staged chunks (wire.py, _plan).
+        small_bytes, small_count = tensor_bytes(state, under=chunk_bytes // 8)
+        size: dict[str, Any] = {"bytes": nbytes, "tensors": count, "small_bytes": small_bytes,
+                                "small_tensors": small_count, "stats": {},
                                 "loadavg_1m": [os.getloadavg()[0]]}
         size.update({k: {"seconds": [], "cpu_seconds": [], "extra_bytes": []} for k in KINDS})
         profiler = cProfile.Profile() if mib == profile_at else None
@@ -248,7 +253,8 @@ def _measure(rank: int, store_path: str, cfg: dict[str, Any]) -> dict[str, Any]:
                     if profiler is not None and kind == "into":
                         profiler.enable()
                     if leaver:
-                        seconds = send_state(transport, state, chunk_bytes=chunk_bytes).seconds
+                        stats = send_state(transport, state, chunk_bytes=chunk_bytes)
+                        seconds = stats.seconds
                     elif kind == "into":
                         _, stats = receive_into(transport, state)
                         seconds = stats.seconds
@@ -259,6 +265,7 @@ def _measure(rank: int, store_path: str, cfg: dict[str, Any]) -> dict[str, Any]:
                         del got
                     if profiler is not None:
                         profiler.disable()
+                    size["stats"][kind] = dataclasses.asdict(stats)  # the last round's
                 cpu = _cpu_seconds() - cpu
                 extra = peak_since(before) - fresh
                 if r >= cfg["warmup"]:
@@ -321,6 +328,9 @@ def collect(ends: dict[str, Any]) -> dict[str, Any]:
         j = joiner[label]
         raw = s["raw"]["seconds"]
         fig: dict[str, Any] = {"bytes": s["bytes"], "tensors": s["tensors"],
+                               "small_bytes": s["small_bytes"],
+                               "small_tensors": s["small_tensors"],
+                               "stats": {"leaver": s["stats"], "joiner": j["stats"]},
                                "loadavg_1m_leaver": s["loadavg_1m"]}
         for kind in KINDS:
             secs = s[kind]["seconds"]
@@ -363,6 +373,11 @@ def print_summary(result: dict[str, Any]) -> None:
             for end in ("leaver", "joiner"):
                 table.row(f"peak extra memory, {end}, {kind}", fig[kind][f"{end}_extra_bytes"],
                           "MiB", 1 / MIB, ".1f")
+        sent = fig["stats"]["leaver"]["into"]
+        print(f"  {fig['small_tensors']} tensors under chunk_bytes/8 hold {fig['small_bytes']:,} B "
+              f"(packed into staged chunks); {sent['chunks']} chunks, {sent['direct_chunks']} "
+              f"straight from the leaver's tensors; peak staging {sent['peak_staging_bytes']:,} B "
+              f"(leaver), {fig['stats']['joiner']['into']['peak_staging_bytes']:,} B (joiner)")
     for end in ("leaver", "joiner"):
         prof = result["profile"].get(end)
         if prof:

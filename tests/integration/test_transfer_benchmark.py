@@ -54,5 +54,10 @@ def test_transfer_smoke(tmp_path: Path) -> None:
                 assert -2**20 < extra["min"] <= extra["max"] < 2 * fig["bytes"] + 2**24
             if kind != "raw":
                 assert f["ratio_to_raw"]["median"] > 0
+        for end in ("leaver", "joiner"):
+            stats = fig["stats"][end]["into"]
+            assert stats["payload_bytes"] == fig["bytes"] and stats["chunks"] > 0
+            assert 0 < stats["peak_staging_bytes"] <= data["chunk_bytes"]
+        assert 0 < fig["small_bytes"] <= fig["bytes"]
         samples = data["samples"]["leaver"][str(mib)]
         assert len(samples["into"]["seconds"]) == cfg["rounds"]
