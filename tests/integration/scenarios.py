@@ -4,6 +4,7 @@ cluster of real daemons, and ways to watch its workers and events."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -55,9 +56,13 @@ def assert_no_tracebacks(c: LocalCluster) -> None:
 
 
 def wait_standbys(c: LocalCluster, nodes: tuple[str, ...], timeout: float = 90) -> None:
+    """Until the standby worker on each of ``nodes`` reported itself warm (imports done, its
+    holder up): only then does it look for plans. "Waiting to be chosen" comes earlier; on a
+    loaded machine the imports after it took 11 s, past a test's 8 s migration timeout."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if all("waiting to be chosen" in c.daemons[n].log_text() for n in nodes):
+        if all(re.search(r"Standby worker of job \S+ is warm", c.daemons[n].log_text())
+               for n in nodes):
             return
         time.sleep(0.1)
     raise AssertionError(f"standby workers on {nodes} never came up")
