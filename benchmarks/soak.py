@@ -83,6 +83,10 @@ LAYOUT = Layout(world_size=WORLD, tp=TP)
 STANDBY = 2
 #: The first faults wait until every rank has committed this step (first touches are paid).
 WARM_STEP = steplog.WARMUP_STEPS
+#: Steps past WARM_STEP that a smoke's first fault also waits for: a fault's normal step is the
+#: median of at least three step gaps past it (``steplog.normal_step``), which the smoke's short
+#: gaps may not hold (the full run's gaps are seconds of steps).
+SMOKE_NORMAL_GAPS = 3
 #: Seconds of steps before a fault its normal step is the median of.
 NORMAL_WINDOW_S = 30.0
 #: A rank's step line this many steps behind the job's newest is a standby's shadow iteration
@@ -90,6 +94,10 @@ NORMAL_WINDOW_S = 30.0
 SHADOW_SLACK = 20
 #: Seconds between two turns of the autoscaler while the soak waits.
 AUTOSCALE_EVERY_S = 2.0
+#: The smoke job's steps. Its seven faults were over 36 s after its first step here (165 steps
+#: of 0.17 s); 350 steps of 0.3 s of sleep hold three times that. Every step beyond the schedule
+#: costs both cores twice (the job running out at full speed, the reference run), about 30 ms.
+SMOKE_STEPS = 350
 #: Extra seconds a silent node stays stopped beyond the lease TTL (drawn from this range).
 SILENCE_EXTRA_S = (1.0, 3.0)
 #: Seconds etcd stays down in an etcd restart (drawn from this range).
@@ -283,8 +291,9 @@ class Soak:
             "--step-log", str(self.steps_dir))
         if run.returncode != 0:
             raise SoakError(f"understudy run failed: {run.stderr.strip()}")
-        self.wait(f"every rank to commit step {WARM_STEP}",
-                  lambda: self.progress.all_past(WARM_STEP), timeout=300)
+        warm = WARM_STEP + (SMOKE_NORMAL_GAPS if self.cfg.smoke else 0)
+        self.wait(f"every rank to commit step {warm}", lambda: self.progress.all_past(warm),
+                  timeout=300)
         self.watching = True
         self.wait_pool("the first standbys to warm up")
 
@@ -968,14 +977,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="the schedule's seed (default 0)")
     p.add_argument("--faults", type=int, help="faults in the schedule (default 50; smoke 7)")
     p.add_argument("--steps", type=int,
-                   help="steps of the job (default 200 per fault + 1000; smoke 1000); it must "
-                        "outlast the schedule, then runs out at full speed")
+                   help=f"steps of the job (default 200 per fault + 1000; smoke "
+                        f"{SMOKE_STEPS}); it must outlast the schedule, then runs out at full "
+                        "speed")
     p.add_argument("--step-sleep", type=float,
                    help="seconds of stand-in work per step while faults are due (default 0.08, "
-                        "a step of about 0.1 s; smoke 0.15): the job outlasts the schedule on "
+                        "a step of about 0.1 s; smoke 0.3): the job outlasts the schedule on "
                         "fewer steps, and the reference run of as many steps is shorter")
     p.add_argument("--gap", help="seconds of normal training before each fault, drawn "
-                   "uniformly from MIN,MAX (default 2,8; smoke 0.5,1.5)")
+                   "uniformly from MIN,MAX (default 2,8; smoke 0.1,0.5)")
     p.add_argument("--hang-timeout", type=float, default=120.0,
                    help="no step committed by any rank for this long is a hang (default 120)")
     p.add_argument("--serve-timeout", type=float, default=240.0,
@@ -985,10 +995,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the daemons' lease TTL in seconds (default: the daemon's)")
     p.add_argument("--smoke", action="store_true", help="a short mixed schedule: for the tests")
     p.outputs(keep="keep daemon logs, step lines and states here")
-    args = p.parse(argv, {"faults": (50, 7), "step_sleep": (0.08, 0.15),
-                          "gap": ("2,8", "0.5,1.5")})
+    args = p.parse(argv, {"faults": (50, 7), "step_sleep": (0.08, 0.3),
+                          "gap": ("2,8", "0.1,0.5")})
     if args.steps is None:
-        args.steps = 1000 if args.smoke else 200 * args.faults + 1000
+        args.steps = SMOKE_STEPS if args.smoke else 200 * args.faults + 1000
     gap = args.gap
     try:
         args.gap = tuple(float(x) for x in gap.split(","))
