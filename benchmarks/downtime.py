@@ -609,8 +609,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"comma-separated, of {', '.join(SYSTEMS)} (default: all; the ratios "
                         "need understudy)")
     p.add_argument("--steps", type=int,
-                   help="steps of the job (default 300; smoke 200: room for the standbys to "
-                        "warm in their sandbox on a busy machine before a drain)")
+                   help="steps of the job (default 300; smoke 120: the event, at step 50 and "
+                        "once understudy's standbys are warm, leaves some 70 steps to run past "
+                        "the interruption)")
     p.add_argument("--step-sleep", type=float, default=0.04,
                    help="seconds of stand-in work per step (default 0.04, as the other "
                         "benchmarks)")
@@ -630,7 +631,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "the machine off (default 60; smoke 20)")
     p.add_argument("--smoke", action="store_true", help="one repeat, short runs: for the tests")
     p.outputs(keep="keep logs, step lines and checkpoints here", chart="chart")
-    args = p.parse(argv, {"repeats": (5, 1), "steps": (300, 200),
+    args = p.parse(argv, {"repeats": (5, 1), "steps": (300, 120),
                           "torchft_heartbeat_ms": (5000, 1000), "silent_limit": (60.0, 20.0)})
     args.events = tuple(e.strip() for e in args.events.split(",") if e.strip())
     if not args.events or set(args.events) - set(EVENTS):

@@ -288,7 +288,7 @@ def check_downtime_side(r: dict, system: str, event: str, cfg: dict) -> None:
     assert r["phases_s"] and all(v is None or v >= 0 for v in r["phases_s"].values())
 
 
-#: Each event under understudy and, to keep the smokes short (a run is about 35 s here), the
+#: Each event under understudy and, to keep the smokes short (a run is 15-25 s here), the
 #: baselines on two events each: both on a drain, torchft on a crash, torchrun on a node loss,
 #: none on a silent node (torchrun does not notice one by itself: its run waits out
 #: --silent-limit). The full benchmark runs every pair.
