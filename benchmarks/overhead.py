@@ -224,18 +224,19 @@ def print_summary(result: dict[str, Any]) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = harness.Parser("overhead", __doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, help="runs per system (default 5; smoke 1)")
-    p.add_argument("--steps", type=int, help="steps per run (default 600; smoke 80)")
+    p.add_argument("--steps", type=int, help="steps per run (default 600; smoke 30)")
     p.add_argument("--step-sleep", type=float, default=0.04,
                    help="seconds of stand-in work per step (default 0.04, as the other "
                         "benchmarks)")
-    p.add_argument("--warmup", type=int, help="first steps left out (default 20; smoke 10)")
-    p.add_argument("--ckpt-every", type=int, default=20,
+    p.add_argument("--warmup", type=int, help="first steps left out (default 20; smoke 5)")
+    p.add_argument("--ckpt-every", type=int,
                    help="torchrun+dcp's checkpoint cadence in steps (default 20, as "
-                        "benchmarks/downtime.py)")
+                        "benchmarks/downtime.py; smoke 10)")
     p.add_argument("--ckpt-mode", choices=("sync", "async"), default="sync")
     p.add_argument("--smoke", action="store_true", help="one short run each: for the tests")
     p.outputs(keep="keep logs and step lines here")
-    args = p.parse(argv, {"repeats": (5, 1), "steps": (600, 80), "warmup": (20, 10)})
+    args = p.parse(argv, {"repeats": (5, 1), "steps": (600, 30), "warmup": (20, 5),
+                          "ckpt_every": (20, 10)})
     if args.repeats < 1 or args.ckpt_every < 1 or args.warmup < 1:
         p.error("--repeats, --ckpt-every and --warmup must be at least 1")
     if args.steps < args.warmup + 2 * args.ckpt_every:
