@@ -380,17 +380,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, help="drains, each on a fresh cluster (default 5; "
                    "smoke 1)")
     p.add_argument("--steps", type=int, help="steps of the job: the drain must land mid-run "
-                   "(default 600; smoke 250)")
+                   "(default 600; smoke 100)")
     p.add_argument("--step-sleep", type=float, default=0.04,
                    help="seconds of stand-in work per step (default 0.04, as the e2e test)")
     p.add_argument("--settle-seconds", type=float,
                    help="training before the drain, once every rank steps and the standbys "
-                        "are connected (default 3; smoke 1)")
+                        "are connected (default 3; smoke 0.5)")
     p.add_argument("--p2p-iters", type=int,
                    help="64 MiB round trips per repeat; small sizes do 5x (default 10; smoke 3)")
     p.add_argument("--smoke", action="store_true", help="a minute, not many: for the tests")
     p.outputs(keep="keep daemon logs, etcd data and timings here")
-    args = p.parse(argv, {"repeats": (5, 1), "steps": (600, 250), "settle_seconds": (3.0, 1.0),
+    args = p.parse(argv, {"repeats": (5, 1), "steps": (600, 100), "settle_seconds": (3.0, 0.5),
                           "p2p_iters": (10, 3)})
     if args.repeats < 1 or args.p2p_iters < 1:
         p.error("--repeats and --p2p-iters must be at least 1")
