@@ -592,6 +592,44 @@ class Table:
               + f"  {unit}" + (f" (n={v['n']})" if shown else ""))
 
 
+# -- two processes joined by gloo (the transfer figures) ----------------------------------------
+
+
+def gloo_pair(store_path: str, rank: int, timeout_s: float) -> tuple[Any, Any]:
+    """Two 2-rank gloo groups between this process and its peer, bootstrapped through a file
+    store: ``(raw, transport)``, one for raw sends (the bandwidth reference) and one under a
+    ``PairGroupTransport`` (what a migration's state transfer uses)."""
+    import torch.distributed as dist
+
+    from understudy.worker.transfer import PairGroupTransport
+
+    store = dist.FileStore(store_path, 2)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # Any: the stubs of ProcessGroupGloo lack the send/recv it inherits at run time.
+    raw: Any = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), rank, 2, timeout)
+    transport = PairGroupTransport(
+        dist.ProcessGroupGloo(dist.PrefixStore("pair", store), rank, 2, timeout),
+        timeout_s=timeout_s)
+    return raw, transport
+
+
+def round_trip(raw: Any, rank: int, pieces: list[Any], reply: Any,
+               tags: tuple[int, int] = (0, 0)) -> None:
+    """Rank 0 sends ``pieces`` (every send posted at once) and waits for ``reply``; rank 1
+    receives them into its own ``pieces`` and answers ``reply``: a raw send + ack."""
+    peer = 1 - rank
+    if rank == 0:
+        works = [raw.send([p], peer, tags[0]) for p in pieces]
+    else:
+        works = [raw.recv([p], peer, tags[0]) for p in pieces]
+    for w in works:
+        w.wait()
+    if rank == 0:
+        raw.recv([reply], peer, tags[1]).wait()
+    else:
+        raw.send([reply], peer, tags[1]).wait()
+
+
 def pyplot() -> Any:
     """``matplotlib.pyplot`` on the Agg backend (no display), imported only when a chart is
     drawn: a benchmark that draws none does not pay for it."""

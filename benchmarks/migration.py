@@ -165,32 +165,19 @@ def _p2p_peer(rank: int, store_path: str, sizes: dict[str, int], entries: int, i
               results: Any) -> None:
     """One end: raw gloo send + 1-byte ack, then send_state/receive_state, for each size."""
     try:
-        import datetime as dt
 
         import torch
-        import torch.distributed as dist
 
-        from understudy.worker.transfer import PairGroupTransport, receive_state, send_state
+        from understudy.worker.transfer import receive_state, send_state
 
         torch.set_num_threads(1)
-        store = dist.FileStore(store_path, 2)
-        timeout = dt.timedelta(seconds=60)
-        # Any: the stubs of ProcessGroupGloo lack the send/recv it inherits at run time.
-        raw: Any = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), rank, 2, timeout)
-        transport = PairGroupTransport(
-            dist.ProcessGroupGloo(dist.PrefixStore("pair", store), rank, 2, timeout),
-            timeout_s=60)
+        raw, transport = harness.gloo_pair(store_path, rank, timeout_s=60)
         ack = torch.zeros(1, dtype=torch.uint8)
         out: dict[str, Any] = {"raw": {}, "send_state": {}}
 
         def ping(buf: torch.Tensor) -> float:
             t = time.perf_counter()
-            if rank == 0:
-                raw.send([buf], 1, 0).wait()
-                raw.recv([ack], 1, 1).wait()
-            else:
-                raw.recv([buf], 0, 0).wait()
-                raw.send([ack], 0, 1).wait()
+            harness.round_trip(raw, rank, [buf], ack, tags=(0, 1))
             return time.perf_counter() - t
 
         def state_of(nbytes: int) -> dict[str, torch.Tensor]:

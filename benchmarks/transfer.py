@@ -43,7 +43,6 @@ import argparse
 import collections
 import ctypes
 import dataclasses
-import datetime as dt
 import gc
 import multiprocessing as mp
 import os
@@ -85,7 +84,8 @@ def model_shapes(nbytes: int) -> list[tuple[str, tuple[int, ...]]]:
              ("mlp.fc.weight", (4 * d, d)), ("mlp.fc.bias", (4 * d,)),
              ("mlp.proj.weight", (d, 4 * d)), ("mlp.proj.bias", (d,))]
     rest = params - LAYERS * (12 * d * d + 13 * d) - POSITIONS * d - 2 * d
-    shapes = [("wte.weight", (max(1, rest // d), d)), ("wpe.weight", (POSITIONS, d))]
+    shapes: list[tuple[str, tuple[int, ...]]] = [("wte.weight", (max(1, rest // d), d)),
+                                                 ("wpe.weight", (POSITIONS, d))]
     shapes += [(f"h.{i}.{name}", shape) for i in range(LAYERS) for name, shape in layer]
     shapes += [("ln_f.weight", (d,)), ("ln_f.bias", (d,))]
     return shapes
@@ -176,11 +176,9 @@ def _measure(rank: int, store_path: str, cfg: dict[str, Any]) -> dict[str, Any]:
     import pstats
 
     import torch
-    import torch.distributed as dist
 
     from understudy.worker.transfer import (
         DEFAULT_CHUNK_BYTES,
-        PairGroupTransport,
         receive_into,
         receive_state,
         send_state,
@@ -188,24 +186,9 @@ def _measure(rank: int, store_path: str, cfg: dict[str, Any]) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     leaver = rank == 0
-    store = dist.FileStore(store_path, 2)
-    timeout = dt.timedelta(seconds=120)
-    # Any: the stubs of ProcessGroupGloo lack the send/recv it inherits at run time.
-    raw: Any = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), rank, 2, timeout)
-    transport = PairGroupTransport(
-        dist.ProcessGroupGloo(dist.PrefixStore("pair", store), rank, 2, timeout),
-        timeout_s=120)
+    raw, transport = harness.gloo_pair(store_path, rank, timeout_s=120)
     chunk_bytes = cfg["chunk_bytes"] or DEFAULT_CHUNK_BYTES
     one = torch.zeros(1, dtype=torch.uint8)
-
-    def barrier() -> None:
-        """Both ends ready (their memory settled) before the clock starts."""
-        if leaver:
-            raw.send([one], 1, 1).wait()
-            raw.recv([one], 1, 2).wait()
-        else:
-            raw.recv([one], 0, 1).wait()
-            raw.send([one], 0, 2).wait()
 
     out: dict[str, Any] = {"sizes": {}, "chunk_bytes": chunk_bytes}
     profile_at = cfg["sizes"][-1] if cfg["profile"] else None
@@ -225,29 +208,13 @@ def _measure(rank: int, store_path: str, cfg: dict[str, Any]) -> dict[str, Any]:
             order = KINDS[r % len(KINDS):] + KINDS[:r % len(KINDS)]
             for kind in order:
                 before = settle()
-                barrier()
+                # both ends ready (their memory settled) before the clock starts
+                harness.round_trip(raw, rank, [one], one, tags=(1, 2))
                 cpu = _cpu_seconds()
                 start = time.perf_counter()
                 fresh = 0
-                if kind == "raw":
-                    if leaver:
-                        raw.send([buf], 1, 0).wait()
-                        raw.recv([one], 1, 0).wait()
-                    else:
-                        raw.recv([buf], 0, 0).wait()
-                        raw.send([one], 0, 0).wait()
-                    seconds = time.perf_counter() - start
-                elif kind == "chunked":
-                    if leaver:
-                        works = [raw.send([p], 1, 0) for p in pieces]
-                        for w in works:
-                            w.wait()
-                        raw.recv([one], 1, 0).wait()
-                    else:
-                        works = [raw.recv([p], 0, 0) for p in pieces]
-                        for w in works:
-                            w.wait()
-                        raw.send([one], 0, 0).wait()
+                if kind in ("raw", "chunked"):
+                    harness.round_trip(raw, rank, [buf] if kind == "raw" else pieces, one)
                     seconds = time.perf_counter() - start
                 else:
                     if profiler is not None and kind == "into":
