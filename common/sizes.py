@@ -33,10 +33,3 @@ def size_arg(text: str) -> int:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
-
-def format_size(n: int) -> str:
-    """Bytes in the largest binary unit that keeps a whole number, else in B (64 MiB, 27000 B)."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale and n % scale == 0:
-            return f"{n // scale} {unit}"
-    return f"{n} B"

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from understudy.common.sizes import format_size, parse_size, size_arg
+from understudy.common.sizes import parse_size, size_arg
 from understudy.worker.api import JobContext
 from understudy.worker.runtime import StaticGroups
 
@@ -32,11 +32,6 @@ def test_parse_size_refuses_what_is_not_a_size(text: str) -> None:
         parse_size(text)
     with pytest.raises(argparse.ArgumentTypeError, match="size"):
         size_arg(text)
-
-
-def test_format_size_uses_the_largest_whole_binary_unit() -> None:
-    assert [format_size(n) for n in (64 * 2**20, 2**30, 27_000, 3 * 2**10)] == \
-        ["64 MiB", "1 GiB", "27000 B", "3 KiB"]
 
 
 def _example() -> ModuleType:
