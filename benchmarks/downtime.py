@@ -176,7 +176,9 @@ def run_understudy(event: str, cfg: BenchConfig, base: Path) -> dict[str, Any]:
                                        "settled_step", "steps_before_failure", "joiners")}
         lost = res["lost_ranks"]
     records = read_records(base / "steps")
-    done = steplog.completions(records, WORLD)
+    # A victim killed between the job's commit of a step and its own line for it: its
+    # replacement holds that step (steplog.taken_over).
+    done = steplog.completions(records + steplog.taken_over(records), WORLD)
     normal = steplog.normal_step(done, event_at)
     # The drain's interruption is the switch: its step is the joiners' first.
     if event == "planned-drain":

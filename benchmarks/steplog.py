@@ -48,6 +48,32 @@ def step_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in records if r.get("kind", "step") == "step"]
 
 
+def taken_over(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Commit lines for the steps a rank's new process holds without having computed them.
+
+    A rank killed after the job committed step ``s`` but before its process wrote ``s``'s
+    line leaves its survivors' lines for ``s`` and a replacement that starts from the committed
+    state at ``s + 1``: without a line for ``s`` from that rank the job would never complete
+    ``s``. Where a rank's new process (another ``pid``) first commits a step beyond the one
+    after the rank's last line, the steps between are its, at the time of that first commit
+    (the earliest the lines show the replacement held them; ``taken_over``: true). A restart
+    that goes back to a checkpoint skips nothing and gets no such line."""
+    per_rank: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for r in step_records(records):
+        per_rank[int(r["rank"])].append(r)
+    out = []
+    for rank, lines in per_rank.items():
+        lines.sort(key=lambda r: float(r["t"]))
+        for prev, cur in itertools.pairwise(lines):
+            if cur.get("pid") == prev.get("pid"):
+                continue
+            held = max(int(r["step"]) for r in lines if float(r["t"]) < float(cur["t"]))
+            out += [{"kind": "step", "step": step, "t": cur["t"], "rank": rank,
+                     "pid": cur.get("pid"), "loss": None, "taken_over": True}
+                    for step in range(held + 1, int(cur["step"]))]
+    return out
+
+
 def completions(records: list[dict[str, Any]], world: int) -> list[Completion]:
     """The job-level completions (see the module docstring), in time order.
 

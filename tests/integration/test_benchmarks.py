@@ -243,6 +243,29 @@ def test_steplog_downtime_of_a_restart() -> None:
     assert steady["median_s"] == pytest.approx(0.1) and steady["mean_s"] == pytest.approx(0.1)
 
 
+def test_steplog_a_step_the_replacement_took_over_completes_when_it_first_commits() -> None:
+    """Rank 1's process 11 is killed after the job committed step 50 but before it wrote the
+    line; its replacement (pid 21) restores the committed state and first commits step 51 at
+    t=7. Step 50 completes then, and the interruption ends there (as the CI run of the downtime
+    smoke that said "never got past step 49" needed). A restart from a checkpoint gets no
+    taken-over line."""
+    steplog = steplog_module()
+    recs = [{"step": s, "t": s * 0.1 + r * 0.001, "rank": r, "pid": 10 + r}
+            for s in range(51) for r in range(4) if s < 50 or r != 1]
+    recs += [{"step": s, "t": 7 + (s - 51) * 0.1, "rank": r, "pid": 20 + r if r == 1 else 10 + r}
+             for s in range(51, 60) for r in range(4)]
+    assert not any(c.step == 50 for c in steplog.completions(recs, 4))
+    extra = steplog.taken_over(recs)
+    assert [(x["rank"], x["step"], x["t"], x["pid"]) for x in extra] == [(1, 50, 7, 21)]
+    done = steplog.completions(recs + extra, 4)
+    d = steplog.interruption(done, 5.02, steplog.normal_step(done, 5.02))
+    assert (d["last_step_before"], d["first_step_after"], d["steps_redone"]) == (49, 50, 0)
+    assert d["at"]["first_step"] == d["at"]["full_strength"] == pytest.approx(7.0)
+    restart = [{"step": s, "t": s * 0.1, "rank": 0, "pid": 1} for s in range(10)]
+    restart += [{"step": s, "t": 5 + s * 0.1, "rank": 0, "pid": 2} for s in range(5, 12)]
+    assert steplog.taken_over(restart) == []
+
+
 def test_steplog_a_step_in_flight_at_a_kill_is_no_step_after_it() -> None:
     """Rank 1 commits step 50 and is killed at t=5.005; its peers commit step 50 a moment after
     the kill. That completion is work from before the failure: the interruption follows it, and
