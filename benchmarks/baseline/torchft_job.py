@@ -47,6 +47,7 @@ import time
 T_START = time.time()  # before the imports: a restarted rank pays for them
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
@@ -185,6 +186,13 @@ def main(argv: list[str] | None = None) -> int:
         else:
             job.discard(step)
             log("discarded", step=step, error=str(manager.errored())[:200])
+    # As for the drain: local rank 0 hosts the group's store and manager server, so neither
+    # rank leaves before its peer is past the last step's commit. Without this, rank 0 left
+    # while rank 1 still asked the manager whether to commit; rank 1 failed, its agent
+    # restarted the group into a quorum the finished group never joins, and the run waited
+    # out its timeout (the downtime smoke's planned-drain hang, three times under load).
+    with contextlib.suppress(RuntimeError):  # the peer is gone already: nothing to wait for
+        dist.barrier()
     log("exit", step=job.committed, code=0, reason="done")
     sys.stdout.flush()
     manager.shutdown(wait=False)

@@ -229,9 +229,13 @@ def test_a_migration_past_its_deadline_aborts_and_the_leaver_trains_on(etcd: Emb
                                                                         reference: Path,
                                                                         tmp_path: Path) -> None:
     # The joiner freezes (SIGSTOP: alive, silent) as soon as it is chosen; phase 1 cannot
-    # finish, and the controller calls the migration off at drain.migration_timeout.
+    # finish, and the controller calls the migration off at drain.migration_timeout. The
+    # joiner on node-s1 holds its phase 1 open for 5 s (failpoint), so that the freeze surely
+    # lands in it: once, here, the whole of phase 1 took 0.5 s and the freeze caught the
+    # joiner in the switch, which no deadline calls off.
+    armed = {"node-s1": {"UNDERSTUDY_FAILPOINTS": "joiner.prepared=sleep(5)"}}
     c = start(etcd, tmp_path / "cluster", {"node-a": 1, "node-b": 1, "node-c": 1, "node-d": 1},
-               ("node-s1", "node-s2"), extra=("--migration-timeout", "8"))
+              ("node-s1", "node-s2"), extra=("--migration-timeout", "8"), env=armed)
     frozen = None
     try:
         out = tmp_path / "out"
