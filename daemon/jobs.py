@@ -532,10 +532,13 @@ class JobRunner:
             return
         key = self.keys.kv(f"{job}/migration/{m.id}") + Report.ABORTED
         why = _joiner_end(self.node, child)
-        with contextlib.suppress(StoreError):
-            await self.store.put(key, why.encode())
         self.log.warning("A joiner ended before the switch; its migration is called off.",
                          job=job, migration=m.id, cause=why)
+        # Through an etcd outage too: a call-off lost there left the migration live, and the
+        # fresh standby chosen for it after the outage waited 20 s for groups that could never
+        # come up (seen in test_a_drain_caught_in_phase_1_by_an_outage).
+        await self._put_until_taken(key, why.encode(), "a migration's call-off", job=job,
+                                    migration=m.id)
 
     async def _joiner_died_before_commit(self, job: str, rank: int, child: ChildExit,
                                          migration: str, epoch: int) -> bool:
@@ -619,23 +622,27 @@ class JobRunner:
         record = RankExit(job=job, rank=rank, epoch=epoch, node=self.node, returncode=code,
                           failed=failed, description=description, time=self.wall(),
                           error_type=error_type)
+        await self._put_until_taken(self.keys.rank_exit(job, epoch, rank), record.encode(),
+                                    "a rank's exit", job=job, rank=rank, epoch=epoch)
+
+    async def _put_until_taken(self, key: str, value: bytes, what: str, **fields: Any) -> None:
+        """Write ``value`` at ``key``, retried until etcd takes it (an outage of any length)
+        or the daemon stops; ``what`` and ``fields`` name it in the log."""
         delay, warned = 0.2, False
         while True:
             try:
-                await self.store.put(self.keys.rank_exit(job, epoch, rank), record.encode())
+                await self.store.put(key, value)
                 if warned:
-                    self.log.info("Recorded a rank's exit in etcd after all.", job=job,
-                                  rank=rank, epoch=epoch)
+                    self.log.info(f"Recorded {what} in etcd after all.", **fields)
                 return
             except StoreError as exc:
                 if not warned:
                     warned = True
-                    self.log.warning("Cannot record a rank's exit in etcd yet; retrying until "
-                                     "it can.", job=job, rank=rank, epoch=epoch, error=str(exc))
+                    self.log.warning(f"Cannot record {what} in etcd yet; retrying until it "
+                                     "can.", error=str(exc), **fields)
             await wait_any((self.stop,), delay)
             if self.stop.is_set():
-                self.log.error("Stopping before a rank's exit reached etcd.", job=job,
-                               rank=rank, epoch=epoch)
+                self.log.error(f"Stopping before {what} reached etcd.", **fields)
                 return
             delay = min(2.0, delay * 2)
 

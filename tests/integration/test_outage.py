@@ -180,9 +180,10 @@ def test_a_drain_caught_in_phase_1_by_an_outage_ends_whole_and_bitwise(
               env=armed)
     try:
         out, steps = tmp_path / "out", tmp_path / "steps"
-        # Slow enough that the job outlasts a first attempt held up by the outage (its joiners
-        # give up about 30 s after etcd is back) and the second one: 0.15 s ran out on a loaded
-        # machine, and the job finished before the drain did.
+        # Slow enough that the job outlasts a first attempt held up by the outage and the
+        # second one: 0.15 s ran out on a loaded machine, and the job finished before the drain
+        # did. (The first attempt's joiner ends during the outage; its daemon's call-off is
+        # retried until etcd answers, and the second attempt is planned at once after it.)
         _run(c, out, steps, step_sleep=0.3)
         wait_standbys(c, ("node-s1", "node-s2"))
         _wait_step(steps, 20)
