@@ -84,6 +84,7 @@ from interruptions import LOG_EVERY, LOST_NODE, TP, VICTIM, WORLD
 from steplog import compare_losses, losses
 
 from understudy.common.errors import UnderstudyError
+from understudy.common.sizes import size_arg
 
 EVENTS = ("planned-drain", "worker-crash", "node-loss", "silent-node")
 SYSTEMS = ("understudy", "torchrun", "torchft")
@@ -122,6 +123,8 @@ class BenchConfig:
     #: silent node: a baseline that does not train again by itself within this many seconds
     #: has its frozen processes killed (see silent_wait)
     silent_limit: float = 60.0
+    #: the job's state per rank in bytes (None: the example's own, about 27 KB)
+    state_bytes: int | None = None
 
 
 # -- understudy --------------------------------------------------------------------------------
@@ -155,7 +158,8 @@ def understudy_drain(rcfg: interruptions.RecoveryConfig, base: Path) -> dict[str
 def run_understudy(event: str, cfg: BenchConfig, base: Path) -> dict[str, Any]:
     rcfg = interruptions.RecoveryConfig(repeats=1, steps=cfg.steps, step_sleep=cfg.step_sleep,
                                         crash_at=cfg.event_at, ttl=cfg.ttl, smoke=cfg.smoke,
-                                        sandbox=True, step_log=True)
+                                        sandbox=True, step_log=True,
+                                        state_bytes=cfg.state_bytes)
     if event == "planned-drain":
         res = understudy_drain(rcfg, base)
         event_at = res["drain_at"]
@@ -281,7 +285,8 @@ def torchrun_phases(records: list[dict[str, Any]], event_at: float, first_step_a
 
 
 def run_torchrun(event: str, cfg: BenchConfig, base: Path) -> dict[str, Any]:
-    tcfg = TorchrunConfig(steps=cfg.steps, step_sleep=cfg.step_sleep, ckpt_every=cfg.ckpt_every,
+    tcfg = TorchrunConfig(steps=cfg.steps, step_sleep=cfg.step_sleep, state_bytes=cfg.state_bytes,
+                          ckpt_every=cfg.ckpt_every,
                           ckpt_mode=cfg.ckpt_mode, drain_notice=True,
                           max_restarts=MAX_RESTARTS,
                           keepalive_interval_s=cfg.keepalive_interval_s,
@@ -380,7 +385,7 @@ def run_torchft(event: str, cfg: BenchConfig, base: Path) -> dict[str, Any]:
     # The drain handler only for the drain: with it, a rank whose TP peer was killed, blocked
     # in torchft's should_commit, would ignore its agent's SIGTERM and be killed 30 s later
     # (seen here); without it the default SIGTERM ends it at once.
-    fcfg = TorchftConfig(steps=cfg.steps, step_sleep=cfg.step_sleep,
+    fcfg = TorchftConfig(steps=cfg.steps, step_sleep=cfg.step_sleep, state_bytes=cfg.state_bytes,
                          drain_notice=event == "planned-drain",
                          max_restarts=MAX_RESTARTS,
                          heartbeat_timeout_ms=cfg.torchft_heartbeat_ms)
@@ -631,6 +636,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="silent node: seconds a baseline may take to train again by itself "
                         "before its frozen processes are killed, as an operator would power "
                         "the machine off (default 60; smoke 20)")
+    p.add_argument("--state-size", type=size_arg, metavar="SIZE",
+                   help="the job's state per rank (64MiB, 1GiB, ...: examples/plain_torch/"
+                        "train.py --state-size), the same for every system (default: the "
+                        "example's own, about 27 KB)")
     p.add_argument("--smoke", action="store_true", help="one repeat, short runs: for the tests")
     p.outputs(keep="keep logs, step lines and checkpoints here", chart="chart")
     args = p.parse(argv, {"repeats": (5, 1), "steps": (300, 120),
@@ -670,7 +679,7 @@ def main(argv: list[str] | None = None) -> int:
                       keepalive_interval_s=args.keepalive[0],
                       keepalive_attempts=args.keepalive[1], smoke=args.smoke,
                       systems=args.systems, torchft_heartbeat_ms=args.torchft_heartbeat_ms,
-                      silent_limit=args.silent_limit)
+                      silent_limit=args.silent_limit, state_bytes=args.state_size)
     os.environ.update(ONE_THREAD)  # every process it starts inherits it
     scratch = harness.Scratch(args.keep_dir, "understudy-bench-down-")
     repeats = scratch.repeats("downtime benchmark", cfg.repeats,

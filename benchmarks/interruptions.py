@@ -81,6 +81,15 @@ HANDED_OFF = re.compile(
     r"of tensors in (?P<entries>\d+) entries in (?P<ms>[\d.]+) ms .*?(?P<chunks>\d+) chunks of "
     r"(?P<chunk_bytes>\d+) B .*manifest (?P<manifest>\d+) B")
 SWITCHED = re.compile(r"Switched to the next versions of .* at step (?P<step>\d+)\.")
+#: The resident set either end of a transfer logs with its figures (worker.transfer).
+RSS = re.compile(r"RSS (?P<start>\d+) B at the start, peak RSS (?P<peak>\d+) B")
+
+
+def rss_mib(message: str) -> dict[str, float] | None:
+    """The RSS at a transfer's start and the process's peak RSS, in MiB, from its log line."""
+    m = RSS.search(message)
+    return None if m is None else {"start": int(m["start"]) / 2**20,
+                                   "peak": int(m["peak"]) / 2**20}
 
 
 @dataclass(frozen=True)
@@ -98,6 +107,9 @@ class RecoveryConfig:
     sandbox: bool = True
     #: the job logs a line per committed step under ``<out>/../steps`` (benchmarks/downtime.py)
     step_log: bool = False
+    #: the job's state per rank in bytes (``train.py --state-size``); None: the example's
+    #: default size (about 27 KB per rank at TP 2)
+    state_bytes: int | None = None
 
 
 # -- the cluster and the job -------------------------------------------------------------------
@@ -141,6 +153,8 @@ def submit(cluster: LocalCluster, cfg: RecoveryConfig, out: Path) -> None:
         extra["UNDERSTUDY_RECORDINGS"] = str(out.parent / "recordings")
     env = [f"--env={k}={v}" for k, v in extra.items()]
     step_log = ["--step-log", str(out.parent / "steps")] if cfg.step_log else []
+    if cfg.state_bytes is not None:
+        step_log += ["--state-size", str(cfg.state_bytes)]
     run = cluster.cli("run", "--job", JOB, "--tp", str(TP), "--dp", str(WORLD // TP),
                       "--standby", "2", *env, "--", sys.executable, str(TRAIN),
                       "--steps", str(cfg.steps), "--step-sleep", str(cfg.step_sleep),
@@ -235,7 +249,7 @@ def analyse_recovery(kill_at: float, detected_at: float, lost: tuple[int, ...],
     aborted: dict[int, int] = {}
     gave: dict[int, dict[str, Any]] = {}
     chosen: dict[int, tuple[float, str]] = {}
-    took: dict[int, tuple[float, float]] = {}
+    took: dict[int, tuple[float, float, dict[str, float] | None]] = {}
     for node, records in logs.items():
         for rec in records:
             msg = str(rec.get("event", ""))
@@ -257,11 +271,12 @@ def analyse_recovery(kill_at: float, detected_at: float, lost: tuple[int, ...],
             elif (m := GAVE.search(msg)) and rank is not None:
                 gave[int(m["rank"])] = {"donor": int(rank), "step": int(m["step"]),
                                         "payload_bytes": int(m["bytes"]),
-                                        "send_s": float(m["ms"]) / 1e3}
+                                        "send_s": float(m["ms"]) / 1e3,
+                                        "donor_rss_mib": rss_mib(msg)}
             elif (m := CHOSEN.search(msg)) and rec.get("migration", rid) == rid:
                 chosen.setdefault(int(m["rank"]), (at, node))
             elif m := TOOK_OVER.search(msg):
-                took.setdefault(int(m["rank"]), (at, float(m["ms"]) / 1e3))
+                took.setdefault(int(m["rank"]), (at, float(m["ms"]) / 1e3, rss_mib(msg)))
     missing = [what for what, got, want in (
         ("'settled on step'", settled, survivors), ("'Recovered from the loss'", recovered,
                                                     survivors),
@@ -284,6 +299,7 @@ def analyse_recovery(kill_at: float, detected_at: float, lost: tuple[int, ...],
     settled_steps = {s for _, s in settled.values()}
     for r in lost:
         gave[r]["joiner_receive_s"] = took[r][1]
+        gave[r]["joiner_rss_mib"] = took[r][2]
     return {
         "recovery_id": rid,
         "lost_ranks": list(lost),
@@ -503,12 +519,14 @@ def analyse_drain(out_dir: Path, events: list[dict[str, Any]],
                 "entries": int(m["entries"]), "seconds": seconds,
                 "mb_per_s": int(m["bytes"]) / seconds / 1e6 if seconds > 0 else 0.0,
                 "chunks": int(m["chunks"]), "chunk_bytes": int(m["chunk_bytes"]),
-                "manifest_bytes": int(m["manifest"]), "logged_at": wall(rec)}
+                "manifest_bytes": int(m["manifest"]), "logged_at": wall(rec),
+                "leaver_rss_mib": rss_mib(str(rec.get("event", "")))}
     for node in STANDBYS:
         for rec in logs[node]:
             m = TOOK_OVER.search(str(rec.get("event", "")))
             if m and m["rank"] in transfers:
                 transfers[m["rank"]]["joiner_receive_s"] = float(m["ms"]) / 1e3
+                transfers[m["rank"]]["joiner_rss_mib"] = rss_mib(str(rec.get("event", "")))
     if set(transfers) != {str(r) for r in LEAVERS}:
         raise BenchmarkError(f"hand-off log lines found for ranks {sorted(transfers)} only")
 

@@ -252,6 +252,19 @@ def _joiner_runtime(w: _Worker, rank: int, groups: GroupSet,
     return runtime
 
 
+def _own_state(w: _Worker, runtime: Runtime) -> Any:
+    """The joiner's own state tree, for the leaver's tensors to land in place (the joiner then
+    never holds a second copy of the state); None, and fresh tensors, where the job cannot give
+    its state before one is loaded (the Megatron adapter, when its groups were missing at
+    build, makes its model in ``load_state``)."""
+    try:
+        return runtime.state()
+    except Exception as exc:  # the job's own code: any failure only costs the in-place landing
+        w.log.info(f"The job gave no state before loading one ({exc}); the leaver's state "
+                   "lands in fresh tensors.")
+        return None
+
+
 def _take_state(w: _Worker, joiner: Joiner, plan: Plan, rank: int, runtime: Runtime,
                 holder: SnapshotHolder | None) -> None:
     """Load the rank's state: the leaver's, or the snapshot a rollback names. If it cannot be
@@ -262,7 +275,7 @@ def _take_state(w: _Worker, joiner: Joiner, plan: Plan, rank: int, runtime: Runt
             joiner.restore(runtime, w.snapshots, holder)
             joiner.switch(names)
         else:
-            runtime.load_state(joiner.receive(names))
+            runtime.load_state(joiner.receive(names, into=_own_state(w, runtime)))
     except TransferError as exc:
         # The migration was called off, or its state never arrived: the leaver keeps the
         # rank. This standby is spent (half-built groups, a partly written model); leave

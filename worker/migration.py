@@ -44,7 +44,7 @@ from understudy.worker.holder import SnapshotHolder
 from understudy.worker.holder_client import HolderDirectory
 from understudy.worker.runtime import Action, Runtime
 from understudy.worker.snapshots import SnapshotError, restore
-from understudy.worker.transfer import PairGroupTransport, TransferError, receive_state, send_state
+from understudy.worker.transfer import PairGroupTransport, TransferError, receive_into, send_state
 
 READY_PHASES = ("ready", "switching")
 #: how often a rank waiting in a collective asks its daemon whether the job is recovering
@@ -495,8 +495,11 @@ class Joiner:
             raise TransferError(f"migration {self.plan.id} was called off")
         return plan
 
-    def receive(self, names: list[str]) -> Any:
-        """Take the leaver's state, then switch to the new groups. Raises TransferError."""
+    def receive(self, names: list[str], into: Any = None) -> Any:
+        """Take the leaver's state, then switch to the new groups. ``into``: this joiner's own
+        state tree (its job is built), whose tensors the leaver's overwrite in place where
+        path, dtype and shape match, so that the joiner never holds a second copy of the
+        state. Raises TransferError (``into``'s tensors are then partly written)."""
         pair = pair_name(self.rank, self.plan.version)
         self.groups.switch([pair])
         transport = PairGroupTransport(self.groups.current(pair), timeout_s=self.timeout)
@@ -515,8 +518,8 @@ class Joiner:
         watcher = threading.Thread(target=watch, name="joiner-watch", daemon=True)
         watcher.start()
         try:
-            state, stats = receive_state(
-                transport, on_chunk=lambda i, _: failpoints.hit("joiner.receive.chunk"))
+            state, stats = receive_into(
+                transport, into, on_chunk=lambda i, _: failpoints.hit("joiner.receive.chunk"))
         finally:
             watcher_stop.set()
             watcher.join(2)

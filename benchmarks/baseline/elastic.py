@@ -79,6 +79,8 @@ class TorchrunConfig:
     keepalive_attempts: int = 3
     tp: int = 2
     seed: int = 0
+    #: state per rank in bytes (None: the example's own size)
+    state_bytes: int | None = None
 
     def job_args(self, base: Path) -> list[str]:
         args = ["--steps", str(self.steps), "--step-sleep", str(self.step_sleep),
@@ -89,6 +91,8 @@ class TorchrunConfig:
                      "--ckpt-mode", self.ckpt_mode]
         if self.drain_notice:
             args.append("--drain-notice")
+        if self.state_bytes is not None:
+            args += ["--state-size", str(self.state_bytes)]
         return args
 
 

@@ -103,6 +103,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dp", type=int, default=2, help="replica groups in the job")
     p.add_argument("--lighthouse", required=True, help="the Lighthouse's address (http://...)")
     p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--state-size", type=int, help="state per rank in bytes, as the example's "
+                   "--state-size (default: the example's own size)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--step-log", type=Path, required=True)
@@ -136,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     # incarnation (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: no keys of a previous one). The
     # manager keeps its keys in the same store.
     dist.init_process_group("gloo", timeout=timeout)
-    job = PlainJob(step_sleep=args.step_sleep)
+    job = PlainJob(step_sleep=args.step_sleep, state_bytes=args.state_size)
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timeout), min_replica_size=args.dp,
         load_state_dict=job.load_state, state_dict=job.state,

@@ -59,6 +59,8 @@ class TorchftConfig:
     heartbeat_timeout_ms: int = 5000
     join_timeout_ms: int = 60000
     seed: int = 0
+    #: state per rank in bytes (None: the example's own size)
+    state_bytes: int | None = None
 
     def job_args(self, base: Path, replica: int, lighthouse: str) -> list[str]:
         args = ["--replica", str(replica), "--dp", str(DP), "--lighthouse", lighthouse,
@@ -66,6 +68,8 @@ class TorchftConfig:
                 "--seed", str(self.seed), "--step-log", str(base / "steps")]
         if self.drain_notice:
             args.append("--drain-notice")
+        if self.state_bytes is not None:
+            args += ["--state-size", str(self.state_bytes)]
         return args
 
 

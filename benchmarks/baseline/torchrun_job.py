@@ -99,6 +99,8 @@ def dcp_state(job: PlainJob, ctx: JobContext) -> dict[str, Any]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--state-size", type=int, help="state per rank in bytes, as the example's "
+                   "--state-size (default: the example's own size)")
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--step-sleep", type=float, default=0.0)
@@ -139,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                else None)
     log("init", generation=generation)
 
-    job = PlainJob(step_sleep=args.step_sleep)
+    job = PlainJob(step_sleep=args.step_sleep, state_bytes=args.state_size)
     job.build(ctx)
     newest = newest_checkpoint(args.ckpt_dir) if args.ckpt_dir is not None else None
     if newest is not None:

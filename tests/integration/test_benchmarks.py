@@ -660,3 +660,33 @@ def test_soak_smoke(tmp_path: Path) -> None:
         assert d["min"] <= d["median"] <= d["max"] and d["spread"] == pytest.approx(
             d["max"] - d["min"], abs=1e-5)
     assert all(v is None for v in data["outcome"].values())
+
+
+def test_state_sizes_summary_and_chart_from_each_sizes_downtime(tmp_path: Path) -> None:
+    """benchmarks/state_sizes.py: its command line, and the table and chart it makes of the
+    downtime.py summaries it collected (each size's run is downtime.py's, whose smoke runs
+    above)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import state_sizes
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    args = state_sizes.parse_args(["--sizes", "1GiB,27KB,64MiB", "--out", str(tmp_path / "r.json")])
+    assert args.size_list == [27_000, 64 * 2**20, 2**30] and args.repeats == 3
+    with pytest.raises(SystemExit):
+        state_sizes.parse_args(["--sizes", "lots"])
+    systems = ["understudy", "torchft"]
+
+    def fig(median: float) -> dict[str, float]:
+        return {"min": median * 0.9, "median": median, "max": median * 1.2}
+
+    result = {"config": {"events": ["worker-crash"], "systems": systems},
+              "sizes": [{"state_bytes": size, "job_state": state_sizes.label(size),
+                         "summary": {"worker-crash": {s: {"downtime_s": fig(0.1 * (i + 1) * k)}
+                                                      for k, s in enumerate(systems, 1)}}}
+                        for i, size in enumerate(args.size_list)]}
+    state_sizes.print_summary(result)
+    png = tmp_path / "chart.png"
+    state_sizes.plot(result, png)
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert state_sizes.label(2**30) == "1 GiB" and state_sizes.label(27_000) == "26.4 KiB"

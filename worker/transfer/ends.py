@@ -47,6 +47,11 @@ class TransferStats:
     entries: int = 0
     reused_entries: int = 0        # receive_into: entries written into the target's tensors
     checksum: str = CHECKSUM
+    #: this process's resident set as the transfer began, and its peak (VmHWM, since the
+    #: process started) as it ended: the joiner's peak stays near its RSS before the transfer
+    #: when the state lands in its own tensors; 0 where /proc says nothing
+    rss_start_bytes: int = 0
+    peak_rss_bytes: int = 0
 
     @property
     def mb_per_s(self) -> float:
@@ -54,10 +59,27 @@ class TransferStats:
         return self.payload_bytes / self.seconds / 1e6 if self.seconds > 0 else 0.0
 
     def __str__(self) -> str:
-        return (f"{self.direction} {self.payload_bytes} B of tensors in {self.entries} entries "
-                f"in {self.seconds * 1e3:.1f} ms ({self.mb_per_s:.0f} MB/s), {self.chunks} "
-                f"chunks of {self.chunk_bytes} B ({self.direct_chunks} direct), peak staging "
-                f"{self.peak_staging_bytes} B, manifest {self.manifest_bytes} B")
+        reused = f" ({self.reused_entries} in place)" if self.direction == "receive" else ""
+        return (f"{self.direction} {self.payload_bytes} B of tensors in {self.entries} entries"
+                f"{reused} in {self.seconds * 1e3:.1f} ms ({self.mb_per_s:.0f} MB/s), "
+                f"{self.chunks} chunks of {self.chunk_bytes} B ({self.direct_chunks} direct), "
+                f"peak staging {self.peak_staging_bytes} B, manifest {self.manifest_bytes} B, RSS "
+                f"{self.rss_start_bytes} B at the start, peak RSS {self.peak_rss_bytes} B")
+
+
+def resident_bytes() -> tuple[int, int]:
+    """This process's resident set now and its peak so far (``VmRSS``, ``VmHWM``), in bytes;
+    zeros where ``/proc/self/status`` cannot be read (not Linux)."""
+    found = {"VmRSS:": 0, "VmHWM:": 0}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key = line.split(None, 1)[0]
+                if key in found:
+                    found[key] = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 0, 0
+    return found["VmRSS:"], found["VmHWM:"]
 
 
 def _run(end: _End, body: Callable[[], Any]) -> Any:

@@ -1,0 +1,159 @@
+"""Downtime against state size: ``downtime.py`` at each of several sizes of state per rank, in
+one run, and a chart of each event kind's downtime against the size, per system.
+
+    python benchmarks/state_sizes.py [--sizes 27KB,64MiB,256MiB,1GiB] [--events E,...]
+                                     [--systems S,...] [--repeats N] [--smoke] [--out F]
+
+Each size is one ``downtime.py --state-size SIZE`` run (its own JSON next to ``--out``, named
+by the size), the systems side by side inside it as ``downtime.py`` runs them: understudy,
+torchrun with DCP checkpoints, torchft. The example job (``examples/plain_torch/train.py``)
+picks its hidden width so that a rank holds about SIZE of parameters and Adam state; the
+sizes below 64 MiB are the example's own (about 27 KB). The combined JSON keeps each size's
+summary and the path of its full result; the chart has one panel per event kind, downtime
+(median, with min-max bars) against state size on log axes, one line per system.
+
+The 24 GiB machine fits 1 GiB per rank: four ranks and two standbys of understudy (each a
+built model), the holder's snapshot copies, and the baselines, which run after it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import harness
+from harness import BenchmarkError
+
+from understudy.common.sizes import parse_size
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_SIZES = "27KB,64MiB,256MiB,1GiB"
+#: sizes at or below this are the example's own size (no --state-size): it holds ~27 KB
+EXAMPLE_OWN = 64 * 1024
+EVENTS = "planned-drain,worker-crash,node-loss"
+SYSTEMS = "understudy,torchrun,torchft"
+COLOURS = {"understudy": "tab:green", "torchrun": "tab:red", "torchft": "tab:blue"}
+
+
+def label(size: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size >= scale:
+            return f"{size / scale:.3g} {unit}"
+    return f"{size} B"
+
+
+def run_size(size: int, args: Any, out: Path) -> dict[str, Any]:
+    """One ``downtime.py`` run at ``size``; its result (also written at ``out``)."""
+    argv = [sys.executable, str(HERE / "downtime.py"), "--events", args.events,
+            "--systems", args.systems, "--repeats", str(args.repeats), "--out", str(out)]
+    if size > EXAMPLE_OWN:
+        argv += ["--state-size", str(size)]
+    if args.smoke:
+        argv.append("--smoke")
+    if args.steps is not None:
+        argv += ["--steps", str(args.steps)]
+    if args.keep_dir is not None:
+        argv += ["--keep-dir", str(args.keep_dir / str(size))]
+    print(f"\n== state {label(size)} per rank: {' '.join(argv[1:])}", flush=True)
+    res = subprocess.run(argv, check=False)
+    if res.returncode != 0:
+        raise BenchmarkError(f"downtime.py at {label(size)} failed (exit {res.returncode})")
+    return json.loads(out.read_text())
+
+
+def print_summary(result: dict[str, Any]) -> None:
+    systems = result["config"]["systems"]
+    for event in result["config"]["events"]:
+        print(f"\n  {event}: downtime, median (min-max) s")
+        print(f"  {'state per rank':<16}" + "".join(f"{s:>24}" for s in systems))
+        for size in result["sizes"]:
+            cells = "".join(
+                f"{f['median']:>10.3f} ({f['min']:.3f}-{f['max']:.3f})"
+                for f in (size["summary"][event][s]["downtime_s"] for s in systems))
+            print(f"  {label(size['state_bytes']):<16}{cells}")
+
+
+def plot(result: dict[str, Any], png: Path) -> None:
+    plt = harness.pyplot()
+    events = result["config"]["events"]
+    fig, axes = plt.subplots(1, len(events), figsize=(4.2 * len(events), 3.6), squeeze=False)
+    xs = [s["state_bytes"] for s in result["sizes"]]
+    for ax, event in zip(axes[0], events, strict=True):
+        for system in result["config"]["systems"]:
+            fig_s = [s["summary"][event][system]["downtime_s"] for s in result["sizes"]]
+            med = [max(f["median"], 1e-3) for f in fig_s]
+            lo = [m - max(f["min"], 1e-3) for m, f in zip(med, fig_s, strict=True)]
+            hi = [max(f["max"], 1e-3) - m for m, f in zip(med, fig_s, strict=True)]
+            ax.errorbar(xs, med, yerr=[lo, hi], marker="o", capsize=3, label=system,
+                        color=COLOURS.get(system))
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(xs, [label(x) for x in xs], rotation=30)
+        ax.set_title(event)
+        ax.set_xlabel("state per rank")
+        ax.set_ylabel("downtime (s)")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend()
+    fig.suptitle("Downtime per event against state size (TP 2 x DP 2, median, min-max)")
+    harness.save_chart(fig, png)
+
+
+def parse_args(argv: list[str] | None = None) -> Any:
+    p = harness.Parser("state_sizes", __doc__.splitlines()[0])
+    p.add_argument("--sizes", help=f"state per rank, comma-separated (default {DEFAULT_SIZES};"
+                   " smoke 27KB,64MiB)")
+    p.add_argument("--events", help=f"downtime.py's --events (default {EVENTS}; smoke "
+                   "worker-crash)")
+    p.add_argument("--systems", help=f"downtime.py's --systems (default {SYSTEMS}; smoke "
+                   "understudy,torchft)")
+    p.add_argument("--repeats", type=int, help="repeats per size (default 3; smoke 1)")
+    p.add_argument("--steps", type=int, help="downtime.py's --steps (default: its own, 300; "
+                   "smoke 120): at 1 GiB a step of the four ranks on two cores takes seconds")
+    p.add_argument("--smoke", action="store_true", help="two small sizes, one event")
+    p.outputs(keep="keep each size's logs here, under the size in bytes (downtime.py "
+              "--keep-dir)", chart="chart")
+    args = p.parse(argv, {"sizes": (DEFAULT_SIZES, "27KB,64MiB"), "events": (EVENTS,
+                          "worker-crash"), "systems": (SYSTEMS, "understudy,torchft"),
+                          "repeats": (3, 1)})
+    try:
+        args.size_list = sorted({parse_size(x) for x in args.sizes.split(",") if x.strip()})
+    except ValueError as exc:
+        p.error(f"--sizes: {exc}")
+    if not args.size_list:
+        p.error("--sizes names no size")
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = harness.header("state_sizes", time.strftime("%Y-%m-%dT%H:%M:%S%z"), torch=True)
+    sizes = []
+    try:
+        for size in args.size_list:
+            out = args.out.with_name(f"{args.out.stem.removesuffix('.smoke')}-{size}.json"
+                                     + (".tmp" if args.smoke else ""))
+            res = run_size(size, args, out)
+            sizes.append({"state_bytes": size, "result": str(out),
+                          "job_state": "example's own" if size <= EXAMPLE_OWN else label(size),
+                          "summary": res["summary"]})
+    except BenchmarkError as exc:
+        print(f"state-size benchmark failed: {exc}", file=sys.stderr)
+        return 1
+    result = {**started,
+              "config": {"sizes": args.size_list, "events": args.events.split(","),
+                         "systems": args.systems.split(","), "repeats": args.repeats,
+                         "steps": args.steps,
+                         "smoke": args.smoke},
+              "sizes": sizes}
+    harness.report(result, args.out, print_summary, plot, args.png)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
