@@ -300,6 +300,12 @@ def collect(repeats: list[dict[str, Any]]) -> dict[str, Any]:
             "mb_per_s": transfer_rate,
             "fraction_of_raw_64mib_bandwidth": transfer_rate["median"] / raw_big["median"],
             "lower_bound_s_at_raw_64mib_bandwidth": state_bytes / (raw_big["median"] * 1e6),
+            # Each end's RSS as its transfer began and the process's peak RSS as it ended
+            # (worker.transfer logs them): the peak over the start is what the transfer took.
+            **{f"{end}_rss_mib": {k: summarize_some([t[f"{end}_rss_mib"][k] for t in transfers
+                                                     if t.get(f"{end}_rss_mib")])
+                                  for k in ("start", "peak")}
+               for end in ("leaver", "joiner")},
         },
         "p2p": {
             "latency_1b_round_trip_s": over(lambda p: p["latency_1b_round_trip_s"], p2p),
@@ -346,6 +352,10 @@ def print_summary(result: dict[str, Any]) -> None:
     row("  steps committed before the drain", p1["steps_before_planned"], "steps")
     row("transfer in the migration (per leaver)", tr["seconds"], "ms", 1e3)
     row("  rate", tr["mb_per_s"], "MB/s")
+    for end in ("leaver", "joiner"):
+        rss = tr.get(f"{end}_rss_mib", {})
+        row(f"  {end}: RSS at its start", rss.get("start"), "MiB")
+        row(f"  {end}: peak RSS at its end", rss.get("peak"), "MiB")
     row("raw p2p 1-byte round trip", p2p["latency_1b_round_trip_s"], "ms", 1e3)
     row("raw p2p, state size, send + ack", p2p["raw_state_median_s"], "ms", 1e3)
     row("raw p2p, 64 MiB, send + ack", p2p["raw_64MiB_median_s"], "ms", 1e3)
