@@ -301,7 +301,8 @@ def collect(repeats: list[dict[str, Any]]) -> dict[str, Any]:
             "fraction_of_raw_64mib_bandwidth": transfer_rate["median"] / raw_big["median"],
             "lower_bound_s_at_raw_64mib_bandwidth": state_bytes / (raw_big["median"] * 1e6),
             # Each end's RSS as its transfer began and the process's peak RSS as it ended
-            # (worker.transfer logs them): the peak over the start is what the transfer took.
+            # (worker.transfer logs them); the peak is the process's lifetime one, an upper
+            # bound on what the transfer took, not that alone.
             **{f"{end}_rss_mib": {k: summarize_some([t[f"{end}_rss_mib"][k] for t in transfers
                                                      if t.get(f"{end}_rss_mib")])
                                   for k in ("start", "peak")}

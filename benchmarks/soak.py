@@ -50,7 +50,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import itertools
 import json
 import os
 import random
@@ -741,12 +740,10 @@ class Soak:
 def downtimes(faults: list[dict[str, Any]], records: list[dict[str, Any]]) -> None:
     """Each fault served: its interruption's figures (``volatile.event_figures``), in place.
 
-    A rank killed just as it committed a step may never write that step's line, while its
-    survivors wrote theirs and the joiner goes on from the step after: the job then has no
-    completion of that step, and ``steplog.interruption`` finds none to end the interruption
-    with. Such a fault is measured on the same gap, with the first step completed beyond the
-    last one before it standing for full strength (``partial_step_line`` says so)."""
-    done = steplog.completions(records, WORLD)
+    A rank killed just as the job committed a step may never write that step's line, while
+    its survivors wrote theirs and its replacement goes on from the step after: that step
+    counts as the replacement's from its first commit (``steplog.taken_over``)."""
+    done = steplog.completions(records + steplog.taken_over(records), WORLD)
     for f in faults:
         if f["fired_at"] is None or f["served_at"] is None:
             continue
@@ -757,11 +754,7 @@ def downtimes(faults: list[dict[str, Any]], records: list[dict[str, Any]]) -> No
                 normal = steplog.normal_step(window, fired)
             except ValueError:
                 normal = steplog.normal_step(done, fired)
-            try:
-                figures = volatile.event_figures(done, fired, served, normal)
-            except ValueError:
-                figures = skipped_line_figures(done, fired, served, normal)
-                f["partial_step_line"] = True
+            figures = volatile.event_figures(done, fired, served, normal)
         except ValueError as exc:
             f["downtime_error"] = str(exc)
             continue
@@ -769,29 +762,6 @@ def downtimes(faults: list[dict[str, Any]], records: list[dict[str, Any]]) -> No
                                           "normal_step_s", "last_step_before",
                                           "first_step_after")})
         f["fault_to_served_s"] = served - fired
-
-
-def skipped_line_figures(done: list[steplog.Completion], fired: float, served: float,
-                         normal: float) -> dict[str, Any]:
-    """:func:`downtimes`' fallback: the longest gap between consecutive completions from the
-    fault until it was served, as ``volatile.event_figures`` picks it, the full strength being
-    the first completion of a later step.
-
-    Raises:
-        ValueError: no completion before the fault, or none later than it.
-    """
-    seq = [c for c in done if c.t <= fired][-1:] + [c for c in done if fired < c.t <= served]
-    seq += [c for c in done if c.t > served][:1]
-    if len(seq) < 2 or seq[0].t > fired:
-        raise ValueError("no completion before the fault, or none after it")
-    last, first = max(itertools.pairwise(seq), key=lambda p: p[1].t - p[0].t)
-    full = next((c for c in done if c.t >= first.t and c.step > last.step), None)
-    if full is None:
-        raise ValueError(f"the job never got past step {last.step} after the fault")
-    return {"last_step_before": last.step, "first_step_after": first.step,
-            "normal_step_s": normal, "downtime_s": first.t - last.t - normal,
-            "steps_redone": max(0, last.step - first.step + 1),
-            "time_lost_s": full.t - last.t - normal}
 
 
 def attach_events(faults: list[dict[str, Any]], events: list[dict[str, Any]]) -> None:

@@ -64,13 +64,13 @@ def taken_over(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for rank, lines in per_rank.items():
         lines.sort(key=lambda r: float(r["t"]))
+        held = int(lines[0]["step"])  # the highest step the rank's lines so far name
         for prev, cur in itertools.pairwise(lines):
-            if cur.get("pid") == prev.get("pid"):
-                continue
-            held = max(int(r["step"]) for r in lines if float(r["t"]) < float(cur["t"]))
-            out += [{"kind": "step", "step": step, "t": cur["t"], "rank": rank,
-                     "pid": cur.get("pid"), "loss": None, "taken_over": True}
-                    for step in range(held + 1, int(cur["step"]))]
+            if cur.get("pid") != prev.get("pid"):
+                out += [{"kind": "step", "step": step, "t": cur["t"], "rank": rank,
+                         "pid": cur.get("pid"), "loss": None, "taken_over": True}
+                        for step in range(held + 1, int(cur["step"]))]
+            held = max(held, int(cur["step"]))
     return out
 
 

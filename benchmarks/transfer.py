@@ -56,6 +56,7 @@ import harness
 from harness import MIB, BenchmarkError, Table, summarize
 
 from understudy.common.errors import UnderstudyError
+from understudy.worker.transfer.ends import resident_bytes
 
 KINDS = ("raw", "into", "state", "chunked")
 LABELS = {"raw": "raw send + 1-byte ack", "into": "send_state -> receive_into",
@@ -131,11 +132,13 @@ def tensor_bytes(state: Any, under: int | None = None) -> tuple[int, int]:
 _LIBC = ctypes.CDLL("libc.so.6")
 
 
-def _status_bytes(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise BenchmarkError(f"/proc/self/status has no {field}")
+def _resident() -> tuple[int, int]:
+    """``VmRSS`` and ``VmHWM`` as the workers read them (``worker.transfer``'s
+    ``resident_bytes``); an error where /proc cannot say."""
+    rss, peak = resident_bytes()
+    if not rss:
+        raise BenchmarkError("/proc/self/status gives no VmRSS: this benchmark needs Linux")
+    return rss, peak
 
 
 def settle() -> int:
@@ -143,11 +146,11 @@ def settle() -> int:
     gc.collect()
     _LIBC.malloc_trim(0)
     Path("/proc/self/clear_refs").write_text("5")
-    return _status_bytes("VmRSS")
+    return _resident()[0]
 
 
 def peak_since(before: int) -> int:
-    return _status_bytes("VmHWM") - before
+    return _resident()[1] - before
 
 
 def _cpu_seconds() -> float:

@@ -47,9 +47,9 @@ class TransferStats:
     entries: int = 0
     reused_entries: int = 0        # receive_into: entries written into the target's tensors
     checksum: str = CHECKSUM
-    #: this process's resident set as the transfer began, and its peak (VmHWM, since the
-    #: process started) as it ended: the joiner's peak stays near its RSS before the transfer
-    #: when the state lands in its own tensors; 0 where /proc says nothing
+    #: this process's resident set as the transfer began, and its peak (VmHWM) as it ended;
+    #: the peak is the process's since it started, so it bounds the transfer's extra memory
+    #: from above without isolating it; 0 where /proc says nothing
     rss_start_bytes: int = 0
     peak_rss_bytes: int = 0
 
