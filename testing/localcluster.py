@@ -202,6 +202,16 @@ class LocalCluster:
         states = {n.name: n.state for n in last.nodes} if last else "etcd unreachable"
         raise ClusterTimeout(f"timed out after {timeout}s waiting for {what}; states: {states}")
 
+    def wait_settled(self, timeout: float = 30.0) -> None:
+        """Wait for an idle cluster's start-up writes to end: the controller writes its key,
+        then its "controller-elected" event, so a test that compares revisions across a refused
+        command takes its first one after that event."""
+        deadline = time.monotonic() + timeout
+        while not any(e.kind == "controller-elected" for e in self.events()):
+            if time.monotonic() > deadline:
+                raise ClusterTimeout(f"no controller-elected event in {timeout}s")
+            time.sleep(0.05)
+
     def wait_state(self, node: str, state: str, timeout: float = 30.0) -> float:
         return self.wait_for(
             f"{node} to be {state}",

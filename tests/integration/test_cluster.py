@@ -243,6 +243,7 @@ def test_bad_values_are_ignored_and_counted(cluster: LocalCluster, etcd: Embedde
 
 def test_cli_misuse_changes_nothing(cluster: LocalCluster, etcd: EmbeddedEtcd) -> None:
     _three(cluster)
+    cluster.wait_settled()
     before = cluster.status().revision
     out = cluster.cli("drain", "no-such-node")
     assert out.returncode == 1 and out.stderr.count("\n") == 1

@@ -85,12 +85,7 @@ def test_a_failing_rank_fails_the_job_with_its_cause(cluster: LocalCluster) -> N
 
 
 def test_submissions_that_cannot_be_satisfied_change_nothing(cluster: LocalCluster) -> None:
-    # The controller's key is written before its "controller-elected" event: wait for the
-    # event, the last write of an idle cluster's start-up, so that `before` is a quiet revision.
-    deadline = time.monotonic() + 30
-    while not any(e.kind == "controller-elected" for e in cluster.events()):
-        assert time.monotonic() < deadline, "no controller-elected event in 30 s"
-        time.sleep(0.1)
+    cluster.wait_settled()
     before = cluster.status().revision
     too_big = cluster.cli("run", "--job", "big", "--tp", "4", "--dp", "2", "--", "true")
     assert too_big.returncode == 1 and "needs 8 slots" in too_big.stderr
