@@ -310,7 +310,10 @@ class JobRunner:
             if m is not None and m.phase != MigrationPhase.ABORTED and standby is not None \
                     and standby.state == ChildState.RUNNING:
                 for rank, joiner in zip(m.ranks, m.joiners, strict=True):
-                    if joiner == self.node:
+                    chosen = self._chosen.get(rank_child(m.job, rank))
+                    if joiner == self.node and (chosen is None or chosen[0] != m.id):
+                        # The standby running when the migration was first seen: a fresh
+                        # one started after it died is not the joiner (it never took part).
                         self._chosen[rank_child(m.job, rank)] = (m.id, rank, m.to_epoch,
                                                                  standby.pid)
             a = job.assignment
@@ -328,6 +331,12 @@ class JobRunner:
             if job.assignment is not None and job.assignment.epoch > m.to_epoch:
                 continue
             for rank, joiner in zip(m.ranks, m.joiners, strict=True):
+                name = rank_child(m.job, rank)
+                chosen, held = self._chosen.get(name), children.get(name)
+                if chosen is not None and chosen[0] == m.id and not (
+                        held is not None and held.state == ChildState.RUNNING) and (
+                        standby is None or standby.pid != chosen[3]):
+                    continue  # the joiner died (see on_exit); the standby now is another
                 if joiner == self.node:
                     out[rank_child(m.job, rank)] = (job, rank, m.to_epoch, m.id)
         return out
@@ -497,6 +506,13 @@ class JobRunner:
         self._changed.set()
         if m["rank"] is None:
             self._drop_warmth(m["job"])
+            chosen = self._chosen_joiner(m["job"], child)
+            if chosen is not None:
+                name, rank, mid = chosen
+                epoch = self._chosen[name][2]
+                self._held_epoch[name] = max(self._held_epoch.get(name, 0), epoch)
+                await self._settle_exit(m["job"], rank, name, child, (mid, epoch))
+                return
             await self._joiner_gone(m["job"], child)
             if child.failed:
                 self._standby_failures[child.name] = \
@@ -507,19 +523,40 @@ class JobRunner:
             return
         rank = int(m["rank"])
         promoted = self._promoted.pop(child.name, None)
+        await self._settle_exit(m["job"], rank, child.name, child, promoted)
+
+    def _chosen_joiner(self, job: str, child: ChildExit) -> tuple[str, int, str] | None:
+        """(rank child name, rank, migration id) when ``child``, a standby worker of ``job``,
+        was chosen as the joiner of a migration that got as far as ``ready``: it may have held
+        the rank (the ranks agree on the switch by their step vote, and a joiner can take the
+        state and end before its daemon sees the switch), so its end is settled as a promoted
+        joiner's: by its leaver's word, never by its absence."""
+        j = self._jobs.get(job)
+        mig = j.migration if j else None
+        for name, (mid, rank, _, pid) in self._chosen.items():
+            if pid == child.pid and name.startswith(f"{job}.") and mig is not None \
+                    and mig.id == mid and mig.phase in (MigrationPhase.READY,
+                                                        MigrationPhase.SWITCHING,
+                                                        MigrationPhase.DONE):
+                return name, rank, mid
+        return None
+
+    async def _settle_exit(self, job: str, rank: int, name: str, child: ChildExit,
+                           promoted: tuple[str, int] | None) -> None:
+        """Record the end of the process that held (or may have held) ``rank``."""
         if promoted is not None:
             # Until the exit is settled (the wait below reads etcd), a reconcile must not take
             # the rank for one that no process holds.
-            self._settling.add(child.name)
+            self._settling.add(name)
             try:
-                if await self._joiner_died_before_commit(m["job"], rank, child, *promoted):
+                if await self._joiner_died_before_commit(job, rank, child, *promoted):
                     return
             finally:
-                self._settling.discard(child.name)
-        epoch = self._held_epoch.get(child.name, 0)
-        self._ended.add((m["job"], rank, epoch))
+                self._settling.discard(name)
+        epoch = self._held_epoch.get(name, 0)
+        self._ended.add((job, rank, epoch))
         code = child.returncode if child.returncode is not None else -(child.signal or 0)
-        await self._write_exit(m["job"], rank, epoch, code, code != 0, child.describe(),
+        await self._write_exit(job, rank, epoch, code, code != 0, child.describe(),
                                child.error.exc_type if child.error else "")
 
     async def _joiner_gone(self, job: str, child: ChildExit) -> None:

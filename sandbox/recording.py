@@ -501,5 +501,13 @@ class RecordingHook:
     def vote_flag(self, step: int) -> int:
         return self.inner.vote_flag(step)
 
+    def send_ahead(self, step: int, state: dict[str, Any]) -> None:
+        self.inner.send_ahead(step, state)  # type: ignore[attr-defined]
+
+    def before_apply(self, step: int, job: Any) -> None:
+        before_apply = getattr(self.inner, "before_apply", None)
+        if before_apply is not None:
+            before_apply(step, job)
+
     def on_vote(self, step: int, flag: int) -> None:
         self.inner.on_vote(step, flag)

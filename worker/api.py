@@ -11,6 +11,8 @@ votes in between, so that a step applies on every rank or on none::
         apply(step)                    yes: the optimizer step; the step is committed
         discard(step)                  no: drop the gradients; the step is run again
     state() / load_state(state)        the rank's full state, to hand to a standby
+    apply_inputs / load_apply_inputs   optional: what apply takes from compute, so that a
+                                       joiner follows its leaver step by step (below)
 
 A minimal data-parallel job (``examples/plain_torch/train.py`` adds tensor parallelism)::
 
@@ -57,6 +59,14 @@ A migration replaces the communicator of every group that contained the leaving 
 iteration boundary; a job that calls ``ctx.group(name)`` inside ``compute`` uses the new version
 without noticing. A job that keeps a group from ``build`` keeps talking to the old one, which
 hangs or fails. (Megatron-core modules hold their groups; their adapter deals with that.)
+
+**A planned migration off the critical path (opt-in).** A job that implements
+``apply_inputs`` and ``load_apply_inputs`` (the plain-torch example does) has its leaver send
+its state while training goes on, during one step's compute (which must not change the state,
+as for every job), then each committed step's apply inputs; its joiner applies each step as the
+leaver did. At the switch only the RNG states and the step counters cross, and the joiner's
+last apply overlaps the survivors' own. A job without them hands its whole state off at the
+switch, as before.
 
 **Layout.** Ranks form a TP x DP x PP grid, TP fastest, PP slowest:
 ``rank = (pp_index * dp + dp_index) * tp + tp_index`` (:mod:`understudy.common.layout`). A TP
@@ -322,6 +332,38 @@ class TrainingJob(abc.ABC):
                                   "the step")
 
 
+    def apply_inputs(self, step: int) -> dict[str, Any]:
+        """What :meth:`apply` of ``step`` takes from :meth:`compute`, once the vote committed
+        it and before :meth:`apply` runs: the reduced gradients, and anything else apply reads
+        that compute left (a loss scale, a found-inf flag). A tree like :meth:`state`'s; tensors
+        may be the live ones, and :meth:`apply` must not change them.
+
+        With :meth:`load_apply_inputs` it lets a planned migration move the rank's state off
+        the switch's critical path: the leaver sends its state while training goes on, then
+        each committed step's inputs, and the joiner applies each step as the leaver did, so
+        that only the RNGs and counters cross at the switch. Both or neither; a job that has
+        neither hands its whole state off at the switch. ``apply`` must then be a function of
+        the state and these inputs alone (no draw from the process-global RNGs).
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not expose its apply inputs")
+
+    def load_apply_inputs(self, step: int, inputs: dict[str, Any]) -> None:
+        """On a joiner following its leaver: put the leaver's :meth:`apply_inputs` of ``step``
+        in place, so that :meth:`apply` of ``step``, called next, does what it did there. The
+        tensors are the joiner's to keep until the next call (they may become the gradients).
+        Side effects of that apply outside the state (a log line per committed step) are the
+        leaver's, already done: a job skips them for a step loaded this way."""
+        raise NotImplementedError(f"{type(self).__name__} does not load apply inputs")
+
+
 def reseeds(job: TrainingJob) -> bool:
     """Whether ``job`` implements :meth:`TrainingJob.reseed`."""
     return type(job).reseed is not TrainingJob.reseed
+
+
+def replays(job: TrainingJob) -> bool:
+    """Whether ``job`` implements :meth:`TrainingJob.apply_inputs` and
+    :meth:`TrainingJob.load_apply_inputs`, so that a joiner can follow its leaver step by
+    step."""
+    return (type(job).apply_inputs is not TrainingJob.apply_inputs
+            and type(job).load_apply_inputs is not TrainingJob.load_apply_inputs)

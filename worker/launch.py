@@ -46,6 +46,7 @@ from understudy.worker.api import (
     CollectiveAborted,
     JobContext,
     TrainingJob,
+    replays,
 )
 from understudy.worker.errors import install_excepthook
 from understudy.worker.holder import SnapshotHolder
@@ -275,7 +276,7 @@ def _take_state(w: _Worker, joiner: Joiner, plan: Plan, rank: int, runtime: Runt
             joiner.restore(runtime, w.snapshots, holder)
             joiner.switch(names)
         else:
-            runtime.load_state(joiner.receive(names, into=_own_state(w, runtime)))
+            joiner.receive(names, runtime, into=_own_state(w, runtime))
     except TransferError as exc:
         # The migration was called off, or its state never arrived: the leaver keeps the
         # rank. This standby is spent (half-built groups, a partly written model); leave
@@ -315,7 +316,7 @@ def _run_rank(w: _Worker, seat: _Seat, steps: int,
     w.control.follow_job(lambda: groups.epoch)
     hook = MigrationHook(w.control, groups, job=w.job, rank=seat.rank, node=w.node,
                          layout=w.layout, nodes=seat.nodes, transfer_timeout=w.timeout,
-                         finished=seat.finished, stop=w.stop)
+                         finished=seat.finished, stop=w.stop, send_ahead=replays(runtime.job))
     runtime.hook = hook if seat.recorder is None else seat.recorder.hook(hook)
     w.hook = hook
     snapshotter = start_snapshotter(runtime, w.job, lambda: groups.epoch)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,13 @@ from understudy.worker.holder import SnapshotHolder
 from understudy.worker.holder_client import HolderDirectory
 from understudy.worker.runtime import Action, Runtime
 from understudy.worker.snapshots import SnapshotError, restore
-from understudy.worker.transfer import PairGroupTransport, TransferError, receive_into, send_state
+from understudy.worker.transfer import (
+    PairGroupTransport,
+    TransferError,
+    TransferStats,
+    receive_into,
+    send_state,
+)
 
 READY_PHASES = ("ready", "switching")
 #: how often a rank waiting in a collective asks its daemon whether the job is recovering
@@ -66,9 +73,15 @@ def group_members(name: str, nodes: tuple[str, ...], layout: Layout) -> tuple[st
 
 
 def _leaver_send_failpoint() -> bool:
-    """The leaver's abort check while it sends: never, unless a test's failpoint fires (it
-    sleeps, raises or exits in there)."""
+    """The leaver's abort check while it sends at the switch: never, unless a test's failpoint
+    fires (it sleeps, raises or exits in there)."""
     failpoints.hit("leaver.send")
+    return False
+
+
+def _send_ahead_failpoint() -> bool:
+    """As :func:`_leaver_send_failpoint`, while the leaver sends ahead (before the switch)."""
+    failpoints.hit("leaver.send_ahead")
     return False
 
 
@@ -76,6 +89,87 @@ def pair_name(rank: int, version: int) -> str:
     """The transfer pair of one attempt: a new group each time (the rank that joined through
     one pair may be the leaver of the next)."""
     return f"pair-r{rank}-v{version}"
+
+
+class SendAhead:
+    """The leaver's stream to its joiner when the job replays (``api.replays``): its state,
+    sent in the background during one step's compute, then each committed step's apply inputs,
+    each sent while the leaver applies that step; at the switch, only the RNGs and counters
+    (:meth:`MigrationHook.hand_off`). One message at a time, each a whole
+    :func:`~understudy.worker.transfer.send_state`, in order, on the transfer pair.
+
+    The runtime waits (:meth:`wait`) before the state it sends can change: the state before
+    ``apply``, a step's inputs before the next compute."""
+
+    def __init__(self, transport: PairGroupTransport, rank: int) -> None:
+        self.transport, self.rank = transport, rank
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        #: what each message was and its figures, in order
+        self.sent: list[tuple[str, TransferStats]] = []
+
+    def send(self, tree: dict[str, Any], what: str, *,
+             should_abort: Callable[[], bool] = _send_ahead_failpoint) -> None:
+        """Start sending ``tree`` once the message before it is through.
+
+        Raises:
+            TransferError: the message before failed.
+        """
+        self.wait()
+
+        def run() -> None:
+            try:
+                stats = send_state(self.transport, tree, should_abort=should_abort)
+            except BaseException as exc:  # handed to the runtime's thread by wait()
+                self._error = exc
+                return
+            self.sent.append((what, stats))
+
+        self._thread = threading.Thread(target=run, name="understudy-send-ahead", daemon=True)
+        self._thread.start()
+
+    @property
+    def state_sent(self) -> bool:
+        """The state itself is through (the first message), without waiting."""
+        return bool(self.sent) and self._error is None
+
+    def wait(self) -> None:
+        """Wait for the message in flight.
+
+        Raises:
+            TransferError: it failed (the joiner died, rejected it, or went silent; a value
+                that cannot travel).
+        """
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            exc = self._error
+            if isinstance(exc, TransferError):
+                raise exc
+            raise TransferError(f"sending ahead failed: {type(exc).__name__}: {exc}") from exc
+
+    def close(self, why: str) -> None:
+        """Stop: the migration is over or called off (a message in flight fails)."""
+        if self._thread is not None:
+            self.transport.abort(why)
+            self._thread.join(5)
+            self._thread = None
+        self.transport.close()
+
+    def summary(self) -> str:
+        """The messages sent before the switch, in words: the state's figures, then the steps'
+        in total."""
+        if not self.sent:
+            return "nothing sent ahead"
+        (what, first), steps = self.sent[0], [s for _, s in self.sent[1:]]
+        out = f"{what} sent ahead: {first}"
+        if steps:
+            nbytes = sum(s.payload_bytes for s in steps)
+            seconds = sum(s.seconds for s in steps)
+            out += (f"; then {len(steps)} step(s)' apply inputs, {nbytes} B in "
+                    f"{seconds * 1e3:.1f} ms")
+        return out
 
 
 @dataclass(frozen=True)
@@ -186,7 +280,7 @@ class MigrationHook:
     def __init__(self, control: DaemonClient, groups: GroupSet, *, job: str, rank: int,
                  node: str, layout: Layout, nodes: tuple[str, ...],
                  transfer_timeout: float = 60.0, finished: tuple[str, ...] = (),
-                 stop: threading.Event | None = None) -> None:
+                 stop: threading.Event | None = None, send_ahead: bool = False) -> None:
         self.control, self.groups = control, groups
         self.job, self.rank, self.node = job, rank, node
         self.layout = layout
@@ -212,6 +306,10 @@ class MigrationHook:
         #: this rank's daemon cannot reach etcd (as of the last :meth:`recovery`): no recovery
         #: can be planned until it can, so a wait for one is not over
         self.etcd_unreachable = False
+        #: as a leaver, send the state ahead and then each step's apply inputs (the job
+        #: replays: ``api.replays``), rather than the whole state at the switch
+        self.send_ahead_enabled = send_ahead
+        self._ahead: SendAhead | None = None
 
     # -- following the plan -------------------------------------------------------------------
 
@@ -270,6 +368,9 @@ class MigrationHook:
 
     def _forget(self, why: str) -> None:
         assert self._plan is not None
+        if self._ahead is not None:
+            self._ahead.close(f"migration {self._plan.id} ended ({why})")
+            self._ahead = None
         if self._prepared:
             self.groups.abandon(self._prepared)
         self.log.info(f"Migration {self._plan.id} ended ({why}); staying on current groups.")
@@ -307,6 +408,11 @@ class MigrationHook:
     def on_boundary(self, step: int) -> Action:
         if self.stop.is_set() and not self._switch_next:
             return Action.STOP
+        if self._ahead is not None:
+            try:  # the last step's inputs are through before compute overwrites them
+                self._ahead.wait()
+            except TransferError as exc:
+                self._ahead_failed(exc)
         if self._switch_next:
             return self._switch_action(step)
         plan = self._current_plan()
@@ -328,11 +434,55 @@ class MigrationHook:
         if self._prepared and not self._reported_prepared and self.groups.ready(self._prepared):
             self._report(Report.PREPARED.of(self.rank))
             self._reported_prepared = True
+        if (self.send_ahead_enabled and self._ahead is None and self.rank in plan.moves
+                and self._reported_prepared and plan.phase in READY_PHASES):
+            return Action.SEND_AHEAD  # the joiner waits for the state: every group is up
         return Action.CONTINUE
+
+    def send_ahead(self, step: int, state: dict[str, Any]) -> None:
+        """Start sending this rank's state (as of ``step``'s boundary) to the joiner, while
+        ``step`` computes; the runtime calls :meth:`before_apply` before the state changes."""
+        assert self._plan is not None
+        pair = pair_name(self.rank, self._plan.version)
+        self.groups.switch([pair])
+        self._ahead = SendAhead(PairGroupTransport(self.groups.current(pair),
+                                                   timeout_s=self.transfer_timeout), self.rank)
+        self._ahead.send({**state, "ahead": {"step": step}}, f"the state of step {step}")
+        self.log.info(f"Sending the state of rank {self.rank} ahead to its joiner while step "
+                      f"{step} computes.", migration=self._plan.id)
+
+    def before_apply(self, step: int, job: Any) -> None:
+        """The vote committed ``step``: once the state sent ahead is through (it changes in
+        ``apply``), forward the step's apply inputs while this rank applies them too."""
+        if self._ahead is None:
+            return
+        try:
+            self._ahead.wait()
+            try:
+                inputs = job.apply_inputs(step)
+            except Exception as exc:  # the job's own code
+                raise TransferError(f"the job's apply_inputs({step}) failed: "
+                                    f"{type(exc).__name__}: {exc}") from exc
+            self._ahead.send({"apply": step, "inputs": inputs}, f"step {step}")
+        except TransferError as exc:
+            self._ahead_failed(exc)
+
+    def _ahead_failed(self, exc: TransferError) -> None:
+        """The stream to the joiner failed: call the migration off; this rank trains on."""
+        self.log.warning(f"Sending the state ahead failed: {exc}.")
+        if self._switch_next:  # the survivors wait for this rank's word at the switch
+            self._report(Report.TRANSFERRED.of(self.rank), f"failed: {exc}".encode())
+        else:
+            self._report(Report.ABORTED,
+                         f"rank {self.rank} could not send its state ahead: {exc}".encode())
+        self._forget("aborted")
 
     def vote_flag(self, step: int) -> int:
         plan = self._plan
         if plan is not None and plan.phase in READY_PHASES and self._reported_prepared:
+            if (self.send_ahead_enabled and self.rank in plan.moves
+                    and (self._ahead is None or not self._ahead.state_sent)):
+                return 0  # the joiner needs the state before the switch can be agreed
             return plan.version
         return 0
 
@@ -392,12 +542,22 @@ class MigrationHook:
         transfer failed and this rank keeps training (the survivors stay on the old groups)."""
         assert self._plan is not None
         pair = pair_name(self.rank, self._plan.version)
+        ahead = self._ahead
         try:
-            self.groups.switch([pair])
-            with PairGroupTransport(self.groups.current(pair),
-                                    timeout_s=self.transfer_timeout) as transport:
-                stats = send_state(transport, state,
-                                   should_abort=_leaver_send_failpoint)
+            if ahead is not None:  # the joiner holds the job's state: only the rest crosses
+                ahead.wait()
+                before = ahead.summary()
+                ahead.send({"switch": {"rng": state["rng"], "runtime": state["runtime"]}},
+                           "the switch", should_abort=_leaver_send_failpoint)
+                ahead.wait()
+                stats = ahead.sent[-1][1]
+                self.log.info(f"Rank {self.rank}: {before}.")
+            else:
+                self.groups.switch([pair])
+                with PairGroupTransport(self.groups.current(pair),
+                                        timeout_s=self.transfer_timeout) as transport:
+                    stats = send_state(transport, state,
+                                       should_abort=_leaver_send_failpoint)
         except TransferError as exc:
             self.log.warning(f"Handing the state off failed: {exc}.")
             self._report(Report.TRANSFERRED.of(self.rank), f"failed: {exc}".encode())
@@ -495,11 +655,20 @@ class Joiner:
             raise TransferError(f"migration {self.plan.id} was called off")
         return plan
 
-    def receive(self, names: list[str], into: Any = None) -> Any:
-        """Take the leaver's state, then switch to the new groups. ``into``: this joiner's own
-        state tree (its job is built), whose tensors the leaver's overwrite in place where
-        path, dtype and shape match, so that the joiner never holds a second copy of the
-        state. Raises TransferError (``into``'s tensors are then partly written)."""
+    def receive(self, names: list[str], runtime: Runtime, into: Any = None) -> None:
+        """Take the leaver's state into ``runtime``, then switch to the new groups. ``into``:
+        this joiner's own state tree (its job is built), whose tensors the leaver's overwrite
+        in place where path, dtype and shape match, so that the joiner never holds a second
+        copy of the state.
+
+        The leaver either sends its whole state at the switch, or (its job replays) sends it
+        ahead and then each committed step's apply inputs, which this joiner applies as they
+        come, and at the switch the RNGs and counters (:class:`SendAhead`).
+
+        Raises:
+            TransferError: the state did not arrive whole, or the job failed to load or apply
+                it (``runtime``'s state is then partly written).
+        """
         pair = pair_name(self.rank, self.plan.version)
         self.groups.switch([pair])
         transport = PairGroupTransport(self.groups.current(pair), timeout_s=self.timeout)
@@ -520,13 +689,46 @@ class Joiner:
         try:
             state, stats = receive_into(
                 transport, into, on_chunk=lambda i, _: failpoints.hit("joiner.receive.chunk"))
+            ahead = state.pop("ahead", None) if isinstance(state, dict) else None
+            _load(runtime, state)
+            if ahead is not None:
+                stats = self._follow(transport, runtime, stats)
         finally:
             watcher_stop.set()
             watcher.join(2)
             transport.close()
         self.switch(names)
         self.log.info(f"Took over rank {self.rank}: {stats}.", epoch=self.plan.to_epoch)
-        return state
+
+    def _follow(self, transport: PairGroupTransport, runtime: Runtime,
+                first: TransferStats) -> TransferStats:
+        """Apply each step the leaver forwards until its switch message; returns the switch
+        message's figures (the state's were logged)."""
+        self.log.info(f"Took the state of rank {self.rank} ahead, at step {runtime.step}: "
+                      f"{first}.")
+        inputs: Any = None  # the last step's inputs: the next step's land in them in place
+        applied = 0
+        while True:
+            message, stats = receive_into(transport, inputs)
+            if not isinstance(message, dict):
+                raise TransferError(f"the leaver sent a {type(message).__name__}, not a message")
+            if "apply" in message:
+                try:
+                    runtime.replay(int(message["apply"]), message["inputs"])
+                except Exception as exc:  # the job's own code, or a step out of order
+                    raise TransferError(f"applying step {message['apply']} as the leaver did "
+                                        f"failed: {type(exc).__name__}: {exc}") from exc
+                inputs, applied = message, applied + 1
+            elif "switch" in message:
+                try:
+                    runtime.load_counters(message["switch"]["rng"], message["switch"]["runtime"])
+                except (ValueError, KeyError, TypeError) as exc:
+                    raise TransferError(f"the switch message does not fit: {exc}") from exc
+                self.log.info(f"Applied {applied} step(s) as the leaver did; at the switch, "
+                              f"step {runtime.step}.")
+                return stats
+            else:
+                raise TransferError(f"the leaver sent a message with keys {sorted(message)}")
 
     def restore(self, runtime: Runtime, directory: Path | None,
                 holder: SnapshotHolder | None = None) -> None:
@@ -554,3 +756,13 @@ class Joiner:
     def switched(self) -> None:
         self.reports.set(Report.SWITCHED.of(self.rank), b"1")
         self.reports.close()
+
+
+def _load(runtime: Runtime, state: Any) -> None:
+    """``runtime.load_state(state)``, its failures (the job's own code, a foreign tree) a
+    TransferError: the joiner cannot take the rank."""
+    try:
+        runtime.load_state(state)
+    except Exception as exc:
+        raise TransferError(f"the job could not load the leaver's state: "
+                            f"{type(exc).__name__}: {exc}") from exc

@@ -72,6 +72,9 @@ class Action(enum.Enum):
     """Call ``hook.switch_groups(step)``, then run the step on the groups' new versions."""
     HAND_OFF = "hand-off"
     """Call ``hook.hand_off(step, state)`` with :meth:`Runtime.state`, then leave the loop."""
+    SEND_AHEAD = "send-ahead"
+    """Call ``hook.send_ahead(step, state)`` with :meth:`Runtime.state` (the hook starts
+    sending it and must be done with it before ``apply``), then run the step."""
     STOP = "stop"
     """Leave the loop without running the step."""
 
@@ -105,6 +108,10 @@ class BoundaryHook(Protocol):
         """A number this rank adds to the step's vote (the migration protocol agrees on its
         switch boundary this way)."""
         ...
+
+    # Optional (the runtime looks them up): send_ahead(step, state) -> None, on
+    # Action.SEND_AHEAD; before_apply(step, job) -> None, once the vote committed ``step``
+    # and before ``job.apply(step)`` (a leaver forwards the step's apply inputs there).
 
     def on_vote(self, step: int, flag: int) -> None:
         """The flag every rank gave for ``step`` if they all gave the same, else 0."""
@@ -210,6 +217,36 @@ class Runtime:
         self.step = int(state["runtime"]["step"])
         self.redone = int(state["runtime"]["redone"])
 
+    def replay(self, step: int, inputs: dict[str, Any]) -> None:
+        """A joiner following its leaver: apply ``step`` as the leaver committed it, from its
+        apply inputs (:meth:`~understudy.worker.api.TrainingJob.apply_inputs`).
+
+        Raises:
+            ValueError: ``step`` is not the next step to apply here.
+        """
+        self._require_built()
+        if step != self.step:
+            raise ValueError(f"step {step} cannot be replayed here: the next step is "
+                             f"{self.step}")
+        self.job.load_apply_inputs(step, inputs)
+        self.job.apply(step)
+        self.step = step + 1
+
+    def load_counters(self, rng_state: dict[str, Any], counters: dict[str, Any]) -> None:
+        """A joiner at the switch, its job's state already exact: take the leaver's RNG states
+        and counters (the ``rng`` and ``runtime`` parts of :meth:`state`).
+
+        Raises:
+            ValueError: the leaver has committed a different number of steps than this runtime
+                has applied.
+        """
+        self._require_built()
+        if int(counters["step"]) != self.step:
+            raise ValueError(f"the leaver has committed {counters['step']} steps, this "
+                             f"joiner applied {self.step}")
+        rng.restore(rng_state)
+        self.redone = int(counters["redone"])
+
     def run(self, steps: int) -> Outcome:
         """Run until ``steps`` steps are committed, the hook stops the loop, or this rank hands
         its state off.
@@ -234,6 +271,8 @@ class Runtime:
                     return Outcome.HANDED_OFF
                 self._log.info("the hand-off was called off; this rank keeps training",
                                step=step)
+            if action is Action.SEND_AHEAD:
+                self.hook.send_ahead(step, self.state())  # type: ignore[attr-defined]
             if action is Action.SWITCH_GROUPS:
                 self.hook.switch_groups(step)
                 self._log.info("switched to the groups' next versions", step=step)
@@ -301,6 +340,9 @@ class Runtime:
             raise
         t3 = self._clock()
         if committed:
+            before_apply = getattr(self.hook, "before_apply", None)
+            if before_apply is not None:
+                before_apply(step, self.job)
             self.job.apply(step)
             self.step = step + 1
             if self.log_every and self.step % self.log_every == 0:

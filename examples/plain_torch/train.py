@@ -121,6 +121,7 @@ class PlainJob(TrainingJob):
         self.step_sleep, self.step_sleep_off = step_sleep, step_sleep_off
         self.step_log = StepLog(step_log) if step_log is not None else None
         self._loss: float | None = None  # the last compute's, for the step log
+        self._replaying = False  # the next apply replays a leaver's step (load_apply_inputs)
         #: what the last build or retarget allocated, in words (the sandbox tests read it)
         self.allocated: list[str] = []
 
@@ -294,8 +295,24 @@ class PlainJob(TrainingJob):
         self.optimizer.step()
         self.schedule.step()
         self.committed = step + 1
-        if self.step_log is not None:
+        replayed, self._replaying = self._replaying, False
+        if self.step_log is not None and not replayed:  # the leaver logged a replayed step
             self.step_log.committed(self.ctx.rank, step, self._loss)
+
+    def apply_inputs(self, step: int) -> dict[str, Any]:
+        # What apply reads from compute: the averaged gradients (the schedule follows from
+        # the step count, which apply keeps).
+        return {"grads": [q.grad for q in self.params.values()]}
+
+    def load_apply_inputs(self, step: int, inputs: dict[str, Any]) -> None:
+        params = list(self.params.values())
+        grads = inputs["grads"]
+        if len(grads) != len(params) or any(g.shape != q.shape or g.dtype != q.dtype
+                                            for g, q in zip(grads, params, strict=True)):
+            raise ValueError(f"step {step}'s gradients do not fit this rank's parameters")
+        for q, g in zip(params, grads, strict=True):
+            q.grad = g  # the joiner's own now: the next step's land in place in them
+        self._replaying = True
 
     def discard(self, step: int) -> None:
         self.optimizer.zero_grad(set_to_none=False)
@@ -402,13 +419,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "over; the sleep never changes the state)")
     p.add_argument("--step-log", type=Path, help="directory for a line per committed step "
                    "(StepLog), for the benchmarks")
+    p.add_argument("--hand-off", choices=("ahead", "whole"), default="ahead",
+                   help="in a planned migration, send the state ahead and then each step's "
+                   "gradients (default), or the whole state at the switch, as a job that "
+                   "does not implement apply_inputs does")
     p.add_argument("--fail-at", type=int, help="fault: fail this step's compute once")
     p.add_argument("--freeze-at", type=int, help="fault: SIGSTOP this rank in this step")
     return p.parse_args(argv)
 
 
+class WholeHandOffJob(PlainJob):
+    """The same job without ``apply_inputs``: its state crosses whole at the switch."""
+
+    apply_inputs = TrainingJob.apply_inputs  # type: ignore[assignment]
+    load_apply_inputs = TrainingJob.load_apply_inputs  # type: ignore[assignment]
+
+
 def make_job(args: argparse.Namespace) -> PlainJob:
-    return PlainJob(features=args.features, hidden=args.hidden, state_bytes=args.state_size,
+    cls = WholeHandOffJob if args.hand_off == "whole" else PlainJob
+    return cls(features=args.features, hidden=args.hidden, state_bytes=args.state_size,
                     layers=args.layers, microbatches=args.microbatches, fail_at=args.fail_at,
                     freeze_at=args.freeze_at, marker_dir=args.save, step_sleep=args.step_sleep,
                     step_log=args.step_log, step_sleep_off=args.step_sleep_off)

@@ -35,10 +35,12 @@ STEPS = 300
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-def _job_args(out: Path, step_sleep: float = 0.04, sleep_off: Path | None = None) -> list[str]:
+def _job_args(out: Path, step_sleep: float = 0.04, sleep_off: Path | None = None,
+              hand_off: str = "ahead") -> list[str]:
     # The sleep stands in for a bigger model's compute: it changes how long the job runs (room
     # for slower scenarios), never its state. It stops once ``sleep_off`` exists.
-    args = [TRAIN, "--steps", str(STEPS), "--step-sleep", str(step_sleep), "--save", str(out)]
+    args = [TRAIN, "--steps", str(STEPS), "--step-sleep", str(step_sleep), "--save", str(out),
+            "--hand-off", hand_off]
     return args if sleep_off is None else [*args, "--step-sleep-off", str(sleep_off)]
 
 
@@ -68,12 +70,13 @@ def cluster(etcd: EmbeddedEtcd, tmp_path: Path) -> Iterator[LocalCluster]:
 
 
 def _run_job(c: LocalCluster, out: Path, step_sleep: float = 0.04, standby: int = 2,
-             env: dict[str, str] | None = None, dp: int = 2, tp: int = 2, pp: int = 1) -> None:
+             env: dict[str, str] | None = None, dp: int = 2, tp: int = 2, pp: int = 1,
+             hand_off: str = "ahead") -> None:
     env = [f"--env={k}={v}" for k, v in {**ONE_THREAD, **(env or {})}.items()]
     run = c.cli("run", "--job", "mig", "--tp", str(tp), "--dp", str(dp), "--pp", str(pp),
                 "--standby", str(standby),
                 *env,
-                "--", sys.executable, *_job_args(out, step_sleep, faults_over(c)))
+                "--", sys.executable, *_job_args(out, step_sleep, faults_over(c), hand_off))
     assert run.returncode == 0, run.stderr
 
     def running(s: Any) -> bool:  # every node the job uses runs its worker
@@ -191,28 +194,36 @@ def test_killing_the_joiner_aborts_cleanly_and_a_retry_finishes(etcd: EmbeddedEt
         c.stop_all(timeout=5)
 
 
+@pytest.mark.parametrize("hand_off", ["whole", "ahead"])
 def test_killing_the_joiner_mid_stream_leaves_the_leaver_training(etcd: EmbeddedEtcd,
                                                                    reference: Path,
-                                                                   tmp_path: Path) -> None:
-    # The joiner on node-s1 stops after the first chunk of the state has landed (a failpoint),
-    # with the leaver inside send_state waiting for its verdict, and is killed there.
+                                                                   tmp_path: Path,
+                                                                   hand_off: str) -> None:
+    # The joiner on node-s1 stops after the first chunk of the state has landed (a failpoint)
+    # and is killed there. "whole": the leaver is inside send_state at the agreed switch,
+    # waiting for its verdict. "ahead": the leaver sends its state ahead while it trains (the
+    # switch is not agreed until the state is through), so it is still before the switch.
     armed = {"node-s1": {"UNDERSTUDY_FAILPOINTS": "joiner.receive.chunk=sleep(60)"}}
     c = start(etcd, tmp_path / "cluster", {"node-a": 1, "node-b": 1, "node-c": 1,
                                             "node-d": 1}, ("node-s1", "node-s2"), env=armed)
     try:
         out = tmp_path / "out"
-        _run_job(c, out, step_sleep=0.08)
+        _run_job(c, out, step_sleep=0.08, hand_off=hand_off)
         wait_standbys(c, ("node-s1", "node-s2"))
         assert c.cli("drain", "node-b", "--deadline", "200").returncode == 0
         s1, b = c.daemons["node-s1"], c.daemons["node-b"]
         wait_log(s1, "failpoint joiner.receive.chunk fired")
-        assert '"phase": "switching"' in c.cli("status", "--json").stdout
+        phase = json.loads(c.cli("status", "--json").stdout)["jobs"][0]["migration"]["phase"]
+        assert phase == ("switching" if hand_off == "whole" else "ready"), phase
         os.kill(worker_pid(s1, "mig.standby"), 9)
         c.wait_for("the migration to be aborted", lambda s: any(
             e["kind"] == "migration-aborted" for e in events(c)), timeout=60)
         # The leaver saw its joiner die in the middle of the stream and trained on.
-        wait_log(b, "Handing the state off failed")
-        wait_log(b, "the hand-off was called off; this rank keeps training")
+        if hand_off == "whole":
+            wait_log(b, "Handing the state off failed")
+            wait_log(b, "the hand-off was called off; this rank keeps training")
+        else:
+            wait_log(b, "Sending the state ahead failed")
         # The retry goes to node-s2 (the failed joiner's node goes last) and succeeds.
         c.wait_for("the retry to finish", lambda s: any(
             e["kind"] == "migration-done" for e in events(c)), timeout=120)
@@ -220,6 +231,8 @@ def test_killing_the_joiner_mid_stream_leaves_the_leaver_training(etcd: Embedded
         assert job.assignment.epoch == 2
         assert job.assignment.ranks == ("node-a", "node-s2", "node-c", "node-d")
         assert b.log_text().count("Started rank 1 of job mig") == 1
+        if hand_off == "ahead":
+            assert "step(s) as the leaver did" in c.daemons["node-s2"].log_text()
         assert_bitwise_equal(reference, out, world=4)
     finally:
         c.stop_all(timeout=5)
