@@ -125,6 +125,8 @@ class BenchConfig:
     silent_limit: float = 60.0
     #: the job's state per rank in bytes (None: the example's own, about 27 KB)
     state_bytes: int | None = None
+    #: understudy's drain: the leaver's state sent ahead, or whole at the switch
+    hand_off: str = "ahead"
 
 
 # -- understudy --------------------------------------------------------------------------------
@@ -159,7 +161,7 @@ def run_understudy(event: str, cfg: BenchConfig, base: Path) -> dict[str, Any]:
     rcfg = interruptions.RecoveryConfig(repeats=1, steps=cfg.steps, step_sleep=cfg.step_sleep,
                                         crash_at=cfg.event_at, ttl=cfg.ttl, smoke=cfg.smoke,
                                         sandbox=True, step_log=True,
-                                        state_bytes=cfg.state_bytes)
+                                        state_bytes=cfg.state_bytes, hand_off=cfg.hand_off)
     if event == "planned-drain":
         res = understudy_drain(rcfg, base)
         event_at = res["drain_at"]
@@ -640,6 +642,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the job's state per rank (64MiB, 1GiB, ...: examples/plain_torch/"
                         "train.py --state-size), the same for every system (default: the "
                         "example's own, about 27 KB)")
+    p.add_argument("--hand-off", choices=("ahead", "whole"), default="ahead",
+                   help="understudy's drain: the leavers send their state ahead while training "
+                        "goes on, then each step's gradients (default), or the whole state at "
+                        "the switch (train.py --hand-off)")
     p.add_argument("--smoke", action="store_true", help="one repeat, short runs: for the tests")
     p.outputs(keep="keep logs, step lines and checkpoints here", chart="chart")
     args = p.parse(argv, {"repeats": (5, 1), "steps": (300, 120),
@@ -679,7 +685,8 @@ def main(argv: list[str] | None = None) -> int:
                       keepalive_interval_s=args.keepalive[0],
                       keepalive_attempts=args.keepalive[1], smoke=args.smoke,
                       systems=args.systems, torchft_heartbeat_ms=args.torchft_heartbeat_ms,
-                      silent_limit=args.silent_limit, state_bytes=args.state_size)
+                      silent_limit=args.silent_limit, state_bytes=args.state_size,
+                      hand_off=args.hand_off)
     os.environ.update(ONE_THREAD)  # every process it starts inherits it
     scratch = harness.Scratch(args.keep_dir, "understudy-bench-down-")
     repeats = scratch.repeats("downtime benchmark", cfg.repeats,

@@ -80,6 +80,14 @@ HANDED_OFF = re.compile(
     r"Handed the state of rank (?P<rank>\d+) off at step (?P<step>\d+): send (?P<bytes>\d+) B "
     r"of tensors in (?P<entries>\d+) entries in (?P<ms>[\d.]+) ms .*?(?P<chunks>\d+) chunks of "
     r"(?P<chunk_bytes>\d+) B .*manifest (?P<manifest>\d+) B")
+#: A leaver whose state was sent ahead (worker.migration.SendAhead): the state's figures, then
+#: the steps' apply inputs forwarded before the switch.
+SENT_AHEAD = re.compile(
+    r"Rank (?P<rank>\d+): the state of step (?P<step>\d+) sent ahead: send (?P<bytes>\d+) B "
+    r"of tensors in (?P<entries>\d+) entries in (?P<ms>[\d.]+) ms .*?(?P<chunks>\d+) chunks of "
+    r"(?P<chunk_bytes>\d+) B .*?manifest (?P<manifest>\d+) B"
+    r"(?:.*?; then (?P<steps>\d+) step\(s\)' apply inputs, (?P<step_bytes>\d+) B in "
+    r"(?P<step_ms>[\d.]+) ms)?")
 SWITCHED = re.compile(r"Switched to the next versions of .* at step (?P<step>\d+)\.")
 #: The resident set either end of a transfer logs with its figures (worker.transfer).
 RSS = re.compile(r"RSS (?P<start>\d+) B at the start, peak RSS (?P<peak>\d+) B")
@@ -110,6 +118,9 @@ class RecoveryConfig:
     #: the job's state per rank in bytes (``train.py --state-size``); None: the example's
     #: default size (about 27 KB per rank at TP 2)
     state_bytes: int | None = None
+    #: how a drain's leaver hands its state off (``train.py --hand-off``): ``ahead`` (its
+    #: state while training goes on, then each step's gradients) or ``whole`` (at the switch)
+    hand_off: str = "ahead"
 
 
 # -- the cluster and the job -------------------------------------------------------------------
@@ -155,6 +166,7 @@ def submit(cluster: LocalCluster, cfg: RecoveryConfig, out: Path) -> None:
     step_log = ["--step-log", str(out.parent / "steps")] if cfg.step_log else []
     if cfg.state_bytes is not None:
         step_log += ["--state-size", str(cfg.state_bytes)]
+    step_log += ["--hand-off", cfg.hand_off]
     run = cluster.cli("run", "--job", JOB, "--tp", str(TP), "--dp", str(WORLD // TP),
                       "--standby", "2", *env, "--", sys.executable, str(TRAIN),
                       "--steps", str(cfg.steps), "--step-sleep", str(cfg.step_sleep),
@@ -510,9 +522,30 @@ def analyse_drain(out_dir: Path, events: list[dict[str, Any]],
         }
 
     transfers: dict[str, Any] = {}
+    ahead: dict[str, Any] = {}
+    for rec in logs["node-b"]:
+        m = SENT_AHEAD.search(str(rec.get("event", "")))
+        if m:
+            ahead[m["rank"]] = m
     for rec in logs["node-b"]:
         m = HANDED_OFF.search(str(rec.get("event", "")))
-        if m:
+        if m and m["rank"] in ahead:
+            # The state crossed before the switch: its figures are the state's, and what
+            # crossed at the switch (RNGs, counters) is kept apart.
+            a, seconds = ahead[m["rank"]], float(ahead[m["rank"]]["ms"]) / 1e3
+            transfers[m["rank"]] = {
+                "step": int(a["step"]), "payload_bytes": int(a["bytes"]),
+                "entries": int(a["entries"]), "seconds": seconds,
+                "mb_per_s": int(a["bytes"]) / seconds / 1e6 if seconds > 0 else 0.0,
+                "chunks": int(a["chunks"]), "chunk_bytes": int(a["chunk_bytes"]),
+                "manifest_bytes": int(a["manifest"]), "logged_at": wall(rec),
+                "leaver_rss_mib": rss_mib(str(rec.get("event", ""))),
+                "sent_ahead": True, "steps_forwarded": int(a["steps"] or 0),
+                "steps_bytes": int(a["step_bytes"] or 0),
+                "steps_seconds": float(a["step_ms"] or 0) / 1e3,
+                "at_switch_bytes": int(m["bytes"]), "at_switch_seconds": float(m["ms"]) / 1e3,
+                "switch_step": int(m["step"])}
+        elif m:
             seconds = float(m["ms"]) / 1e3
             transfers[m["rank"]] = {
                 "step": int(m["step"]), "payload_bytes": int(m["bytes"]),

@@ -17,7 +17,9 @@ the job runs to its last step. Then:
   event (planned -> preparing -> ready -> switching -> done), and how many steps the survivors
   committed while it ran.
 - **the state transfer**: bytes, seconds and MB/s from each leaver's "Handed the state ... off"
-  log line (worker stderr goes to the daemon log).
+  log line (worker stderr goes to the daemon log); with the state sent ahead (the example's
+  default, ``--hand-off ahead``), from its "sent ahead" line, and what crossed at the switch
+  (the RNG states and counters) apart.
 - **raw point-to-point bandwidth of the same machine, in the same run**: after each repeat, two
   processes exchange gloo send/recv (a buffer of the state's size and one of 64 MiB, each
   answered by a 1-byte ack), and ``send_state``/``receive_state`` move a state of each size
@@ -27,7 +29,8 @@ the job runs to its last step. Then:
 Prints a summary and writes JSON with the machine, the command, the configuration and every
 sample. Every process it starts is stopped on exit, Ctrl-C and SIGTERM included.
 
-    .venv/bin/python benchmarks/migration.py [--repeats N] [--steps S] [--smoke] [--out FILE]
+    .venv/bin/python benchmarks/migration.py [--repeats N] [--steps S] [--state-size SIZE]
+                                             [--hand-off ahead|whole] [--smoke] [--out FILE]
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from harness import (
 from interruptions import AROUND, LEAVERS, analyse_drain, train_processes
 
 from understudy.common.errors import UnderstudyError
+from understudy.common.sizes import size_arg
 from understudy.testing.localcluster import LocalCluster
 
 JOB = "bench"
@@ -76,6 +80,10 @@ class BenchConfig:
     settle_seconds: float
     p2p_iters: int
     smoke: bool
+    #: the job's state per rank in bytes (None: the example's own, about 27 KB)
+    state_bytes: int | None = None
+    #: the leavers send their state ahead (the example's default) or whole at the switch
+    hand_off: str = "ahead"
 
 
 # -- one repeat on a fresh cluster -------------------------------------------------------------
@@ -134,7 +142,9 @@ def run_repeat(i: int, cfg: BenchConfig, base: Path) -> dict[str, Any]:
         env = [f"--env={k}={v}" for k, v in ONE_THREAD.items()]
         run = cluster.cli("run", "--job", JOB, "--tp", "2", "--dp", "2", "--standby", "2", *env,
                           "--", sys.executable, str(TRAIN), "--steps", str(cfg.steps),
-                          "--step-sleep", str(cfg.step_sleep), "--save", str(out))
+                          "--step-sleep", str(cfg.step_sleep), "--save", str(out),
+                          "--hand-off", cfg.hand_off,
+                          *(["--state-size", str(cfg.state_bytes)] if cfg.state_bytes else []))
         if run.returncode != 0:
             raise BenchmarkError(f"understudy run failed: {run.stderr.strip()}")
         started = wait("every rank to build its groups", lambda: ranks_grouped(cluster),
@@ -300,6 +310,15 @@ def collect(repeats: list[dict[str, Any]]) -> dict[str, Any]:
             "mb_per_s": transfer_rate,
             "fraction_of_raw_64mib_bandwidth": transfer_rate["median"] / raw_big["median"],
             "lower_bound_s_at_raw_64mib_bandwidth": state_bytes / (raw_big["median"] * 1e6),
+            # The job replays (worker.migration.SendAhead): the state crossed while training
+            # went on; what crossed at the switch (RNGs, counters) and the steps forwarded.
+            "sent_ahead": all(t.get("sent_ahead") for t in transfers),
+            "at_switch_bytes": summarize_some([t["at_switch_bytes"] for t in transfers
+                                               if t.get("sent_ahead")]),
+            "at_switch_seconds": summarize_some([t["at_switch_seconds"] for t in transfers
+                                                 if t.get("sent_ahead")]),
+            "steps_forwarded": summarize_some([t["steps_forwarded"] for t in transfers
+                                               if t.get("sent_ahead")]),
             # Each end's RSS as its transfer began and the process's peak RSS as it ended
             # (worker.transfer logs them); the peak is the process's lifetime one, an upper
             # bound on what the transfer took, not that alone.
@@ -351,8 +370,13 @@ def print_summary(result: dict[str, Any]) -> None:
     row("  planned -> both standbys chosen", p1["planned_to_chosen_s"], "s")
     row("  steps committed during phase 1", p1["steps_committed_during"], "steps")
     row("  steps committed before the drain", p1["steps_before_planned"], "steps")
-    row("transfer in the migration (per leaver)", tr["seconds"], "ms", 1e3)
+    row("state sent ahead (per leaver)" if tr.get("sent_ahead") else
+        "transfer in the migration (per leaver)", tr["seconds"], "ms", 1e3)
     row("  rate", tr["mb_per_s"], "MB/s")
+    if tr.get("sent_ahead"):
+        row("  steps' gradients forwarded after it", tr["steps_forwarded"], "steps")
+        row("  at the switch: RNGs and counters", tr["at_switch_bytes"], "B")
+        row("  at the switch: its send", tr["at_switch_seconds"], "ms", 1e3)
     for end in ("leaver", "joiner"):
         rss = tr.get(f"{end}_rss_mib", {})
         row(f"  {end}: RSS at its start", rss.get("start"), "MiB")
@@ -386,6 +410,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "are connected (default 3; smoke 0.5)")
     p.add_argument("--p2p-iters", type=int,
                    help="64 MiB round trips per repeat; small sizes do 5x (default 10; smoke 3)")
+    p.add_argument("--state-size", type=size_arg, metavar="SIZE",
+                   help="the job's state per rank (64MiB, 1GiB, ...: examples/plain_torch/"
+                        "train.py --state-size; default: the example's own, about 27 KB)")
+    p.add_argument("--hand-off", choices=("ahead", "whole"), default="ahead",
+                   help="the leavers send their state ahead while training goes on, then each "
+                        "step's gradients (default), or the whole state at the switch "
+                        "(train.py --hand-off)")
     p.add_argument("--smoke", action="store_true", help="a minute, not many: for the tests")
     p.outputs(keep="keep daemon logs, etcd data and timings here")
     args = p.parse(argv, {"repeats": (5, 1), "steps": (600, 100), "settle_seconds": (3.0, 0.5),
@@ -403,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = BenchConfig(repeats=args.repeats, steps=args.steps, step_sleep=args.step_sleep,
                       settle_seconds=args.settle_seconds, p2p_iters=args.p2p_iters,
-                      smoke=args.smoke)
+                      smoke=args.smoke, state_bytes=args.state_size, hand_off=args.hand_off)
     os.environ.update(ONE_THREAD)  # the daemons, their workers and the p2p peers inherit it
     scratch = harness.Scratch(args.keep_dir, "understudy-bench-mig-")
 

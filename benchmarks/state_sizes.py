@@ -56,6 +56,7 @@ def run_size(size: int, args: Any, out: Path) -> dict[str, Any]:
         argv.append("--smoke")
     if args.steps is not None:
         argv += ["--steps", str(args.steps)]
+    argv += ["--hand-off", args.hand_off]
     if args.keep_dir is not None:
         argv += ["--keep-dir", str(args.keep_dir / str(size))]
     print(f"\n== state {label(size)} per rank: {' '.join(argv[1:])}", flush=True)
@@ -113,6 +114,9 @@ def parse_args(argv: list[str] | None = None) -> Any:
     p.add_argument("--repeats", type=int, help="repeats per size (default 3; smoke 1)")
     p.add_argument("--steps", type=int, help="downtime.py's --steps (default: its own, 300; "
                    "smoke 120): at 1 GiB a step of the four ranks on two cores takes seconds")
+    p.add_argument("--hand-off", choices=("ahead", "whole"), default="ahead",
+                   help="downtime.py's --hand-off: understudy's drain sends the state ahead "
+                        "(default) or whole at the switch")
     p.add_argument("--smoke", action="store_true", help="two small sizes, one event")
     p.outputs(keep="keep each size's logs here, under the size in bytes (downtime.py "
               "--keep-dir)", chart="chart")
@@ -148,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {**started,
               "config": {"sizes": args.size_list, "events": args.events.split(","),
                          "systems": args.systems.split(","), "repeats": args.repeats,
-                         "steps": args.steps,
+                         "steps": args.steps, "hand_off": args.hand_off,
                          "smoke": args.smoke},
               "sizes": sizes}
     harness.report(result, args.out, print_summary, plot, args.png)

@@ -491,6 +491,7 @@ class MigrationHook:
         if plan is not None and flag == plan.version and not self._switch_next:
             self._switch_next = True
             if self.rank == 0:
+                failpoints.hit("stayer.report_switching")  # the switch agreed, not yet said
                 self._report(Report.SWITCHING)
 
     def _switch_action(self, step: int) -> Action:

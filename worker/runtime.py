@@ -3,13 +3,16 @@
 One iteration of :meth:`Runtime.run`, for the step ``s`` after the last committed one:
 
 1. **Boundary.** ``hook.on_boundary(s)`` answers an :class:`Action`: carry on, switch to the
-   groups' next versions first, hand this rank's state off and leave, or stop. This is where the
-   migration protocol acts; nothing of step ``s`` has run yet.
+   groups' next versions first, hand this rank's state off and leave, start sending the state
+   ahead (a leaver whose job replays), or stop. This is where the migration protocol acts;
+   nothing of step ``s`` has run yet.
 2. **Compute.** ``job.compute(s)``. An exception is recorded, not raised: this rank votes no.
 3. **Vote.** An all-reduce (MIN) of ``[ok]`` over the world group, waited abortably.
-4. **Commit or redo.** All ranks ok: ``job.apply(s)``, and ``s`` is committed. Otherwise
-   ``job.discard(s)``, the process-global RNGs go back to where they were before compute, and
-   step ``s`` runs again from the boundary, on every rank alike, since all saw the same vote.
+4. **Commit or redo.** All ranks ok: ``hook.before_apply(s, job)`` if the hook has it (a
+   leaver forwards the step's apply inputs there), ``job.apply(s)``, and ``s`` is committed.
+   Otherwise ``job.discard(s)``, the process-global RNGs go back to where they were before
+   compute, and step ``s`` runs again from the boundary, on every rank alike, since all saw
+   the same vote.
 
 If a collective of the step aborts (:class:`~understudy.groups.errors.CollectiveAborted`, from
 compute or from the vote), the error propagates out of :meth:`Runtime.run`: the groups are

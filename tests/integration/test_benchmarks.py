@@ -119,7 +119,11 @@ def test_migration_smoke(tmp_path: Path) -> None:
         # Each leaver sent the same kind of state: the toy job's, tens of kilobytes.
         assert set(rep["transfers"]) == {"2", "3"}
         for t in rep["transfers"].values():
-            assert t["step"] == rep["switch_step"]
+            # The example sends its state ahead: at a step before the switch, then each
+            # committed step's gradients; at the switch only the RNGs and counters.
+            assert t["sent_ahead"] and t["step"] < rep["switch_step"] == t["switch_step"]
+            assert t["steps_forwarded"] == rep["switch_step"] - t["step"]
+            assert 0 < t["at_switch_bytes"] < t["payload_bytes"]
             assert 1_000 < t["payload_bytes"] < 10_000_000 and t["entries"] > 0
             assert t["seconds"] > 0 and t["mb_per_s"] > 0
         p2p = rep["p2p"]
@@ -136,7 +140,8 @@ def test_migration_smoke(tmp_path: Path) -> None:
     assert {"median", "min", "max", "p90", "spread"} <= set(d["summary"])
     assert 0 < d["summary"]["min"] <= d["summary"]["median"] <= d["summary"]["max"]
     assert d["excess_around_switch_s"]["median"] > 0  # the switch step itself is in it
-    assert s["transfer"]["state_payload_bytes"] > 0
+    assert s["transfer"]["state_payload_bytes"] > 0 and s["transfer"]["sent_ahead"]
+    assert "state sent ahead (per leaver)" in res.stdout
     assert s["transfer"]["fraction_of_raw_64mib_bandwidth"] > 0
     assert s["p2p"]["target_fraction"] == 0.7
     assert s["p2p"]["send_state_fraction_of_raw_64mib"]["median"] > 0

@@ -436,17 +436,23 @@ def test_leavers_dying_in_phase_2_abort_the_drain_and_their_ranks_are_recovered(
         assert_bitwise_equal(reference, out, world=4)
 
 
+@pytest.mark.parametrize("hand_off", ["whole", "ahead"])
 def test_a_joiner_dying_after_its_state_arrived_is_recovered_after_the_drain_commits(
-        etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:
+        etcd: EmbeddedEtcd, reference: Path, tmp_path: Path, hand_off: str) -> None:
     # node-s2's joiner (rank 3) exits holding the leaver's state, before it says it switched:
     # the leaver has handed off, so the drain is committed (epoch 2) and rank 3, lost under the
     # new epoch, is recovered onto node-s3 from its replica, rank 1 (epoch 3). The leaver says
     # it handed off 3 s late, so the joiner's death is always known first: its daemon must wait
     # for the leaver's word, not take its absence for a failed transfer.
+    # "ahead": the state was sent ahead, and rank 0 says the switch was agreed 3 s late, so
+    # the joiner dies before its daemon knows of the switch, as a standby not yet promoted (a
+    # fresh standby its daemon starts must not be promoted in its place: seen once).
     armed = {"node-s2": {"UNDERSTUDY_FAILPOINTS": "joiner.switch=exit(3)"},
              "node-b": {"UNDERSTUDY_FAILPOINTS": "leaver.handed_off=sleep(3)"}}
+    if hand_off == "ahead":
+        armed["node-a"] = {"UNDERSTUDY_FAILPOINTS": "stayer.report_switching=sleep(3)"}
     with training(etcd, tmp_path, {"node-a": 2, "node-b": 2}, (*STANDBYS, "node-s3"),
-                  armed=armed, standby=3) as (c, out):
+                  armed=armed, standby=3, hand_off=hand_off) as (c, out):
         _wait_steps(c.daemons["node-b"], 3, 50)
         drain = c.cli("drain", "node-b", "--deadline", "120", "--wait", timeout=180)
         assert drain.returncode == 0, drain.stdout + drain.stderr

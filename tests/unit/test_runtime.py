@@ -3,6 +3,8 @@ plain-PyTorch example as four real processes (TP=2 x DP=2 on gloo), compared bit
 
 from __future__ import annotations
 
+import copy
+import importlib.util
 import json
 import os
 import random
@@ -29,6 +31,7 @@ from understudy.worker.api import (
     CollectiveAborted,
     JobContext,
     TrainingJob,
+    replays,
     wait_abortable,
 )
 from understudy.worker.runtime import (
@@ -569,3 +572,93 @@ def test_the_vote_is_released_when_a_peer_freezes(tmp_path: Path) -> None:
             assert record.exc_type == "understudy.groups.errors.CollectiveTimeout"
             assert f"the vote on step {FREEZE_AT} timed out" in record.message
             assert timeout - 0.5 <= record.time - frozen_at <= timeout + 1.0
+
+
+# --- a joiner following its leaver (the state sent ahead) -----------------------------------
+
+
+def _plain_example() -> Any:
+    spec = importlib.util.spec_from_file_location("plain_train_runtime", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class Forwarding:
+    """The leaver's side as :class:`~understudy.worker.migration.MigrationHook` drives it, with
+    each message deep-copied where the wire would carry it: the state at ``ahead``'s boundary,
+    each committed step's apply inputs, the RNGs and counters at ``switch``."""
+
+    def __init__(self, ahead: int, switch: int) -> None:
+        self.ahead, self.switch = ahead, switch
+        self.state: dict[str, Any] | None = None
+        self.inputs: list[tuple[int, dict[str, Any]]] = []
+        self.tail: dict[str, Any] | None = None
+
+    def on_boundary(self, step: int) -> Action:
+        if step == self.switch:
+            return Action.HAND_OFF
+        return Action.SEND_AHEAD if step == self.ahead else Action.CONTINUE
+
+    def send_ahead(self, step: int, state: dict[str, Any]) -> None:
+        self.state = copy.deepcopy(state)
+
+    def before_apply(self, step: int, job: TrainingJob) -> None:
+        if self.state is not None:
+            self.inputs.append((step, copy.deepcopy(job.apply_inputs(step))))
+
+    def hand_off(self, step: int, state: dict[str, Any]) -> bool:
+        self.tail = copy.deepcopy({"rng": state["rng"], "runtime": state["runtime"]})
+        return True
+
+    def switch_groups(self, step: int) -> None:
+        raise AssertionError("a leaver never switches")
+
+    def vote_flag(self, step: int) -> int:
+        return 0
+
+    def on_vote(self, step: int, flag: int) -> None:
+        return None
+
+
+def _tensors(tree: Any, path: str = "") -> dict[str, torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return {path: tree}
+    items = tree.items() if isinstance(tree, dict) else \
+        enumerate(tree) if isinstance(tree, (list, tuple)) else ()
+    return {k: v for key, sub in items for k, v in _tensors(sub, f"{path}/{key}").items()}
+
+
+def test_a_joiner_that_replays_its_leavers_steps_ends_bitwise_equal(solo: JobContext) -> None:
+    train = _plain_example()
+    assert replays(train.PlainJob()) and not replays(train.WholeHandOffJob())
+    assert not replays(ScriptedJob())
+    reference = _runtime(train.PlainJob(), solo)
+    reference.run(12)
+    want = copy.deepcopy(reference.state())
+
+    hook = Forwarding(ahead=4, switch=8)
+    leaver = _runtime(train.PlainJob(), solo, hook=hook)
+    assert leaver.run(12) is Outcome.HANDED_OFF and leaver.step == 8
+    assert hook.state is not None and hook.state["runtime"]["step"] == 4
+    assert [s for s, _ in hook.inputs] == [4, 5, 6, 7]
+
+    joiner = _runtime(train.PlainJob(), solo)
+    joiner.load_state(hook.state)
+    with pytest.raises(ValueError, match="step 5 cannot be replayed here: the next step is 4"):
+        joiner.replay(5, hook.inputs[1][1])
+    for step, inputs in hook.inputs:
+        joiner.replay(step, inputs)
+    assert hook.tail is not None
+    with pytest.raises(ValueError, match="the leaver has committed 9 steps, this joiner "
+                                         "applied 8"):
+        joiner.load_counters(hook.tail["rng"], {**hook.tail["runtime"], "step": 9})
+    joiner.load_counters(hook.tail["rng"], hook.tail["runtime"])
+    assert joiner.run(12) is Outcome.COMPLETED
+    got = joiner.state()
+    assert got["runtime"] == want["runtime"]
+    mine, theirs = _tensors(got["job"]), _tensors(want["job"])
+    assert mine.keys() == theirs.keys() and len(mine) > 10
+    different = [k for k in mine if not torch.equal(mine[k], theirs[k])]
+    assert not different, different

@@ -374,6 +374,23 @@ class MegatronJob(TrainingJob):
         if self._loss is not None:
             self.losses[step] = self._loss
 
+    def apply_inputs(self, step: int) -> dict[str, Any]:
+        """What apply takes from compute: the averaged gradients, the loss it logs, and the TP
+        tracker's streams as compute left them (compute advances them; apply does not)."""
+        return {"grads": [p.grad for p in self.params], "loss": self._loss,
+                "tracker": _clone(self.tracker.get_states())}
+
+    def load_apply_inputs(self, step: int, inputs: dict[str, Any]) -> None:
+        grads = inputs["grads"]
+        if len(grads) != len(self.params) or any(
+                g.shape != p.shape or g.dtype != p.dtype
+                for g, p in zip(grads, self.params, strict=True)):
+            raise ValueError(f"step {step}'s gradients do not fit this rank's parameters")
+        for p, g in zip(self.params, grads, strict=True):
+            p.grad = g
+        self.tracker.set_states(_clone(inputs["tracker"]))
+        self._loss = inputs["loss"]
+
     def discard(self, step: int) -> None:
         for p in self.params:
             p.grad = None
