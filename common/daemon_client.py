@@ -36,6 +36,9 @@ class DaemonClient:
         self.namespace, self.path = namespace, path
         self._view: _JobView | None = None
         self._ids = itertools.count(1)
+        #: one request at a time on the connection (a standby's signs of life come from a
+        #: thread of their own while its main thread warms up)
+        self._lock = threading.Lock()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout)
         try:
@@ -64,14 +67,15 @@ class DaemonClient:
         self.close()
 
     def _call(self, op: Op, wait: float = 0.0, **args: Any) -> dict[str, Any]:
-        rid = next(self._ids)
-        self._sock.settimeout(self.timeout + wait)
-        try:
-            self._file.write(frame({"id": rid, "op": op, **args}))
-            self._file.flush()
-            line = self._file.readline()
-        except OSError as exc:
-            raise DaemonError(f"daemon connection failed during {op}: {exc}") from exc
+        with self._lock:
+            rid = next(self._ids)
+            self._sock.settimeout(self.timeout + wait)
+            try:
+                self._file.write(frame({"id": rid, "op": op, **args}))
+                self._file.flush()
+                line = self._file.readline()
+            except OSError as exc:
+                raise DaemonError(f"daemon connection failed during {op}: {exc}") from exc
         if not line:
             raise DaemonError(f"the daemon closed the connection during {op}")
         reply: dict[str, Any] = json.loads(line)

@@ -18,17 +18,18 @@ step the leaver stopped at. ``on_finish(runtime)`` is called once the last step 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from understudy.common import env, failpoints, logs
-from understudy.common.daemon_client import DaemonClient
+from understudy.common.daemon_client import DaemonClient, DaemonError
 from understudy.common.env import RECORDINGS, WorkerRole
 from understudy.common.errorfile import record_error
 from understudy.common.layout import Layout
@@ -183,10 +184,11 @@ def _run_standby(w: _Worker) -> _Seat | None:
                      holder=holder.id if holder is not None else None)
     warmed = None
     if w.recordings is not None:
-        warmed, _ = warm_standby(w.make_job, w.control, node=w.node, stop=w.stop, job=w.job,
-                                 layout=w.layout, seed=w.seed, recordings=w.recordings,
-                                 script=w.script, timeout=w.timeout,
-                                 should_abort=w.should_abort)
+        with _signs_of_life(w.control):
+            warmed, _ = warm_standby(w.make_job, w.control, node=w.node, stop=w.stop,
+                                     job=w.job, layout=w.layout, seed=w.seed,
+                                     recordings=w.recordings, script=w.script,
+                                     timeout=w.timeout, should_abort=w.should_abort)
     found = wait_for_plan(w.control, w.node, w.stop)
     if found is None:
         if holder is not None:
@@ -194,6 +196,28 @@ def _run_standby(w: _Worker) -> _Seat | None:
         return None
     plan, rank = found
     return _take_over(w, plan, rank, warmed, holder)
+
+
+@contextlib.contextmanager
+def _signs_of_life(control: DaemonClient, every: float = 2.0) -> Iterator[None]:
+    """Ping the daemon every ``every`` seconds while the body runs: a warm-up that builds a
+    model of gigabytes and runs shadow iterations on it sends no request for longer than the
+    daemon waits before it replaces a silent standby (seen at 1 GiB per rank: replaced every
+    10 s, never warm)."""
+    done = threading.Event()
+
+    def ping() -> None:
+        while not done.wait(every):
+            with contextlib.suppress(DaemonError):
+                control.ping()
+
+    thread = threading.Thread(target=ping, name="understudy-signs-of-life", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join(every + control.timeout)
 
 
 def _take_over(w: _Worker, plan: Plan, rank: int, warmed: Warmed | None,

@@ -678,8 +678,11 @@ def test_state_sizes_summary_and_chart_from_each_sizes_downtime(tmp_path: Path) 
         sys.path.remove(str(REPO / "benchmarks"))
     args = state_sizes.parse_args(["--sizes", "1GiB,27KB,64MiB", "--out", str(tmp_path / "r.json")])
     assert args.size_list == [27_000, 64 * 2**20, 2**30] and args.repeats == 3
-    with pytest.raises(SystemExit):
-        state_sizes.parse_args(["--sizes", "lots"])
+    assert args.hand_off == "ahead"
+    assert state_sizes.parse_args(["--hand-off", "whole"]).hand_off == "whole"
+    for bad in (["--sizes", "lots"], ["--hand-off", "later"]):
+        with pytest.raises(SystemExit):
+            state_sizes.parse_args(bad)
     systems = ["understudy", "torchft"]
 
     def fig(median: float) -> dict[str, float]:
