@@ -144,7 +144,7 @@ def understudy_drain(rcfg: interruptions.RecoveryConfig, base: Path) -> dict[str
         _, nodes = interruptions.rank_nodes(cluster)
         for r, n in enumerate(nodes):
             harness.wait_log(cluster.daemons[n], f"{rcfg.crash_at} steps committed on rank {r}",
-                             timeout=300)
+                             timeout=interruptions.steps_timeout(rcfg.crash_at))
         drain_at = time.time()
         drain = cluster.cli("drain", LOST_NODE, "--deadline", "300", "--wait", timeout=360)
         if drain.returncode != 0:
@@ -299,7 +299,7 @@ def run_torchrun(event: str, cfg: BenchConfig, base: Path) -> dict[str, Any]:
     try:
         run.start()
         victim = run.agents[1]
-        run.wait_step(cfg.event_at - 1, timeout=300,
+        run.wait_step(cfg.event_at - 1, timeout=interruptions.steps_timeout(cfg.event_at),
                       ranks=range(VICTIM, VICTIM + 1) if event == "worker-crash" else None)
         lost, event_at, drained_left, powered_off = interrupt(run, event, victim, cfg)
         codes = run.wait_finished(timeout=600)
@@ -399,7 +399,7 @@ def run_torchft(event: str, cfg: BenchConfig, base: Path) -> dict[str, Any]:
         run.start()
         # Every rank, not only the victim: the replica groups commit each on its own, and a
         # kill before the other group's commit would land in the step before.
-        run.wait_step(cfg.event_at - 1, timeout=300)
+        run.wait_step(cfg.event_at - 1, timeout=interruptions.steps_timeout(cfg.event_at))
         lost, event_at, _, powered_off = interrupt(run, event, victim, cfg)
         codes = run.wait_finished(timeout=600)
     except TorchrunError as exc:

@@ -126,6 +126,12 @@ class RecoveryConfig:
 # -- the cluster and the job -------------------------------------------------------------------
 
 
+def steps_timeout(steps: int) -> float:
+    """How long a run may take to commit ``steps`` steps: 300 s, or 15 s a step where that is
+    more (at 1 GiB per rank a step of the four ranks takes 8-12 s on two cores)."""
+    return max(300.0, 15.0 * steps)
+
+
 def bring_up(cluster: LocalCluster) -> None:
     """Four daemons on the cluster's etcd (started); node-a first, so that it holds the
     controller (node-b is the node lost, and losing the controller would add an election to
@@ -374,7 +380,8 @@ def worker_crash(cfg: RecoveryConfig, base: Path) -> dict[str, Any]:
         submit(cluster, cfg, out)
         epoch, nodes = rank_nodes(cluster)
         d = cluster.daemons[nodes[VICTIM]]
-        wait_log(d, f"{cfg.crash_at} steps committed on rank {VICTIM}", timeout=300)
+        wait_log(d, f"{cfg.crash_at} steps committed on rank {VICTIM}",
+                 timeout=steps_timeout(cfg.crash_at))
         pid = worker_pid(d, f"{JOB}.r{VICTIM}")
         controller = cluster.status().controller
         kill_at = time.time()
@@ -419,7 +426,7 @@ def node_loss(cfg: RecoveryConfig, base: Path, silent: bool = False) -> dict[str
             _, nodes = rank_nodes(cluster)
             for r, n in enumerate(nodes):
                 wait_log(cluster.daemons[n], f"{cfg.crash_at} steps committed on rank {r}",
-                         timeout=300)
+                         timeout=steps_timeout(cfg.crash_at))
             lost = tuple(r for r, n in enumerate(nodes) if n == LOST_NODE)
             d = cluster.daemons[LOST_NODE]
             pids = {worker_pid(d, f"{JOB}.r{r}") for r in lost}
