@@ -78,7 +78,8 @@ def wait(work: Work, *, abort: Callable[[], bool] | None = None,
         # The callback runs on the communicator's thread and only sets a flag.
         future.add_done_callback(lambda _: done.set())
     start = clock()
-    while not done.wait(slice_s):
+
+    def give_up_if_told() -> None:
         waited = clock() - start
         if abort is not None and abort():
             raise CollectiveAborted(f"{what} aborted after {waited:.2f} s: told to abort",
@@ -87,6 +88,22 @@ def wait(work: Work, *, abort: Callable[[], bool] | None = None,
             raise CollectiveTimeout(f"{what} timed out after {waited:.2f} s (timeout "
                                     f"{timeout:g} s): a peer did not take part", what=what,
                                     waited=waited)
+
+    while not done.wait(slice_s):
+        give_up_if_told()
+    # NCCL's future completes once the collective is enqueued, not once it ran (its value
+    # carries the stream's events): a peer that never joins leaves the kernel spinning on the
+    # GPU with the future done, and the host would block at its next sync, where nothing
+    # checks ``abort``. So wait for the work itself, with a pause that grows from 50 us to a
+    # slice: a collective about to end costs no slice. Gloo's work is complete by now (a CPU
+    # future completes with it). Found by scripts/gpu-selftest's crash check on an H200.
+    completed = getattr(work, "is_completed", None)
+    pause = 5e-5
+    while (not threaded and completed is not None and _on_gpu(future)
+           and not completed()):
+        give_up_if_told()
+        time.sleep(pause)
+        pause = min(2 * pause, slice_s)
     try:
         if failed:
             raise failed[0]
@@ -96,3 +113,13 @@ def wait(work: Work, *, abort: Callable[[], bool] | None = None,
         waited = clock() - start
         raise CollectiveFailed(f"{what} failed after {waited:.2f} s: {exc}", what=what,
                                waited=waited) from exc
+
+
+def _on_gpu(future: torch.futures.Future[Any]) -> bool:
+    """Whether ``future`` carries GPU tensors (a CUDA future: complete once enqueued)."""
+    try:
+        value = future.value()
+    except Exception:  # it failed: work.wait() raises the backend's error next
+        return False
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return any(isinstance(t, torch.Tensor) and t.is_cuda for t in values)

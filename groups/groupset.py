@@ -363,7 +363,7 @@ class GroupSet:
         Raises: ValueError: an unknown group.
         """
         for name in names:
-            old = self._unset(name)
+            old = self._unset(name, abort=True)
             if old is not None:
                 self.log.warning("Fenced a group version.", group=name, version=old.number)
 
@@ -380,10 +380,10 @@ class GroupSet:
                           "version.", groups=names)
         return names
 
-    def _unset(self, name: str) -> GroupVersion | None:
+    def _unset(self, name: str, abort: bool = False) -> GroupVersion | None:
         old = self.current(name)._install(None)
         if old is not None:
-            self._track(release(old._retire()))
+            self._track(release(old._retire(), abort=abort))
         return old
 
     def close(self, timeout: float = 5.0) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import os
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -275,12 +276,17 @@ for _method in FORWARDED:
     setattr(VersionedGroup, _method, _forwarder(_method))
 
 
-def release(held: list[Any]) -> threading.Thread:
+def release(held: list[Any], *, abort: bool = False) -> threading.Thread:
     """Drop the last references to a communicator and its store on a named background thread.
 
     A gloo group whose collective is stuck on a frozen peer blocks in its destructor until the
     backend's timeout; the training thread must never be the one that runs it. The thread is a
     daemon thread so that process exit does not wait for such a destructor.
+
+    ``abort``: the communicator may be stuck (a fenced version). Its CUDA backend (NCCL) is
+    aborted first: a collective whose peer is gone keeps its kernel spinning on the GPU until
+    then, and the next device-wide synchronisation (a new communicator's set-up, a free of
+    device memory) would wait for it (seen by scripts/gpu-selftest's crash check).
     """
     box = list(held)
     held.clear()
@@ -288,6 +294,8 @@ def release(held: list[Any]) -> threading.Thread:
     def drop() -> None:
         while box:
             obj = box.pop()
+            if abort:
+                _abort_device_backend(obj)
             shutdown = getattr(obj, "shutdown", None) or getattr(obj, "close", None)
             if shutdown is not None:
                 # A broken communicator may refuse; dropping the reference is all that is left.
@@ -298,6 +306,15 @@ def release(held: list[Any]) -> threading.Thread:
     t = threading.Thread(target=drop, name="group-release", daemon=True)
     t.start()
     return t
+
+
+def _abort_device_backend(pg: Any) -> None:
+    get = getattr(pg, "_get_backend", None)
+    if get is None or not torch.cuda.is_available():
+        return
+    # No CUDA backend, or one that refuses (aborted already): nothing left to end.
+    with contextlib.suppress(RuntimeError, AttributeError):
+        get(torch.device("cuda")).abort()
 
 
 def build_process_group(store: dist.Store, rank: int, size: int, timeout: timedelta,
@@ -321,6 +338,13 @@ def build_process_group(store: dist.Store, rank: int, size: int, timeout: timede
             if not dist.is_nccl_available():
                 raise GroupBuildError("NCCL was asked for but this torch has no NCCL")
             kind = dist.ProcessGroup.BackendType.NCCL
+            # On a collective error torch's default (1, tear down) kills the whole process a
+            # while later "to avoid data inconsistency": a survivor of a dead peer would die
+            # after it had moved on to the next version (seen by scripts/gpu-selftest). 2
+            # (clean up only) aborts the broken communicator and leaves the process alive;
+            # the step protocol already keeps a failed step from applying. Read when the
+            # backend is made; a value the job set is kept.
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
             nccl = dist.ProcessGroupNCCL(prefixed, rank, size, opts)
