@@ -381,6 +381,10 @@ class Report(enum.StrEnum):
 
 #: the value of a :attr:`Report.TRANSFERRED` report whose state arrived
 TRANSFER_OK = b"ok"
+#: begins the :attr:`Report.ABORTED` value of a recovery whose donor keeps no copy of the lost
+#: rank's state (its job shards state over DP and the copy is gone too): the next plan for
+#: those ranks uses no replica
+NO_REPLICA_COPY = "no replica keeps a copy: "
 
 
 @dataclass(frozen=True)
@@ -417,6 +421,8 @@ class Migration(Record):
     snapshot_step: int = -1
     #: rollback: where each rank's copy of that snapshot comes from (by rank)
     snapshot_from: tuple[str, ...] = ()
+    #: aborted: why (the controller's reason, or a rank's report)
+    outcome: str = ""
 
     def __post_init__(self) -> None:
         if not len(self.ranks) == len(self.leavers) == len(self.joiners) > 0:

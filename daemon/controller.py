@@ -439,7 +439,9 @@ class Controller:
             return
         m, rev = current
         timings = {**m.timings, str(action.phase): now}
-        new = dataclasses.replace(m, phase=action.phase, updated_at=now, timings=timings)
+        new = dataclasses.replace(
+            m, phase=action.phase, updated_at=now, timings=timings,
+            outcome=action.reason if action.phase == MigrationPhase.ABORTED else m.outcome)
         key = self.keys.job_migration(action.job)
         ops: list[tuple[Any, ...]] = [("put", key, new.encode(), None)]
         compare: list[tuple[Any, ...]] = [("mod", key, rev)]

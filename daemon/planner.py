@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from understudy.common.layout import Layout
 from understudy.common.records import (
+    NO_REPLICA_COPY,
     PAUSED,
     Assignment,
     JobSpec,
@@ -335,6 +336,15 @@ def _pick_joiners(job: str, ranks: list[int], free: list[str], view: ClusterView
     return tuple(picks[r] for r in ranks)
 
 
+def _after(layout: Layout, rank: int) -> list[int]:
+    """``rank``'s data-parallel replicas, the next DP rank first and on around the group: a
+    job that shards its optimizer state keeps each shard's copy on the next DP rank
+    (``TrainingJob.replica_state``); for the others any replica will do."""
+    replicas = [d for d in layout.replicas(rank) if d != rank]
+    dp_index = layout.coordinates(rank)[1]
+    return sorted(replicas, key=lambda d: (layout.coordinates(d)[1] - dp_index) % layout.dp)
+
+
 def _plan_recovery(job: JobView, a: Assignment, gone: dict[int, str], view: ClusterView,
                    now: float) -> list[Action]:
     """Replace ranks whose process or node is gone by standbys, each taking the state of the
@@ -343,8 +353,16 @@ def _plan_recovery(job: JobView, a: Assignment, gone: dict[int, str], view: Clus
     donors: list[int] = []
     snapshot_step = -1
     point: RollbackPoint | None = None
+    # A recovery just called off because its donor keeps no copy of the lost rank's state
+    # (the job shards it over DP, and the copy was lost too): no replica will do for them.
+    last = job.migration
+    no_copy = (last.outcome.removeprefix(NO_REPLICA_COPY) if last is not None
+               and last.kind == "recovery" and last.phase == MigrationPhase.ABORTED
+               and last.outcome.startswith(NO_REPLICA_COPY) else "")
+    uncopied = set(last.ranks) if no_copy and last is not None else set()
     for r in gone:
-        replicas = [d for d in layout.replicas(r) if d not in gone and a.ranks[d] in view.live]
+        replicas = [] if r in uncopied else [
+            d for d in _after(layout, r) if d not in gone and a.ranks[d] in view.live]
         if replicas:
             donors.append(replicas[0])
             continue
@@ -352,9 +370,9 @@ def _plan_recovery(job: JobView, a: Assignment, gone: dict[int, str], view: Clus
                                live_holders(name, {n: rec.warmth for n, rec in
                                                    view.live.items()}), job.storage_epochs)
         if point is None:
+            held = no_copy if r in uncopied else "no live data-parallel replica holds its state"
             return [SetJobState(name, JobState.FAILED,
-                                f"{gone[r]}, no live data-parallel replica holds its state, "
-                                "and no snapshot is held by every rank")]
+                                f"{gone[r]}, {held}, and no snapshot is held by every rank")]
         snapshot_step, donors = point.step, []
         break
     free = _free_standbys(job, a, view)

@@ -47,6 +47,8 @@ LONGEST = {
     "integration/test_migration.py::test_a_migration_past_its_deadline_aborts_and_the_leaver_"
     "trains_on": 22,
     "integration/test_benchmarks.py::test_migration_smoke": 19,
+    "integration/test_recovery.py::test_a_sharded_optimizer_loses_no_step_to_a_crash_and_moves_"
+    "whole_in_a_drain": 22,
 }
 #: Every other test marked slow is assumed to take this long (most take 5 to 20 s).
 SLOW = 10

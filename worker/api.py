@@ -301,6 +301,20 @@ class TrainingJob(abc.ABC):
         """Take a state :meth:`state` returned on a rank with the same role. Called after
         :meth:`build`, before the first step."""
 
+    def replica_state(self, rank: int) -> dict[str, Any]:
+        """The state that data-parallel peer ``rank`` (same TP index and stage) held after the
+        last committed step, as its own :meth:`state` would give it, from what this rank
+        holds: the recovery of a lost ``rank`` sends it to the rank's replacement. Default:
+        :meth:`state` itself, since the replicas of a job that does not shard its state hold
+        the same one. A job that shards its optimizer state over DP overrides it to rebuild a
+        peer's shard from a redundant copy (``examples/plain_torch/train.py``, ``ShardedJob``);
+        the controller asks the rank after the lost one in the DP group first.
+
+        Raises:
+            ValueError: this rank keeps no copy of ``rank``'s state.
+        """
+        return self.state()
+
     def retarget(self, ctx: JobContext) -> str | None:
         """Take the role ``ctx`` describes in place of the one this job was built for, keeping
         what fits (a warm standby built as one stage, chosen for another, keeps its blocks and

@@ -40,7 +40,7 @@ from typing import Any
 
 from understudy.common import logs
 from understudy.common.daemon_client import DaemonClient, DaemonError
-from understudy.common.records import TRANSFER_OK, Report
+from understudy.common.records import NO_REPLICA_COPY, TRANSFER_OK, Report
 from understudy.groups.errors import GroupError
 from understudy.groups.groupset import GroupSet
 from understudy.worker.holder_client import HolderDirectory
@@ -224,10 +224,15 @@ class _Survivor:
         for r in self._donating():
             pair = pair_name(r, self.plan.version)
             try:
+                state = self.runtime.replica_state(r)
+            except ValueError as exc:  # the job keeps no copy of rank r's state here
+                self._set(Report.TRANSFERRED.of(r), f"{NO_REPLICA_COPY}{exc}".encode())
+                raise CalledOff(f"no copy of rank {r}'s state here: {exc}") from exc
+            try:
                 self.groups.switch([pair])
                 with PairGroupTransport(self.groups.current(pair),
                                         timeout_s=self.timeout) as transport:
-                    stats = send_state(transport, self.runtime.state())
+                    stats = send_state(transport, state)
             except (TransferError, GroupError) as exc:
                 self._set(Report.TRANSFERRED.of(r), f"failed: {exc}".encode())
                 raise CalledOff(f"the state did not reach rank {r}'s joiner: {exc}") from exc

@@ -205,6 +205,19 @@ class Runtime:
         return {"job": self.job.state(), "rng": rng.capture(),
                 "runtime": {"step": self.step, "redone": self.redone}}
 
+    def replica_state(self, rank: int) -> dict[str, Any]:
+        """:meth:`state` as data-parallel peer ``rank`` would give it (the job's
+        :meth:`~understudy.worker.api.TrainingJob.replica_state`): what a recovery's donor
+        sends the lost rank's replacement. The RNG states are this rank's: a job that
+        recovers from a replica re-keys them to the step (``reseed``).
+
+        Raises:
+            ValueError: the job keeps no copy of ``rank``'s state here.
+        """
+        self._require_built()
+        return {"job": self.job.replica_state(rank), "rng": rng.capture(),
+                "runtime": {"step": self.step, "redone": self.redone}}
+
     def load_state(self, state: dict[str, Any]) -> None:
         """Take a state :meth:`state` returned, on this rank or one with the same role.
 

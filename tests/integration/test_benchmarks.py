@@ -147,6 +147,28 @@ def test_migration_smoke(tmp_path: Path) -> None:
     assert s["p2p"]["send_state_fraction_of_raw_64mib"]["median"] > 0
 
 
+@pytest.mark.timeout(120)
+def test_shard_copies_smoke(tmp_path: Path) -> None:
+    out_file = tmp_path / "shard_copies.json"
+    res = run_benchmark("shard_copies.py", "--smoke", "--out", str(out_file), timeout=100)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "overhead of the copies" in res.stdout
+    data = json.loads(out_file.read_text())
+    assert {"benchmark", "command", "machine", "config", "summary", "repeats"} <= set(data)
+    assert "--smoke" in data["command"] and "torch" in data["machine"]
+    cfg = data["config"]
+    assert cfg["smoke"] is True and len(data["repeats"]) == cfg["repeats"] == 1
+    for rep in data["repeats"]:
+        assert set(rep["order"]) == {"copies", "no copies"}
+        for variant in ("copies", "no copies"):
+            # every step interval past the warm-up, each a real positive duration
+            assert len(rep[variant]["intervals"]) == cfg["steps"] - 1 - cfg["warmup"]
+            assert all(i > 0 for i in rep[variant]["intervals"])
+        assert rep["overhead"] == pytest.approx(
+            rep["copies"]["step_s"] / rep["no copies"]["step_s"] - 1, rel=1e-3)
+    assert data["summary"]["overhead"]["n"] == 1
+
+
 @pytest.mark.timeout(600)
 def test_recovery_smoke(tmp_path: Path) -> None:
     if shutil.which("etcd") is None:

@@ -36,24 +36,26 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def _job_args(out: Path, step_sleep: float = 0.04, sleep_off: Path | None = None,
-              hand_off: str = "ahead") -> list[str]:
+              hand_off: str = "ahead", extra: tuple[str, ...] = ()) -> list[str]:
     # The sleep stands in for a bigger model's compute: it changes how long the job runs (room
-    # for slower scenarios), never its state. It stops once ``sleep_off`` exists.
+    # for slower scenarios), never its state. It stops once ``sleep_off`` exists. ``extra``:
+    # more of the job's own arguments (``--shard-optimizer``).
     args = [TRAIN, "--steps", str(STEPS), "--step-sleep", str(step_sleep), "--save", str(out),
-            "--hand-off", hand_off]
+            "--hand-off", hand_off, *extra]
     return args if sleep_off is None else [*args, "--step-sleep-off", str(sleep_off)]
 
 
-def standalone_run(base: Path, world: int = 4, tp: int = 2, pp: int = 1) -> Path:
+def standalone_run(base: Path, world: int = 4, tp: int = 2, pp: int = 1,
+                   extra: tuple[str, ...] = ()) -> Path:
     """The uninterrupted run: the same job on plain processes, no daemons."""
     base.mkdir(parents=True, exist_ok=True)
     procs = []
     for r in range(world):
         with open(base / f"r{r}.log", "wb") as log:
             procs.append(subprocess.Popen(
-                [sys.executable, *_job_args(base / "out", step_sleep=0), "--rank", str(r),
-                 "--world-size",
-                 str(world), "--tp", str(tp), "--pp", str(pp), "--store", str(base / "store")],
+                [sys.executable, *_job_args(base / "out", step_sleep=0, extra=extra),
+                 "--rank", str(r), "--world-size", str(world), "--tp", str(tp), "--pp", str(pp),
+                 "--store", str(base / "store")],
                 env={**os.environ, **ONE_THREAD}, stdout=subprocess.DEVNULL, stderr=log))
     for p in procs:
         assert p.wait(timeout=300) == 0, (base / "r0.log").read_text()[-2000:]
@@ -71,12 +73,12 @@ def cluster(etcd: EmbeddedEtcd, tmp_path: Path) -> Iterator[LocalCluster]:
 
 def _run_job(c: LocalCluster, out: Path, step_sleep: float = 0.04, standby: int = 2,
              env: dict[str, str] | None = None, dp: int = 2, tp: int = 2, pp: int = 1,
-             hand_off: str = "ahead") -> None:
+             hand_off: str = "ahead", extra: tuple[str, ...] = ()) -> None:
     env = [f"--env={k}={v}" for k, v in {**ONE_THREAD, **(env or {})}.items()]
     run = c.cli("run", "--job", "mig", "--tp", str(tp), "--dp", str(dp), "--pp", str(pp),
                 "--standby", str(standby),
                 *env,
-                "--", sys.executable, *_job_args(out, step_sleep, faults_over(c), hand_off))
+                "--", sys.executable, *_job_args(out, step_sleep, faults_over(c), hand_off, extra))
     assert run.returncode == 0, run.stderr
 
     def running(s: Any) -> bool:  # every node the job uses runs its worker

@@ -10,6 +10,7 @@ import pytest
 from understudy.common.errors import RecordError
 from understudy.common.records import (
     MAX_VALUE_BYTES,
+    NO_REPLICA_COPY,
     PAUSED,
     Assignment,
     DrainRequest,
@@ -357,6 +358,35 @@ def test_recovery_without_a_replica_fails_the_job_with_the_reason() -> None:
     (failed,) = plan(_recovery_view({1: _crash(1)}, tp=4), 5.0)
     assert isinstance(failed, SetJobState) and failed.state == JobState.FAILED
     assert "no live data-parallel replica" in failed.reason
+
+
+def test_a_recovery_donor_is_the_next_data_parallel_rank() -> None:
+    # DP 4 (TP 1): rank 1's donor is rank 2, where a job that shards its optimizer state keeps
+    # rank 1's copy; rank 3's is rank 0 (around the group); with rank 2 gone too, rank 3.
+    (start,) = plan(_recovery_view({1: _crash(1)}, tp=1), 5.0)
+    assert isinstance(start, StartMigration) and start.migration.donors == (2,)
+    (start,) = plan(_recovery_view({3: _crash(3, "b")}, tp=1), 5.0)
+    assert isinstance(start, StartMigration) and start.migration.donors == (0,)
+    (start,) = plan(_recovery_view({1: _crash(1), 2: _crash(2, "b")}, tp=1), 5.0)
+    assert isinstance(start, StartMigration) and start.migration.donors == (3, 3)
+
+
+def test_a_recovery_whose_donor_keeps_no_copy_is_not_planned_from_a_replica_again() -> None:
+    view = _recovery_view({1: _crash(1)}, tp=1)
+    (start,) = plan(view, 5.0)
+    assert isinstance(start, StartMigration)
+    why = f"{NO_REPLICA_COPY}rank 1's optimizer shard exists nowhere else"
+    aborted = dataclasses.replace(start.migration, phase=MigrationPhase.ABORTED, outcome=why)
+    job = view.jobs["j"]
+    again = dataclasses.replace(view, jobs={"j": dataclasses.replace(job, migration=aborted)})
+    (failed,) = plan(again, 6.0)  # no snapshots: no rollback either
+    assert isinstance(failed, SetJobState) and failed.state == JobState.FAILED
+    assert "rank 1's optimizer shard exists nowhere else" in failed.reason
+    # Called off for another reason, the next attempt takes a replica again.
+    other = dataclasses.replace(aborted, outcome="joiner node s1 is gone")
+    retry = dataclasses.replace(view, jobs={"j": dataclasses.replace(job, migration=other)})
+    (start,) = plan(retry, 6.0)
+    assert isinstance(start, StartMigration) and start.migration.donors == (2,)
 
 
 def test_an_exhausted_pool_pauses_the_job_once_and_a_refill_resumes_it() -> None:
