@@ -97,10 +97,10 @@ def wait(work: Work, *, abort: Callable[[], bool] | None = None,
     # checks ``abort``. So wait for the work itself, with a pause that grows from 50 us to a
     # slice: a collective about to end costs no slice. Gloo's work is complete by now (a CPU
     # future completes with it). Found by scripts/gpu-selftest's crash check on an H200.
-    completed = getattr(work, "is_completed", None)
+    completed: Callable[[], bool] = getattr(work, "is_completed", lambda: True)
+    on_gpu = not threaded and _on_gpu(future)
     pause = 5e-5
-    while (not threaded and completed is not None and _on_gpu(future)
-           and not completed()):
+    while on_gpu and not completed():
         give_up_if_told()
         time.sleep(pause)
         pause = min(2 * pause, slice_s)

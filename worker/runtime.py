@@ -202,8 +202,7 @@ class Runtime:
     def state(self) -> dict[str, Any]:
         """The job's state, the process-global RNG states and the runtime's counters."""
         self._require_built()
-        return {"job": self.job.state(), "rng": rng.capture(),
-                "runtime": {"step": self.step, "redone": self.redone}}
+        return self._with_counters(self.job.state())
 
     def replica_state(self, rank: int) -> dict[str, Any]:
         """:meth:`state` as data-parallel peer ``rank`` would give it (the job's
@@ -215,7 +214,10 @@ class Runtime:
             ValueError: the job keeps no copy of ``rank``'s state here.
         """
         self._require_built()
-        return {"job": self.job.replica_state(rank), "rng": rng.capture(),
+        return self._with_counters(self.job.replica_state(rank))
+
+    def _with_counters(self, job_state: dict[str, Any]) -> dict[str, Any]:
+        return {"job": job_state, "rng": rng.capture(),
                 "runtime": {"step": self.step, "redone": self.redone}}
 
     def load_state(self, state: dict[str, Any]) -> None:
