@@ -32,3 +32,12 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     every xdist worker."""
     from tests.integration.test_migration import standalone_run
     return build_once(tmp_path_factory, "reference", standalone_run)
+
+
+@pytest.fixture(scope="session")
+def reference_dp1(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted run of TP=2 x DP=1 (two ranks, no replica), which the rollback tests
+    compare with: built once per test run, as :func:`reference`."""
+    from tests.integration.test_migration import standalone_run
+    return build_once(tmp_path_factory, "reference-dp1",
+                      lambda base: standalone_run(base, world=2, tp=2))

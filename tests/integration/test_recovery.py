@@ -301,7 +301,7 @@ def _rollback_step(c: LocalCluster) -> tuple[int, str]:
 
 
 def test_without_a_replica_every_rank_rolls_back_from_the_standbys_memory(
-        etcd: EmbeddedEtcd, tmp_path: Path) -> None:
+        etcd: EmbeddedEtcd, reference_dp1: Path, tmp_path: Path) -> None:
     # TP=2 x DP=1: nobody else holds rank 1's shards. No snapshot directory at all: every 20
     # steps each rank pushes its state (serialized in the background) to the holder in the
     # standby worker's memory on node-s1. When rank 1 dies every rank goes back to the newest
@@ -310,7 +310,7 @@ def test_without_a_replica_every_rank_rolls_back_from_the_standbys_memory(
     # follow the step, so the run ends bit for bit where an uninterrupted one does. The standby
     # is sandbox-warmed as well (as rank 0), as in production: its later warmth report must
     # not make the daemon forget the holder it runs.
-    expected = standalone_run(tmp_path / "reference", world=2, tp=2)
+    expected = reference_dp1
     env = {"UNDERSTUDY_SNAPSHOT_EVERY": "20", "UNDERSTUDY_RECORDINGS": str(tmp_path / "rec")}
     with training(etcd, tmp_path, {"node-a": 1, "node-b": 1}, ("node-s1",), dp=1, standby=1,
                   env=env) as (c, out):
@@ -338,13 +338,13 @@ def test_without_a_replica_every_rank_rolls_back_from_the_standbys_memory(
 
 
 def test_with_the_holder_gone_every_rank_rolls_back_from_storage(
-        etcd: EmbeddedEtcd, tmp_path: Path) -> None:
+        etcd: EmbeddedEtcd, reference_dp1: Path, tmp_path: Path) -> None:
     # As above, with a snapshot directory too: both tiers are kept. The standby worker holding
     # the memory copies is killed; its copies die with it, the controller stops counting them
     # (its holder left the node record), and when rank 1 dies the job rolls back from the
     # storage checkpoint (torch.distributed.checkpoint) instead; the restarted standby takes
     # rank 1 from there.
-    expected = standalone_run(tmp_path / "reference", world=2, tp=2)
+    expected = reference_dp1
     snapshots = {"UNDERSTUDY_SNAPSHOTS": str(tmp_path / "snap"),
                  "UNDERSTUDY_SNAPSHOT_EVERY": "20"}
     with training(etcd, tmp_path, {"node-a": 1, "node-b": 1}, ("node-s1",), dp=1, standby=1,
