@@ -485,6 +485,8 @@ class ShardedJob(PlainJob):
         padded = torch.zeros(size * dp)
         padded[:flat.numel()] = flat
         self.gathered = padded  # the all-gather's buffer, reused at every step
+        # the reduce-scatter's input, reused at every step (its padding stays zero)
+        self.grad_buffer = torch.zeros(size * dp)
         d = ctx.dp_index
 
         def owned(index: int) -> tuple[torch.nn.Parameter, torch.optim.Adam, Any]:
@@ -529,13 +531,13 @@ class ShardedJob(PlainJob):
                 offset += q.numel()
 
     def _sync_gradients(self, flat: torch.Tensor) -> None:
-        ctx, size, dp = self.ctx, self.shard_size, self.ctx.dp
+        ctx, dp = self.ctx, self.ctx.dp
         grad = self.shard.grad
         assert grad is not None
         if dp == 1:
             grad.copy_(flat)
             return
-        padded = torch.zeros(size * dp)
+        padded = self.grad_buffer
         padded[:flat.numel()] = flat
         group = ctx.group("dp")
         ctx.wait(group._reduce_scatter_base(grad, padded),
