@@ -31,11 +31,13 @@ from understudy.testing.localcluster import LocalCluster
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 TRAIN = str(Path(__file__).parents[2] / "examples" / "plain_torch" / "train.py")
-STEPS = 300
+#: 150 steps of 0.08 s stand-in work: the same 12 s for a scenario to play out as 300 steps of
+#: 0.04 s, for half the steps' CPU (each step costs every rank some 8 ms of CPU here).
+STEPS = 150
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-def _job_args(out: Path, step_sleep: float = 0.04, sleep_off: Path | None = None,
+def _job_args(out: Path, step_sleep: float = 0.08, sleep_off: Path | None = None,
               hand_off: str = "ahead", extra: tuple[str, ...] = ()) -> list[str]:
     # The sleep stands in for a bigger model's compute: it changes how long the job runs (room
     # for slower scenarios), never its state. It stops once ``sleep_off`` exists. ``extra``:
@@ -71,7 +73,7 @@ def cluster(etcd: EmbeddedEtcd, tmp_path: Path) -> Iterator[LocalCluster]:
         c.stop_all(timeout=5)
 
 
-def _run_job(c: LocalCluster, out: Path, step_sleep: float = 0.04, standby: int = 2,
+def _run_job(c: LocalCluster, out: Path, step_sleep: float = 0.08, standby: int = 2,
              env: dict[str, str] | None = None, dp: int = 2, tp: int = 2, pp: int = 1,
              hand_off: str = "ahead", extra: tuple[str, ...] = ()) -> None:
     env = [f"--env={k}={v}" for k, v in {**ONE_THREAD, **(env or {})}.items()]
@@ -210,7 +212,7 @@ def test_killing_the_joiner_mid_stream_leaves_the_leaver_training(etcd: Embedded
                                             "node-d": 1}, ("node-s1", "node-s2"), env=armed)
     try:
         out = tmp_path / "out"
-        _run_job(c, out, step_sleep=0.08, hand_off=hand_off)
+        _run_job(c, out, step_sleep=0.16, hand_off=hand_off)
         wait_standbys(c, ("node-s1", "node-s2"))
         assert c.cli("drain", "node-b", "--deadline", "200").returncode == 0
         s1, b = c.daemons["node-s1"], c.daemons["node-b"]
@@ -254,7 +256,7 @@ def test_a_migration_past_its_deadline_aborts_and_the_leaver_trains_on(etcd: Emb
     frozen = None
     try:
         out = tmp_path / "out"
-        _run_job(c, out, step_sleep=0.12)
+        _run_job(c, out, step_sleep=0.24)
         wait_standbys(c, ("node-s1", "node-s2"))
         assert c.cli("drain", "node-b", "--deadline", "200").returncode == 0
         s1, b = c.daemons["node-s1"], c.daemons["node-b"]

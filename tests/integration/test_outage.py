@@ -103,7 +103,7 @@ def test_training_goes_on_through_etcd_outages_and_ends_bitwise(
               extra=("--lease-ttl", "6", "--fence-margin", "3"))
     try:
         out, steps = tmp_path / "out", tmp_path / "steps"
-        _run(c, out, steps, step_sleep=0.15)
+        _run(c, out, steps, step_sleep=0.3)
         wait_standbys(c, ("node-s1", "node-s2"))
         _wait_step(steps, 20)
         trained: dict[str, int] = {}
@@ -133,7 +133,7 @@ def test_training_goes_on_through_etcd_outages_and_ends_bitwise(
             # Back to normal: every daemon's keep-alives are acknowledged again.
             c.wait_for("every node online", lambda s: all(n.online for n in s.nodes), 30)
             time.sleep(1.0)
-        # The ranks trained through each outage (a step is ~0.2 s here) but the last, where
+        # The ranks trained through each outage (a step is ~0.35 s here) but the last, where
         # rank 1 died after 5 s.
         assert all(n >= 3 for n in trained.values()), trained
         for name, d in c.daemons.items():
@@ -181,10 +181,11 @@ def test_a_drain_caught_in_phase_1_by_an_outage_ends_whole_and_bitwise(
     try:
         out, steps = tmp_path / "out", tmp_path / "steps"
         # Slow enough that the job outlasts a first attempt held up by the outage and the
-        # second one: 0.15 s ran out on a loaded machine, and the job finished before the drain
-        # did. (The first attempt's joiner ends during the outage; its daemon's call-off is
-        # retried until etcd answers, and the second attempt is planned at once after it.)
-        _run(c, out, steps, step_sleep=0.3)
+        # second one: 300 steps of 0.15 s ran out on a loaded machine, and the job finished
+        # before the drain did (150 steps of 0.6 s: 90 s). (The first attempt's joiner ends
+        # during the outage; its daemon's call-off is retried until etcd answers, and the
+        # second attempt is planned at once after it.)
+        _run(c, out, steps, step_sleep=0.6)
         wait_standbys(c, ("node-s1", "node-s2"))
         _wait_step(steps, 20)
         assert c.cli("drain", "node-b", "--deadline", "300").returncode == 0

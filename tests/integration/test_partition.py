@@ -71,7 +71,7 @@ def test_a_node_cut_off_from_etcd_is_replaced_and_its_old_ranks_never_commit_aft
         for n, s in (("node-p", "active"), ("node-s1", "standby"), ("node-s2", "standby")):
             c.wait_state(n, s)
         out, steps = tmp_path / "out", tmp_path / "steps"
-        _run(c, out, steps, step_sleep=0.1)
+        _run(c, out, steps, step_sleep=0.2)
         wait_standbys(c, ("node-s1", "node-s2"))
         _wait_step(steps, 30)
         p = c.daemons["node-p"]
@@ -130,7 +130,7 @@ def test_a_node_whose_probes_vanish_is_revoked_by_the_controller_fences_and_rejo
     cut = netns.AddressCut("127.0.0.1", 0, proto="udp")
     try:
         out, steps = tmp_path / "out", tmp_path / "steps"
-        _run(c, out, steps, step_sleep=0.1)
+        _run(c, out, steps, step_sleep=0.2)
         wait_standbys(c, ("node-s1", "node-s2"))
         _wait_step(steps, 30)
         b = c.daemons["node-b"]

@@ -237,7 +237,7 @@ def test_a_rank_crashing_during_a_drain_aborts_it_recovers_then_the_drain_comple
     hold = {"UNDERSTUDY_FAILPOINTS": "joiner.prepared=sleep(5)"}
     with training(etcd, tmp_path, {"node-a": 2, "node-b": 2}, (*STANDBYS, "node-s3"),
                   armed={"node-s1": hold, "node-s2": hold}, standby=3,
-                  step_sleep=0.2) as (c, out):
+                  step_sleep=0.4) as (c, out):
         a = c.daemons["node-a"]
         assert c.cli("drain", "node-b", "--deadline", "240").returncode == 0
         wait_log(c.daemons["node-s1"], "failpoint joiner.prepared fired", timeout=60)
