@@ -56,6 +56,8 @@ from understudy.worker.transfer import (
 READY_PHASES = ("ready", "switching")
 #: how often a rank waiting in a collective asks its daemon whether the job is recovering
 RECOVERY_POLL_S = 0.1
+#: how often a report the daemon could not write (an etcd outage) is tried again
+REPORT_RETRY_S = 0.2
 
 
 class RecoveryNeeded(CollectiveAborted):
@@ -380,9 +382,24 @@ class MigrationHook:
             self._reports.close()
             self._reports = None
 
-    def _report(self, key: str, value: bytes = b"1") -> None:
-        assert self._reports is not None
-        self._reports.set(key, value)
+    def _report(self, key: str, value: bytes = b"1", *, within: float = 0.0) -> bool:
+        """Write a report of this migration through the daemon. A daemon that cannot write it
+        (etcd unreachable: an outage) is asked again every ``REPORT_RETRY_S`` for up to
+        ``within`` seconds. A report still not through is logged and False returned, never
+        raised: a migration must never take a training rank down. (Found by the outage test: a
+        stayer's ``prepared`` report in an outage failed its rank, and with it the job.)"""
+        assert self._reports is not None and self._plan is not None
+        deadline = time.monotonic() + within
+        while True:
+            try:
+                self._reports.set(key, value)
+                return True
+            except DaemonError as exc:
+                if time.monotonic() >= deadline:
+                    self.log.warning(f"Could not report {key} of migration {self._plan.id} "
+                                     f"to the daemon: {exc}.", rank=self.rank)
+                    return False
+            time.sleep(REPORT_RETRY_S)
 
     def _start_phase1(self, plan: Plan) -> None:
         after = plan.nodes_after(self.nodes)
@@ -432,8 +449,9 @@ class MigrationHook:
                 self._forget("aborted")
                 return Action.CONTINUE
         if self._prepared and not self._reported_prepared and self.groups.ready(self._prepared):
-            self._report(Report.PREPARED.of(self.rank))
-            self._reported_prepared = True
+            # Not through (an outage): said again at the next boundary; the migration's
+            # deadline bounds the wait.
+            self._reported_prepared = self._report(Report.PREPARED.of(self.rank))
         if (self.send_ahead_enabled and self._ahead is None and self.rank in plan.moves
                 and self._reported_prepared and plan.phase in READY_PHASES):
             return Action.SEND_AHEAD  # the joiner waits for the state: every group is up
@@ -471,7 +489,8 @@ class MigrationHook:
         """The stream to the joiner failed: call the migration off; this rank trains on."""
         self.log.warning(f"Sending the state ahead failed: {exc}.")
         if self._switch_next:  # the survivors wait for this rank's word at the switch
-            self._report(Report.TRANSFERRED.of(self.rank), f"failed: {exc}".encode())
+            self._report(Report.TRANSFERRED.of(self.rank), f"failed: {exc}".encode(),
+                         within=self.transfer_timeout)
         else:
             self._report(Report.ABORTED,
                          f"rank {self.rank} could not send its state ahead: {exc}".encode())
@@ -492,7 +511,7 @@ class MigrationHook:
             self._switch_next = True
             if self.rank == 0:
                 failpoints.hit("stayer.report_switching")  # the switch agreed, not yet said
-                self._report(Report.SWITCHING)
+                self._report(Report.SWITCHING, within=self.transfer_timeout)
 
     def _switch_action(self, step: int) -> Action:
         assert self._plan is not None
@@ -561,12 +580,14 @@ class MigrationHook:
                                        should_abort=_leaver_send_failpoint)
         except TransferError as exc:
             self.log.warning(f"Handing the state off failed: {exc}.")
-            self._report(Report.TRANSFERRED.of(self.rank), f"failed: {exc}".encode())
+            self._report(Report.TRANSFERRED.of(self.rank), f"failed: {exc}".encode(),
+                         within=self.transfer_timeout)
             self._forget("aborted")
             return False
         self.log.info(f"Handed the state of rank {self.rank} off at step {step}: {stats}.")
         failpoints.hit("leaver.handed_off")  # the joiner holds the state; nobody knows yet
-        self._report(Report.TRANSFERRED.of(self.rank), TRANSFER_OK)
+        # The stayers wait for this word (up to their transfer timeout): keep trying as long.
+        self._report(Report.TRANSFERRED.of(self.rank), TRANSFER_OK, within=self.transfer_timeout)
         return True
 
 
