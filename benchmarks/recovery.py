@@ -40,7 +40,8 @@ iterations (node-s2 warms as rank 1, which the controller then gives it).
 Prints a summary and writes JSON with the machine, the command, the configuration and every
 sample. Every process it starts is stopped on exit, Ctrl-C and SIGTERM included.
 
-    .venv/bin/python benchmarks/recovery.py [--repeats N] [--steps S] [--smoke] [--out FILE]
+    .venv/bin/python benchmarks/recovery.py [--repeats N] [--steps S] [--state-size SIZE]
+        [--smoke] [--out FILE]
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ from interruptions import (
 
 from understudy.common import config as config_mod
 from understudy.common.errors import UnderstudyError
+from understudy.common.sizes import size_arg
 
 KEEPALIVE_INTERVAL = config_mod.LeaseConfig().keepalive_interval
 #: A line of ``python -X importtime``: microseconds, two spaces of indent per nesting level.
@@ -146,7 +148,9 @@ def cold_start(saved: Path, cfg: RecoveryConfig, base: Path) -> dict[str, Any]:
     argvs = [[sys.executable, "-X", "importtime", str(TRAIN), "--rank", str(r),
               "--world-size", str(WORLD), "--tp", str(TP), "--store", str(base / "store"),
               "--steps", str(step + 1), "--step-sleep", str(cfg.step_sleep),
-              "--load", str(saved), "--save", str(out)] for r in range(WORLD)]
+              "--load", str(saved), "--save", str(out),
+              *(["--state-size", str(cfg.state_bytes)] if cfg.state_bytes else [])]
+             for r in range(WORLD)]
     ranks: dict[str, Any] = {}
     for r, p in enumerate(spawn_all(argvs, base, "rank")):
         stderr = (base / f"rank{r}.err").read_text(errors="replace")
@@ -331,6 +335,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-sandbox", action="store_true",
                    help="standbys only import the job (no recording directory): the model is "
                         "built once chosen")
+    p.add_argument("--state-size", type=size_arg, metavar="SIZE",
+                   help="the job's state per rank (64MiB, 1GiB, ...: examples/plain_torch/"
+                        "train.py --state-size), the same for the cold start (default: the "
+                        "example's own, about 27 KB)")
     p.outputs(keep="keep daemon logs, etcd data and states here")
     args = p.parse(argv, {"repeats": (5, 1), "steps": (300, 90)})
     if args.repeats < 1:
@@ -353,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = RecoveryConfig(repeats=args.repeats, steps=args.steps, step_sleep=args.step_sleep,
                          crash_at=args.crash_at, ttl=args.ttl, smoke=args.smoke,
-                         sandbox=not args.no_sandbox)
+                         sandbox=not args.no_sandbox, state_bytes=args.state_size)
     os.environ.update(ONE_THREAD)  # the daemons, their workers and the cold ranks inherit it
     scratch = harness.Scratch(args.keep_dir, "understudy-bench-rec-")
 

@@ -56,7 +56,7 @@ import harness
 from harness import MIB, BenchmarkError, Table, summarize
 
 from understudy.common.errors import UnderstudyError
-from understudy.worker.transfer.ends import resident_bytes
+from understudy.worker.transfer.ends import reset_peak, resident_bytes
 
 KINDS = ("raw", "into", "state", "chunked")
 LABELS = {"raw": "raw send + 1-byte ack", "into": "send_state -> receive_into",
@@ -145,7 +145,9 @@ def settle() -> int:
     """Release what can be released, reset the peak resident set; the resident set now."""
     gc.collect()
     _LIBC.malloc_trim(0)
-    Path("/proc/self/clear_refs").write_text("5")
+    if not reset_peak():
+        raise BenchmarkError("/proc/self/clear_refs refuses to reset the peak resident set: "
+                             "this benchmark needs Linux 4.0 or later")
     return _resident()[0]
 
 

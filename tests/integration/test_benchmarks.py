@@ -174,7 +174,10 @@ def test_recovery_smoke(tmp_path: Path) -> None:
     if shutil.which("etcd") is None:
         pytest.fail("etcd is not installed: the test command installs it (scripts/test)")
     out_file = tmp_path / "recovery.json"
-    res = run_benchmark("recovery.py", "--smoke", "--out", str(out_file), timeout=540)
+    # At 64 KiB of state per rank, a size of its own (the example's default is about 27 KB):
+    # the daemons' job and the cold start both take it.
+    res = run_benchmark("recovery.py", "--smoke", "--state-size", "64KiB", "--out",
+                        str(out_file), timeout=540)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "worker crash (rank 1): end to end" in res.stdout
     assert "cold / warm" in res.stdout
@@ -185,6 +188,7 @@ def test_recovery_smoke(tmp_path: Path) -> None:
     assert "--smoke" in data["command"]
     cfg = data["config"]
     assert cfg["smoke"] is True and cfg["repeats"] == 1 and cfg["ttl"] >= 3
+    assert cfg["state_bytes"] == 64 * 1024
     assert len(data["repeats"]) == cfg["repeats"]
 
     phases = ("detection", "planning", "settle", "rebuild_transfer", "first_step")

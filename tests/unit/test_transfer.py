@@ -416,6 +416,18 @@ def sc_round_trip(rank: int, t: StateTransport, pids: list[int], chunk_bytes: in
     return {"state": got, "stats": dataclasses.asdict(stats)}
 
 
+def sc_peak_memory(rank: int, t: StateTransport, pids: list[int]) -> dict[str, Any]:
+    """A 256 MiB allocation made and freed before a 4 MiB transfer: the peak either end logs is
+    the transfer's, not the process's."""
+    spike = torch.ones(64 * 2**20, dtype=torch.float32)  # 256 MiB, every page touched
+    del spike
+    if rank == SENDER:
+        stats = send_state(t, {"w": torch.arange(2**20, dtype=torch.float32)})
+    else:
+        stats = receive_state(t)[1]
+    return dataclasses.asdict(stats)
+
+
 def _strided_like(t: torch.Tensor) -> torch.Tensor:
     """A non-contiguous tensor of ``t``'s shape and dtype (a 0-dim one stays contiguous)."""
     if t.dim() == 0:
@@ -579,6 +591,7 @@ SCENARIOS: dict[str, Callable[..., Any]] = {
     "receive_into": sc_receive_into, "into_strided": sc_into_strided,
     "corrupt": sc_corrupt, "killed": sc_killed, "should_abort": sc_should_abort,
     "manifest_cap": sc_manifest_cap, "rate": sc_rate, "hostile_manifest": sc_hostile_manifest,
+    "peak_memory": sc_peak_memory,
 }
 
 
@@ -636,6 +649,15 @@ def test_round_trip_of_a_training_state_is_bitwise(pair: _Pair, kind: str) -> No
     assert s["payload_bytes"] == r["payload_bytes"] > 0 and s["chunks"] == r["chunks"]
     assert s["entries"] == r["entries"] == len(transfer._tensors_by_path(sent["state"]))
     assert max(s["peak_staging_bytes"], r["peak_staging_bytes"]) <= s["chunk_bytes"]
+
+
+def test_each_end_logs_the_peak_resident_set_of_the_transfer_alone(pair: _Pair) -> None:
+    for stats in pair.ok("peak_memory", KINDS[0]):
+        assert not stats["peak_since_start"], "Linux resets the peak at a transfer's start"
+        assert stats["rss_start_bytes"] > 0
+        # 4 MiB of state, a chunk of staging and the receiver's new tensors: far below the
+        # 256 MiB the process held just before.
+        assert 0 <= stats["peak_rss_bytes"] - stats["rss_start_bytes"] < 64 * 2**20, stats
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -48,10 +48,14 @@ class TransferStats:
     reused_entries: int = 0        # receive_into: entries written into the target's tensors
     checksum: str = CHECKSUM
     #: this process's resident set as the transfer began, and its peak (VmHWM) as it ended;
-    #: the peak is the process's since it started, so it bounds the transfer's extra memory
-    #: from above without isolating it; 0 where /proc says nothing
+    #: 0 where /proc says nothing. The peak is the one since the transfer began (the kernel's
+    #: peak is reset then, see :func:`reset_peak`), whatever else the process did meanwhile (a
+    #: leaver sending ahead trains at the same time; of two transfers at once in one process,
+    #: each counts from the later start); where the reset is refused, the process's peak since
+    #: it started (``peak_since_start``)
     rss_start_bytes: int = 0
     peak_rss_bytes: int = 0
+    peak_since_start: bool = False
 
     @property
     def mb_per_s(self) -> float:
@@ -64,7 +68,30 @@ class TransferStats:
                 f"{reused} in {self.seconds * 1e3:.1f} ms ({self.mb_per_s:.0f} MB/s), "
                 f"{self.chunks} chunks of {self.chunk_bytes} B ({self.direct_chunks} direct), "
                 f"peak staging {self.peak_staging_bytes} B, manifest {self.manifest_bytes} B, RSS "
-                f"{self.rss_start_bytes} B at the start, peak RSS {self.peak_rss_bytes} B")
+                f"{self.rss_start_bytes} B at the start, peak RSS {self.peak_rss_bytes} B "
+                + ("(since the process started)" if self.peak_since_start
+                   else "(during the transfer)"))
+
+    def start_memory(self) -> None:
+        """Reset the peak and note the resident set: call as the transfer begins."""
+        self.peak_since_start = not reset_peak()
+        self.rss_start_bytes = resident_bytes()[0]
+
+    def end_memory(self) -> None:
+        """Note the peak resident set: call as the transfer ends."""
+        self.peak_rss_bytes = resident_bytes()[1]
+
+
+def reset_peak() -> bool:
+    """Make the kernel's peak resident set (``VmHWM``) this process's resident set now
+    (``echo 5 > /proc/self/clear_refs``, Linux 4.0 on). False where it cannot (not Linux, a
+    read-only ``/proc``): the peak then stays the one since the process started."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
 
 
 def resident_bytes() -> tuple[int, int]:

@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 import torch
 
 from understudy.worker import safe_unpickle
-from understudy.worker.transfer.ends import TransferStats, _End, _run, resident_bytes
+from understudy.worker.transfer.ends import TransferStats, _End, _run
 from understudy.worker.transfer.transports import (
     AbortCheck,
     Pending,
@@ -82,12 +82,13 @@ def receive_into(transport: StateTransport, target: Any, *,
             aborted. ``target``'s tensors are then partly written.
     """
     start = time.perf_counter()
-    stats = TransferStats("receive", rss_start_bytes=resident_bytes()[0])
+    stats = TransferStats("receive")
+    stats.start_memory()
     dev = torch.device(device) if device is not None else transport.device
     receiver = _Receiver(transport, stats, dev, on_chunk, should_abort)
     state = _run(receiver, lambda: receiver.run(target, max_manifest_bytes))
     stats.seconds = time.perf_counter() - start
-    stats.peak_rss_bytes = resident_bytes()[1]
+    stats.end_memory()
     return state, stats
 
 

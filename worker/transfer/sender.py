@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from understudy.worker.transfer.ends import TransferStats, _End, _run, resident_bytes
+from understudy.worker.transfer.ends import TransferStats, _End, _run
 from understudy.worker.transfer.transports import (
     AbortCheck,
     Pending,
@@ -63,8 +63,8 @@ def send_state(transport: StateTransport, state: Any, *,
     skeleton = _flatten(state, (), tensors)
     entries = [_Entry(p, _dtype_name(t.dtype), tuple(t.shape), t.device.type)
                for p, t in tensors]
-    stats = TransferStats("send", chunk_bytes=chunk_bytes, entries=len(entries),
-                          rss_start_bytes=resident_bytes()[0])
+    stats = TransferStats("send", chunk_bytes=chunk_bytes, entries=len(entries))
+    stats.start_memory()
     sender = _Sender(transport, tensors, entries, stats, should_abort)
     manifest = _dump_manifest(skeleton, entries, chunk_bytes)
     if len(manifest) > max_manifest_bytes:
@@ -74,7 +74,7 @@ def send_state(transport: StateTransport, state: Any, *,
     stats.manifest_bytes = len(manifest)
     _run(sender, lambda: sender.run(manifest, chunk_bytes))
     stats.seconds = time.perf_counter() - start
-    stats.peak_rss_bytes = resident_bytes()[1]
+    stats.end_memory()
     return stats
 
 
