@@ -504,10 +504,17 @@ def test_a_sharded_optimizer_loses_no_step_to_a_crash_and_moves_whole_in_a_drain
     the controller takes its state from rank 2 (not rank 0, whose own shard is another), the
     replacement gets its own copy of rank 0's shard at its first step. Then rank 2's node is
     drained (its state and buddy copy sent ahead, then each step's two shard gradients). The
-    run ends bitwise equal to an uninterrupted one, with no committed step lost."""
+    run ends bitwise equal to an uninterrupted one, with no committed step lost. The standbys
+    warm in the sandbox: rank 0 records its first iterations (the shard's reduce-scatter, the
+    buddy copy's send and receive, the all-gather), and each standby replays them as rank 0,
+    the one role of a TP 1 x PP 1 job; the standby chosen for rank 1 is promoted with the job it
+    warmed, retargeted to rank 1."""
     expected = standalone_run(tmp_path / "reference", world=3, tp=1, extra=SHARDED)
     with training(etcd, tmp_path, {"node-a": 2, "node-b": 1}, STANDBYS, dp=3, tp=1,
-                  extra=SHARDED) as (c, out):
+                  extra=SHARDED,
+                  env={"UNDERSTUDY_RECORDINGS": str(tmp_path / "recordings")}) as (c, out):
+        for standby in STANDBYS:
+            wait_log(c.daemons[standby], "Standby is warm (replay) as rank 0", timeout=120)
         a = c.daemons["node-a"]
         _wait_steps(a, 1, 50)
         os.kill(worker_pid(a, "mig.r1"), signal.SIGKILL)
@@ -515,6 +522,9 @@ def test_a_sharded_optimizer_loses_no_step_to_a_crash_and_moves_whole_in_a_drain
         planned = next(e for e in events(c) if e["kind"] == "migration-planned")
         assert re.search(r"recovery: rank 1 -> node-s\d \(state from rank 2\)",
                          planned["message"]), planned["message"]
+        # The job warmed as rank 0 serves as rank 1: its shard is another, loaded with the state.
+        assert any("Promoting the standby warmed as rank 0 (only stage) to rank 1" in
+                   c.daemons[n].log_text() for n in STANDBYS)
         drain = c.cli("drain", "node-b", "--deadline", "120", "--wait", timeout=180)
         assert drain.returncode == 0, drain.stdout + drain.stderr
         job = _finish(c)
