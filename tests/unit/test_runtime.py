@@ -143,6 +143,21 @@ def test_wait_gives_up_when_told_to_abort() -> None:
     assert info.value.what == "the vote"
 
 
+def test_a_collective_issued_while_the_job_recovers_is_not_waited_for() -> None:
+    # The job's waits are where a survivor's step stops: even a collective that completed
+    # (its peers alive) ends the step once a peer elsewhere is known to be gone.
+    work = FakeWork()
+    work.future.set_result(None)
+    recovering = JobContext(job="j", rank=2, world_size=4, tp=2, groups=_NoGroups(),
+                            should_abort=lambda: True)
+    with pytest.raises(CollectiveAborted, match="not waited for: the job is recovering") as info:
+        recovering.wait(work, "the TP all-reduce")
+    assert info.value.what == "the TP all-reduce" and info.value.waited == 0
+    training = JobContext(job="j", rank=2, world_size=4, tp=2, groups=_NoGroups(),
+                          should_abort=lambda: False)
+    training.wait(work, "the TP all-reduce")
+
+
 def test_wait_times_out_on_a_silent_peer() -> None:
     ticks = iter(range(100))
     with pytest.raises(CollectiveAborted, match=r"timed out after 3\.00 s") as info:
