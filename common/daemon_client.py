@@ -23,7 +23,13 @@ JOB_POLL_WAIT_S = 5.0
 
 
 class DaemonError(RuntimeError):
-    """The daemon refused a request or could not be reached; the message says which."""
+    """The daemon refused a request or could not be reached; the message says which.
+    ``retryable``: the request was fine and etcd did not answer it (an outage); the same
+    request may succeed later."""
+
+    def __init__(self, message: str, *, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.retryable = retryable
 
 
 class DaemonClient:
@@ -84,7 +90,7 @@ class DaemonClient:
         if reply.get("id") != rid:
             raise DaemonError(f"daemon answered request {reply.get('id')} instead of {rid}")
         if not reply.get("ok"):
-            raise DaemonError(str(reply.get("error")))
+            raise DaemonError(str(reply.get("error")), retryable=reply.get("retry") is True)
         return reply
 
     def ping(self) -> None:

@@ -231,7 +231,9 @@ class LocalServer:
                         writer.write(frame(out))
                         break
                 except StoreError as exc:
-                    out = {"id": rid, "ok": False, "error": f"etcd unavailable: {exc}"}
+                    # "retry": the request was fine, etcd did not answer (an outage).
+                    out = {"id": rid, "ok": False, "error": f"etcd unavailable: {exc}",
+                           "retry": True}
                 writer.write(frame(out))
                 await writer.drain()
         except (ConnectionError, asyncio.CancelledError):

@@ -383,11 +383,11 @@ class MigrationHook:
             self._reports = None
 
     def _report(self, key: str, value: bytes = b"1", *, within: float = 0.0) -> bool:
-        """Write a report of this migration through the daemon. A daemon that cannot write it
-        (etcd unreachable: an outage) is asked again every ``REPORT_RETRY_S`` for up to
-        ``within`` seconds. A report still not through is logged and False returned, never
-        raised: a migration must never take a training rank down. (Found by the outage test: a
-        stayer's ``prepared`` report in an outage failed its rank, and with it the job.)"""
+        """Write a report of this migration through the daemon. A daemon that cannot write it (etcd
+        unreachable: an outage) is asked again every ``REPORT_RETRY_S`` for up to ``within``
+        seconds; a refusal is not. A report not through is logged and False returned, never
+        raised: a migration must never take a training rank down. (Found by the outage test:
+        a stayer's ``prepared`` report in an outage failed its rank, and with it the job.)"""
         assert self._reports is not None and self._plan is not None
         deadline = time.monotonic() + within
         while True:
@@ -395,7 +395,7 @@ class MigrationHook:
                 self._reports.set(key, value)
                 return True
             except DaemonError as exc:
-                if time.monotonic() >= deadline:
+                if not exc.retryable or time.monotonic() >= deadline:
                     self.log.warning(f"Could not report {key} of migration {self._plan.id} "
                                      f"to the daemon: {exc}.", rank=self.rank)
                     return False

@@ -151,6 +151,30 @@ def test_a_connection_whose_epoch_the_job_moved_past_can_no_longer_write(
             c.close()
 
 
+def test_a_write_etcd_did_not_answer_may_be_retried_and_a_refused_one_may_not(
+        etcd: EmbeddedEtcd, daemon: _Daemon) -> None:
+    daemon.assign("j", 4)
+    stale = _client(daemon, "j/snapshots", 4)
+    daemon.assign("j", 5)
+    current = _client(daemon, "j/snapshots", 5)
+    try:
+        with pytest.raises(DaemonError, match="refused") as refused:
+            stale.set("0", b"x")
+        assert not refused.value.retryable
+        etcd.stop()
+        try:
+            with pytest.raises(DaemonError, match="etcd unavailable") as outage:
+                current.set("0", b"x")
+            assert outage.value.retryable
+        finally:
+            etcd.start()
+        current.set("0", b"x")  # the same request, once etcd answers
+        assert daemon.value("j/snapshots/0") == b"x"
+    finally:
+        stale.close()
+        current.close()
+
+
 def test_a_job_the_daemon_does_not_know_takes_writes_only_while_it_has_no_assignment(
         daemon: _Daemon) -> None:
     with _client(daemon, "k/snapshots", 0) as c:
