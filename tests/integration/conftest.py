@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.once import build_once
+from tests.once import build_once
 from tests.integration.scenarios import assert_no_tracebacks
 from understudy.testing.embedded_etcd import EmbeddedEtcd
 from understudy.testing.localcluster import LocalCluster

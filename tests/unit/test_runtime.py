@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.once import build_once
 from understudy.common import env
 from understudy.common.errorfile import read_error
 from understudy.common.layout import Layout
@@ -515,9 +516,11 @@ def assert_same_training(a: dict[str, Any], b: dict[str, Any]) -> None:
 
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An uninterrupted run of STEPS steps, with a snapshot after SNAPSHOT_AT."""
-    return run_job(tmp_path_factory.mktemp("runs"), "baseline", "--steps", str(STEPS),
-                   "--snapshot-at", str(SNAPSHOT_AT))
+    """An uninterrupted run of STEPS steps, with a snapshot after SNAPSHOT_AT (one per test
+    run, shared by every xdist worker: four ranks importing torch on two cores take ~14 s)."""
+    return build_once(tmp_path_factory, "runtime-baseline",
+                      lambda base: run_job(base, "baseline", "--steps", str(STEPS),
+                                           "--snapshot-at", str(SNAPSHOT_AT)))
 
 
 @pytest.mark.slow
