@@ -149,7 +149,8 @@ def understudy_drain(rcfg: interruptions.RecoveryConfig, base: Path) -> dict[str
         drain = cluster.cli("drain", LOST_NODE, "--deadline", "300", "--wait", timeout=360)
         if drain.returncode != 0:
             raise BenchmarkError(f"the drain failed: {drain.stdout}{drain.stderr}")
-        harness.wait_done(cluster, interruptions.JOB, timeout=600)
+        harness.wait_done(cluster, interruptions.JOB,
+                          timeout=interruptions.finish_timeout(rcfg.steps))
         seen = harness.snapshot(cluster)
     figures = interruptions.analyse_drain(out, seen["events"], seen["logs"])
     return {"wall_s": time.monotonic() - t0, "drain_at": drain_at, **figures,
@@ -302,7 +303,7 @@ def run_torchrun(event: str, cfg: BenchConfig, base: Path) -> dict[str, Any]:
         run.wait_step(cfg.event_at - 1, timeout=interruptions.steps_timeout(cfg.event_at),
                       ranks=range(VICTIM, VICTIM + 1) if event == "worker-crash" else None)
         lost, event_at, drained_left, powered_off = interrupt(run, event, victim, cfg)
-        codes = run.wait_finished(timeout=600)
+        codes = run.wait_finished(timeout=interruptions.finish_timeout(cfg.steps))
     except TorchrunError as exc:
         raise BenchmarkError(f"torchrun {event}: {exc}\n{run.agent_log_tail()}") from exc
     finally:
@@ -401,7 +402,7 @@ def run_torchft(event: str, cfg: BenchConfig, base: Path) -> dict[str, Any]:
         # kill before the other group's commit would land in the step before.
         run.wait_step(cfg.event_at - 1, timeout=interruptions.steps_timeout(cfg.event_at))
         lost, event_at, _, powered_off = interrupt(run, event, victim, cfg)
-        codes = run.wait_finished(timeout=600)
+        codes = run.wait_finished(timeout=interruptions.finish_timeout(cfg.steps))
     except TorchrunError as exc:
         raise BenchmarkError(f"torchft {event}: {exc}\n{run.log_tail()}") from exc
     finally:

@@ -132,6 +132,13 @@ def steps_timeout(steps: int) -> float:
     return max(300.0, 15.0 * steps)
 
 
+def finish_timeout(steps: int) -> float:
+    """How long a run of ``steps`` steps may take to end once interrupted: 600 s, or its steps'
+    :func:`steps_timeout` where that is more (at 1 GiB per rank torchrun's 110 steps, restart
+    and redone steps included, ran past a fixed 600 s)."""
+    return max(600.0, steps_timeout(steps))
+
+
 def bring_up(cluster: LocalCluster) -> None:
     """Four daemons on the cluster's etcd (started); node-a first, so that it holds the
     controller (node-b is the node lost, and losing the controller would add an election to

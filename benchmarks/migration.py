@@ -59,7 +59,7 @@ from harness import (
     summarize_some,
     wait,
 )
-from interruptions import AROUND, LEAVERS, analyse_drain, train_processes
+from interruptions import AROUND, LEAVERS, analyse_drain, finish_timeout, train_processes
 
 from understudy.common.errors import UnderstudyError
 from understudy.common.sizes import size_arg
@@ -158,7 +158,7 @@ def run_repeat(i: int, cfg: BenchConfig, base: Path) -> dict[str, Any]:
         drain_s = time.monotonic() - t_drain
         if drain.returncode != 0:
             raise BenchmarkError(f"the drain failed: {drain.stdout}{drain.stderr}")
-        harness.wait_done(cluster, JOB, timeout=600)
+        harness.wait_done(cluster, JOB, timeout=finish_timeout(cfg.steps))
         seen = harness.snapshot(cluster, limit=200)
     figures = analyse_drain(out, seen["events"], seen["logs"])
     return {"repeat": i, "wall_s": time.monotonic() - t0, "ranks_groups_up_after_s": started,

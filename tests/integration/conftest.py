@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.once import build_once
 from tests.integration.scenarios import assert_no_tracebacks
+from tests.once import build_once
 from understudy.testing.embedded_etcd import EmbeddedEtcd
 from understudy.testing.localcluster import LocalCluster
 

@@ -40,8 +40,8 @@ import torch
 
 from tests.integration import bitwise, scenarios
 from tests.integration.bitwise import load_state
-from tests.once import build_once
 from tests.integration.scenarios import events, start, wait_log, wait_standbys, worker_pid
+from tests.once import build_once
 from tests.unit.test_sandbox import replay_without_a_network
 from understudy.testing.embedded_etcd import EmbeddedEtcd
 from understudy.testing.localcluster import LocalCluster

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from tests.integration.bitwise import assert_bitwise_equal
-from tests.once import build_once
 from tests.integration.scenarios import events, wait_log, worker_pid
 from tests.integration.test_migration import STEPS, _finish, standalone_run
 from tests.integration.test_recovery import STANDBYS, _recovery_done, _wait_steps, training
+from tests.once import build_once
 from understudy.testing.embedded_etcd import EmbeddedEtcd
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
