@@ -2,8 +2,10 @@
 workers' client (``common/daemon_client.py``).
 
 One JSON object per line each way. A request is ``{"id": n, "op": <Op>, ...arguments}``; its reply
-is ``{"id": n, "ok": true, ...results}`` or ``{"id": n, "ok": false, "error": sentence}``. A refused
-connection gets one reply with ``"id": null``. Values are bytes, sent as base64 strings.
+is ``{"id": n, "ok": true, ...results}`` or ``{"id": n, "ok": false, "error": sentence}``, the
+latter with ``"retry": true`` when the request was fine and etcd did not answer it (an outage: the
+same request may succeed later; ``DaemonError.retryable``). A refused connection gets one reply
+with ``"id": null``. Values are bytes, sent as base64 strings.
 """
 
 from __future__ import annotations

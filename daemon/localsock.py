@@ -1,7 +1,8 @@
 """The daemon's local Unix socket: how workers reach etcd without a client of their own.
 
 Protocol: one JSON object per line each way. A request is ``{"id": n, "op": OP, ...}``; the
-reply is ``{"id": n, "ok": true, ...}`` or ``{"id": n, "ok": false, "error": sentence}``. The
+reply is ``{"id": n, "ok": true, ...}`` or ``{"id": n, "ok": false, "error": sentence}`` (plus
+``"retry": true`` when etcd did not answer: the same request may succeed later). The
 first request on a connection must be ``hello`` with a ``namespace`` (for process-group
 bootstrap: ``<job>/<group>/v<version>``) and an ``epoch``; every key then lives under
 ``<prefix>/kv/<namespace>/``. A hello whose epoch the daemon refuses (``epoch_check``) closes the
