@@ -217,16 +217,22 @@ class LocalCluster:
             f"{node} to be {state}",
             lambda s: (n := s.node(node)) is not None and n.state == state, timeout)
 
-    def stop_all(self, timeout: float = 20.0) -> None:
+    def stop_all(self, timeout: float = 20.0, drain: bool = True) -> None:
+        """Stop every daemon, SIGKILL to those still up after ``timeout`` seconds (0: at once).
+        ``drain``: each first drains its node, as systemd's stop does; without it each gets a
+        second signal, which skips the drain (a test's teardown: nothing is left to save)."""
         with self._reader_lock:
             self._close_reader()
         for d in self.daemons.values():
             if d.alive():
                 d.signal(signal.SIGKILL if timeout <= 0 else signal.SIGTERM)
+                if timeout > 0 and not drain:
+                    d.signal(signal.SIGINT)  # another signal than the first: never merged
+        deadline = time.monotonic() + max(timeout, 0.1)  # one for all: they stop side by side
         for d in self.daemons.values():
             if d.proc is not None:
                 try:
-                    d.proc.wait(timeout=max(timeout, 0.1))
+                    d.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
                 except subprocess.TimeoutExpired:
                     d.kill9()
                 with contextlib.suppress(ProcessLookupError, PermissionError):

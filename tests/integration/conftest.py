@@ -21,7 +21,7 @@ def cluster(etcd: EmbeddedEtcd, tmp_path: Path) -> Iterator[LocalCluster]:
     try:
         yield c
     finally:
-        c.stop_all(timeout=5)
+        c.stop_all(timeout=5, drain=False)
         assert_no_tracebacks(c)
 
 

@@ -58,7 +58,7 @@ def socket_path(etcd: EmbeddedEtcd, tmp_path: Path,
         monkeypatch.setenv(env.CHILD_SOCKET, path)
         yield path
     finally:
-        cluster.stop_all(timeout=5)
+        cluster.stop_all(timeout=5, drain=False)
         for name, daemon in cluster.daemons.items():
             assert "Traceback" not in daemon.log_text(), f"{name} logged a traceback"
 

@@ -39,7 +39,7 @@ def cluster(etcd: EmbeddedEtcd, tmp_path: Path) -> Iterator[LocalCluster]:
         c.wait_for("a controller", lambda s: s.controller is not None)
         yield c
     finally:
-        c.stop_all(timeout=5)
+        c.stop_all(timeout=5, drain=False)
 
 
 def _kv(etcd: EmbeddedEtcd, key: str) -> bytes | None:

@@ -203,7 +203,7 @@ def cluster(etcd: EmbeddedEtcd, tmp_path: Path) -> Iterator[LocalCluster]:
         c.wait_for("a controller", lambda s: s.controller is not None)
         yield c
     finally:
-        c.stop_all(timeout=5)
+        c.stop_all(timeout=5, drain=False)
 
 
 def _start_gpt(cluster: LocalCluster, out: Path, recordings: Path | None = None) -> None:
@@ -317,7 +317,7 @@ def test_one_rank_drained_twice_then_a_joiner_killed_mid_stream(etcd: EmbeddedEt
             assert _summary(out, rank)["losses"] == _summary(reference, rank)["losses"]
         assert_bitwise_equal(reference, out)
     finally:
-        c.stop_all(timeout=5)
+        c.stop_all(timeout=5, drain=False)
 
 
 def test_a_killed_megatron_rank_is_rebuilt_from_its_replica_bitwise(

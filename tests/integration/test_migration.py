@@ -70,7 +70,7 @@ def cluster(etcd: EmbeddedEtcd, tmp_path: Path) -> Iterator[LocalCluster]:
     try:
         yield c
     finally:
-        c.stop_all(timeout=5)
+        c.stop_all(timeout=5, drain=False)
 
 
 def _run_job(c: LocalCluster, out: Path, step_sleep: float = 0.08, standby: int = 2,
@@ -164,7 +164,7 @@ def test_one_rank_drained_twice_rebuilds_only_its_groups(etcd: EmbeddedEtcd, ref
         assert c_log.count("Started rank 2 of job mig") == 1
         assert_bitwise_equal(reference, out, world=4)
     finally:
-        c.stop_all(timeout=5)
+        c.stop_all(timeout=5, drain=False)
 
 
 def test_killing_the_joiner_aborts_cleanly_and_a_retry_finishes(etcd: EmbeddedEtcd,
@@ -195,7 +195,7 @@ def test_killing_the_joiner_aborts_cleanly_and_a_retry_finishes(etcd: EmbeddedEt
         assert job.assignment.epoch == 1 + retried
         assert_bitwise_equal(reference, out, world=4)
     finally:
-        c.stop_all(timeout=5)
+        c.stop_all(timeout=5, drain=False)
 
 
 @pytest.mark.parametrize("hand_off", ["whole", "ahead"])
@@ -239,7 +239,7 @@ def test_killing_the_joiner_mid_stream_leaves_the_leaver_training(etcd: Embedded
             assert "step(s) as the leaver did" in c.daemons["node-s2"].log_text()
         assert_bitwise_equal(reference, out, world=4)
     finally:
-        c.stop_all(timeout=5)
+        c.stop_all(timeout=5, drain=False)
 
 
 def test_a_migration_past_its_deadline_aborts_and_the_leaver_trains_on(etcd: EmbeddedEtcd,
@@ -281,4 +281,4 @@ def test_a_migration_past_its_deadline_aborts_and_the_leaver_trains_on(etcd: Emb
         if frozen is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(frozen, signal.SIGKILL)
-        c.stop_all(timeout=5)
+        c.stop_all(timeout=5, drain=False)

@@ -114,7 +114,7 @@ def test_a_node_cut_off_from_etcd_is_replaced_and_its_old_ranks_never_commit_aft
         assert_bitwise_equal(reference, out, world=4)
     finally:
         cut.heal()
-        c.stop_all(timeout=5)
+        c.stop_all(timeout=5, drain=False)
 
 
 def test_a_node_whose_probes_vanish_is_revoked_by_the_controller_fences_and_rejoins(
@@ -162,4 +162,4 @@ def test_a_node_whose_probes_vanish_is_revoked_by_the_controller_fences_and_rejo
         assert_bitwise_equal(reference, out, world=4)
     finally:
         cut.heal()
-        c.stop_all(timeout=5)
+        c.stop_all(timeout=5, drain=False)

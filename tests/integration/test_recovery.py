@@ -57,7 +57,7 @@ def training(etcd: EmbeddedEtcd, tmp_path: Path, active: dict[str, int],
         wait_standbys(c, standbys)
         yield c, out
     finally:
-        c.stop_all(timeout=5)
+        c.stop_all(timeout=5, drain=False)
 
 
 def _wait_steps(d: DaemonProcess, rank: int, steps: int) -> None:
@@ -158,7 +158,7 @@ def test_a_frozen_node_is_replaced_fences_itself_on_waking_and_rejoins_clean(
         for pid in frozen:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
-        c.stop_all(timeout=5)
+        c.stop_all(timeout=5, drain=False)
 
 
 def test_an_exhausted_pool_pauses_the_job_until_a_standby_joins(
@@ -284,7 +284,7 @@ def test_a_sandbox_warmed_standby_is_promoted_with_its_model_built(
         assert job.assignment.ranks == ("node-s1", "node-a", "node-b", "node-b")
         assert_bitwise_equal(reference, out, world=4)
     finally:
-        c.stop_all(timeout=5)
+        c.stop_all(timeout=5, drain=False)
 
 
 def _holder(s: ClusterStatus, node: str) -> str | None:
@@ -404,7 +404,7 @@ def test_the_controller_dying_right_after_planning_a_recovery_leaves_it_to_the_n
         assert job.assignment.epoch == 2
         assert_bitwise_equal(reference, out, world=4)
     finally:
-        c.stop_all(timeout=5)
+        c.stop_all(timeout=5, drain=False)
 
 
 def test_leavers_dying_in_phase_2_abort_the_drain_and_their_ranks_are_recovered(

@@ -404,7 +404,7 @@ def cluster(auth_etcd: EmbeddedEtcd, pki: Pki, tmp_path: Path) -> Iterator[Secur
     try:
         yield c
     finally:
-        c.stop_all(timeout=5)
+        c.stop_all(timeout=5, drain=False)
         for name, d in c.daemons.items():
             assert "Traceback" not in d.log_text(), f"{name} logged a traceback"
 
@@ -564,6 +564,6 @@ def test_the_roles_of_docs_security_md_are_enough_and_no_more(auth_etcd: Embedde
         assert "Revoked its lease." in log and "Could not revoke" not in log
         assert "permission denied" not in log
     finally:
-        c.stop_all(timeout=5)
+        c.stop_all(timeout=5, drain=False)
         for name, d in c.daemons.items():
             assert "Traceback" not in d.log_text(), f"{name} logged a traceback"

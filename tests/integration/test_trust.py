@@ -41,7 +41,7 @@ def production(etcd: EmbeddedEtcd, tmp_path: Path) -> Iterator[LocalCluster]:
     try:
         yield c
     finally:
-        c.stop_all(timeout=5)
+        c.stop_all(timeout=5, drain=False)
         assert_no_tracebacks(c)
 
 
@@ -124,7 +124,7 @@ def test_members_of_the_socket_group_are_admitted_and_no_one_else(etcd: Embedded
         assert _connect(_socket(d), extra_groups=[GROUP])["result"] == "admitted"
         assert "not a worker" in str(_connect(_socket(d), group=GROUP + 1)["result"])
     finally:
-        c.stop_all(timeout=5)
+        c.stop_all(timeout=5, drain=False)
         assert_no_tracebacks(c)
 
 
@@ -160,4 +160,4 @@ def test_an_enabled_daemon_arms_failpoints_and_refuses_a_malformed_spec(
         wait_log(d, "failpoint controller.round fired: exit(3)", timeout=30)
         assert d.wait(10) == 3
     finally:
-        c.stop_all(timeout=5)
+        c.stop_all(timeout=5, drain=False)
