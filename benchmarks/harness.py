@@ -12,6 +12,9 @@
   (:func:`etcd_store`, :class:`Probe`) and its Prometheus metrics (:func:`scrape`).
 - **What the processes leave behind**: the daemons' JSON logs and events (:func:`snapshot`,
   :func:`worker_pid`), the jobs' per-step lines (:class:`RecordTail`).
+- **Standalone variants side by side**: the example's step time as plain processes
+  (:func:`standalone_step`), variants in alternating order (:func:`alternating`) and their
+  pooled overhead (:func:`pooled_overhead`).
 - **Tables and charts**: :class:`Table` rows of summaries, :func:`pyplot` and
   :func:`save_chart`.
 
@@ -24,6 +27,7 @@ import argparse
 import contextlib
 import datetime
 import importlib.metadata
+import itertools
 import json
 import os
 import platform
@@ -49,6 +53,7 @@ from understudy.common import config as config_mod
 from understudy.common.errors import RecordError, UnderstudyError
 from understudy.common.keys import Keys
 from understudy.common.records import ControllerRecord, NodeRecord, RegistryEntry
+from understudy.common.sizes import size_arg
 from understudy.common.states import NodeState
 from understudy.common.store import EtcdStore
 from understudy.testing.embedded_etcd import EmbeddedEtcd
@@ -524,6 +529,112 @@ def read_records(directory: Path) -> list[dict[str, Any]]:
     tail = RecordTail(directory)
     tail.poll()
     return tail.records
+
+
+def standalone_step(base: Path, label: str, cfg: Mapping[str, Any], ranks: int,
+                    job_args: tuple[str, ...]) -> dict[str, Any]:
+    """One standalone run of the plain example (``ranks`` processes bootstrapped through a file
+    store, no daemons) with ``job_args`` added: rank 0's median interval between committed
+    steps (``step_s``) and the intervals, the first ``cfg["warmup"]`` left out. ``cfg`` gives
+    ``steps``, ``state_size``, ``warmup`` and ``timeout`` (seconds)."""
+    base.mkdir(parents=True, exist_ok=True)
+    steps = base / "steps"
+    procs = []
+    for rank in range(ranks):
+        with open(base / f"rank{rank}.log", "wb") as log:
+            procs.append(subprocess.Popen(
+                [sys.executable, str(TRAIN), "--rank", str(rank), "--world-size", str(ranks),
+                 "--store", str(base / "store"), "--steps", str(cfg["steps"]),
+                 "--state-size", str(cfg["state_size"]), "--step-log", str(steps), *job_args],
+                env={**os.environ, **ONE_THREAD}, stdout=subprocess.DEVNULL, stderr=log))
+    codes = [p.wait(timeout=cfg["timeout"]) for p in procs]
+    if any(codes):
+        tail = (base / "rank0.log").read_text(errors="replace")[-1500:]
+        raise BenchmarkError(f"{label}: the job exited {codes}: {tail}")
+    times = sorted(r["t"] for r in read_records(steps)
+                   if r.get("rank") == 0 and r.get("kind", "step") == "step")
+    intervals = [b - a for a, b in itertools.pairwise(times)][cfg["warmup"]:]
+    if not intervals:
+        raise BenchmarkError(f"{label}: too few steps logged ({len(times)})")
+    return {"step_s": statistics.median(intervals), "intervals": intervals}
+
+
+def alternating(repeats: int, base: Path, variants: Mapping[str, T],
+                run: Callable[[Path, str, T], dict[str, Any]], measured: str, baseline: str,
+                says: Callable[[int, dict[str, Any]], str]) -> list[dict[str, Any]]:
+    """``repeats`` repeats of every variant side by side, the order alternating from repeat to
+    repeat; each repeat's ``overhead`` is ``measured / baseline - 1`` of the runs' ``step_s``,
+    and ``says(i, repeat)`` is printed after it."""
+    out = []
+    for i in range(repeats):
+        order = list(variants) if i % 2 == 0 else list(reversed(variants))
+        runs: dict[str, Any] = {v: run(base / f"repeat{i}" / v.replace(" ", "-"), v,
+                                       variants[v]) for v in order}
+        runs["overhead"] = runs[measured]["step_s"] / runs[baseline]["step_s"] - 1
+        print(says(i, runs), flush=True)
+        out.append({"order": order, **runs})
+    return out
+
+
+def pooled_overhead(repeats: list[dict[str, Any]], measured: str, baseline: str) -> float:
+    """``measured / baseline - 1`` of the medians of all intervals of each variant over every
+    repeat (less sensitive to one repeat's noise on a shared machine)."""
+    def median(variant: str) -> float:
+        return statistics.median(i for r in repeats for i in r[variant]["intervals"])
+    return median(measured) / median(baseline) - 1
+
+
+def overhead_parser(name: str, doc: str, dp_help: str) -> Parser:
+    """The command line of a side-by-side overhead benchmark of standalone runs (state size,
+    DP, repeats, steps, warm-up, smoke, outputs); :func:`overhead_args` parses it."""
+    p = Parser(name, doc)
+    p.add_argument("--state-size", type=size_arg, help="state per rank, replicated-equivalent "
+                   "(default 256MiB; smoke 1MiB)")
+    p.add_argument("--dp", type=int, default=2, help=dp_help)
+    p.add_argument("--repeats", type=int, help="runs of each variant (default 3; smoke 1)")
+    p.add_argument("--steps", type=int, help="steps per run (default 14; smoke 6)")
+    p.add_argument("--warmup", type=int, help="first step intervals left out (default 4; "
+                   "smoke 1)")
+    p.add_argument("--smoke", action="store_true", help="seconds, not minutes: for the tests")
+    p.outputs(keep="keep the runs' logs and step logs here")
+    return p
+
+
+def overhead_args(p: Parser, argv: list[str] | None, why_dp: str) -> argparse.Namespace:
+    args = p.parse(argv, {"state_size": (256 << 20, 1 << 20), "repeats": (3, 1),
+                          "steps": (14, 6), "warmup": (4, 1)})
+    if args.dp < 2 or args.repeats < 1 or args.warmup < 0 or args.steps < args.warmup + 2:
+        p.error(f"--dp >= 2 ({why_dp}), --repeats >= 1, --warmup >= 0 and "
+                "--steps >= --warmup + 2")
+    return args
+
+
+def overhead_run(args: argparse.Namespace, name: str, label: str, variants: tuple[str, str],
+                 measure: Callable[[dict[str, Any], Path], list[dict[str, Any]]],
+                 config: dict[str, Any], summary: Callable[[dict[str, Any]], None]) -> int:
+    """Run an overhead benchmark (``measure(cfg, base)``: its repeats, from
+    :func:`alternating`) and report it; ``variants`` is (measured, baseline)."""
+    measured, baseline = variants
+    cfg = {"state_size": args.state_size, "dp": args.dp, "repeats": args.repeats,
+           "steps": args.steps, "warmup": args.warmup, "smoke": args.smoke,
+           "timeout": 120 if args.smoke else 1800}
+    scratch = Scratch(args.keep_dir, f"understudy-bench-{label.split()[0]}-")
+    repeats = scratch.run(f"{label} benchmark", (OSError, UnderstudyError,
+                                                 subprocess.TimeoutExpired),
+                          lambda: measure(cfg, scratch.base))
+    if isinstance(repeats, int):
+        return repeats
+    result = {
+        **header(name, scratch.started, torch=True),
+        "config": {**cfg, "tp": 1, "threads_per_process": 1, **config},
+        "summary": {measured: summarize([r[measured]["step_s"] for r in repeats]),
+                    baseline: summarize([r[baseline]["step_s"] for r in repeats]),
+                    "overhead": summarize([r["overhead"] for r in repeats]),
+                    "pooled_overhead": pooled_overhead(repeats, measured, baseline)},
+        "repeats": repeats,
+    }
+    report(result, args.out, summary)
+    return 0
 
 
 class RecordTail:

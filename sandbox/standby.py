@@ -68,7 +68,7 @@ def warm_role(node: str, standbys: list[str], layout: Layout) -> tuple[str, int]
 
 def warm_standby(make_job: Callable[[], TrainingJob], control: DaemonClient, *, node: str,
                  stop: threading.Event, job: str, layout: Layout, seed: int,
-                 recordings: Path, script: Path, timeout: float,
+                 slots: int, recordings: Path, script: Path, timeout: float,
                  should_abort: Callable[[], bool]) -> tuple[Warmed | None, bool]:
     """Steps 1-2 of the module docstring. Returns the warmed job (None if none was built) and
     whether a plan chose this standby before the warmup could start (then it goes at once)."""
@@ -89,7 +89,8 @@ def warm_standby(make_job: Callable[[], TrainingJob], control: DaemonClient, *, 
         time.sleep(POLL_S)
     target = SandboxTarget(job=job, world_size=layout.world_size, tp=layout.tp, pp=layout.pp,
                            rank=rank, script=script,
-                           seed=seed, collective_timeout=timeout, should_abort=should_abort)
+                           seed=seed, slots=slots, collective_timeout=timeout,
+                           should_abort=should_abort)
     groups = GroupSet(job, member(rank, node), timeout=timeout)
     warmed = warm_up(make_job, target, recordings, groups=groups)
     report = warmed.report

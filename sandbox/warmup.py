@@ -57,12 +57,14 @@ from understudy.groups.groupset import GroupSet
 from understudy.sandbox.errors import RecordingError, RecordingMismatch, ReplayDiverged
 from understudy.sandbox.manifest import CodeVersion, Expectation, RoleType
 from understudy.sandbox.replay import Recording, ReplayGroups
+from understudy.worker import slots
 from understudy.worker.api import (
     Communicator,
     GroupsProvider,
     JobContext,
     TrainingJob,
     reseeds,
+    slotted,
 )
 from understudy.worker.migration import JobGroups
 from understudy.worker.runtime import Runtime
@@ -89,6 +91,8 @@ class SandboxTarget:
     script: Path
     pp: int = 1
     seed: int = 0
+    #: JobContext.slots
+    slots: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     collective_timeout: float = 60.0
     poll_interval: float = 0.05
@@ -265,11 +269,16 @@ class _Shadow(TrainingJob):
         self.error: str | None = None
 
     def build(self, ctx: JobContext) -> None:
+        self.ctx = ctx
         self.job.build(ctx)
 
     def compute(self, step: int) -> float | None:
         try:
-            loss = self.job.compute(step)
+            if slotted(self.job):
+                slots.compute_step(self.job, self.ctx, step)  # type: ignore[arg-type]
+                loss = None
+            else:
+                loss = self.job.compute(step)
         except ReplayDiverged:
             raise
         except Exception as exc:  # the job's own failure: recorded, decided on by warm_up
@@ -401,7 +410,8 @@ def _build(make_job: Callable[[], TrainingJob], target: SandboxTarget,
     sandbox = SandboxGroups(replay, stable)
     ctx = JobContext(job=target.job, rank=target.rank, world_size=target.world_size,
                      tp=target.tp, pp=target.pp, groups=sandbox, seed=target.seed,
-                     device=target.device, collective_timeout=target.collective_timeout,
+                     slots=target.slots, device=target.device,
+                     collective_timeout=target.collective_timeout,
                      poll_interval=target.poll_interval, should_abort=target.should_abort)
     shadow = _Shadow(make_job())
     runtime = Runtime(shadow, ctx)

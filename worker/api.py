@@ -91,6 +91,7 @@ from understudy.common.layout import LOGICAL, Layout
 from understudy.groups import abortable
 from understudy.groups.abortable import Work as Work
 from understudy.groups.errors import CollectiveAborted as CollectiveAborted
+from understudy.worker.slots import held
 
 #: The groups a job can have. ``world`` is every rank of the job; ``pp`` (the stages of one
 #: pipeline) exists only with pipeline parallelism.
@@ -164,13 +165,19 @@ class JobContext:
     collective_timeout: float = 60.0
     poll_interval: float = 0.05
     should_abort: Callable[[], bool] = _never
+    #: the job's data-parallel slots (:class:`SlottedJob`): its DP degree at submission, which
+    #: stays when the physical one changes; 0: as many as there are replicas
+    slots: int = 0
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {self.world_size}")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside a world of {self.world_size}")
-        Layout(self.world_size, self.tp, self.pp)  # raises on a tp or pp that does not fit
+        dp = Layout(self.world_size, self.tp, self.pp).dp  # raises on a tp or pp that misfits
+        if self.slots and self.slots < dp:
+            raise ValueError(f"{self.slots} data-parallel slots cannot fill {dp} replicas: "
+                             "each replica holds one slot at least")
         if self.collective_timeout <= 0 or self.poll_interval <= 0:
             raise ValueError(f"collective_timeout ({self.collective_timeout}) and poll_interval "
                              f"({self.poll_interval}) must be positive")
@@ -183,6 +190,17 @@ class JobContext:
     @property
     def dp(self) -> int:
         return self.layout.dp
+
+    @property
+    def data_slots(self) -> int:
+        """The job's data-parallel slots: :attr:`slots`, or the DP degree when it is 0."""
+        return self.slots or self.dp
+
+    @property
+    def held_slots(self) -> range:
+        """The slots this rank's replica computes each step (:func:`understudy.worker.slots.held`:
+        a contiguous block, the same for every rank of the replica)."""
+        return held(self.data_slots, self.dp, self.dp_index)
 
     @property
     def tp_index(self) -> int:
@@ -376,6 +394,48 @@ class TrainingJob(abc.ABC):
         Side effects of that apply outside the state (a log line per committed step) are the
         leaver's, already done: a job skips them for a step loaded this way."""
         raise NotImplementedError(f"{type(self).__name__} does not load apply inputs")
+
+
+class SlottedJob(TrainingJob):
+    """A job whose data parallelism the runtime owns, by slots (opt-in; :mod:`understudy.worker.
+    slots`). The job's DP degree at submission is its slot count (``JobContext.data_slots``);
+    each step the runtime calls :meth:`compute_slot` for every slot this rank's replica holds,
+    in order, with the process-global generators seeded from the slot (never from the replica),
+    then puts the sum of every slot's gradients, added in slot order, into the tensors
+    :meth:`gradients` returns. :meth:`apply` follows as for any job. So the run is the same bit
+    for bit whatever the number of physical replicas: a job that draws its micro-batch from
+    ``slot`` and scales its loss by ``1 / ctx.data_slots`` (for the mean) trains identically on
+    DP 4, 2 or 1. :meth:`compute` is not called.
+
+    A slotted job does no data-parallel collective of its own (tensor- and pipeline-parallel
+    ones as usual), and its random streams beyond the process-global ones must follow from the
+    step and the slot. ``reseed`` is the runtime's (per slot), so a slotted rank can always be
+    rebuilt from a data-parallel replica's state.
+    """
+
+    def compute(self, step: int) -> float | None:
+        raise TypeError(f"{type(self).__name__} is a SlottedJob: the runtime calls "
+                        "compute_slot for each of its slots, never compute")
+
+    @abc.abstractmethod
+    def compute_slot(self, step: int, slot: int) -> float | None:
+        """Forward and backward of ``slot``'s micro-batch of ``step``, from zeroed gradients
+        (zero them first), leaving the slot's gradients in :meth:`gradients`. Returns the
+        slot's loss, or None. Must not change the state."""
+
+    @abc.abstractmethod
+    def gradients(self) -> list[torch.Tensor]:
+        """The gradient tensors (``[p.grad for p in params]``), the same ones after every
+        :meth:`compute_slot`: the runtime reads each slot's from them and writes the sum over
+        every slot into them before :meth:`apply`."""
+
+    def reseed(self, step: int) -> None:
+        return None  # the runtime seeds the generators for each slot (slots.slot_seed)
+
+
+def slotted(job: TrainingJob) -> bool:
+    """Whether the runtime computes ``job``'s steps slot by slot (:class:`SlottedJob`)."""
+    return isinstance(job, SlottedJob)
 
 
 def reseeds(job: TrainingJob) -> bool:

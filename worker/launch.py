@@ -81,10 +81,11 @@ def _env(name: str) -> str:
 
 def main(make_job: Callable[[], TrainingJob], steps: int, *, seed: int = 0,
          on_finish: Callable[[Runtime], None] | None = None,
-         collective_timeout: float = 60.0) -> int:
-    """Run this worker's part of the job. Returns the process exit code."""
+         collective_timeout: float = 60.0, slots: int = 0) -> int:
+    """Run this worker's part of the job. Returns the process exit code. ``slots``: a
+    :class:`~understudy.worker.api.SlottedJob`'s data-parallel slots (``JobContext.slots``)."""
     with _collector_paused():
-        worker = _start(make_job, seed, collective_timeout)
+        worker = _start(make_job, seed, collective_timeout, slots)
     if _env(env.WORKER_ROLE) == WorkerRole.STANDBY:
         seat = _run_standby(worker)
         if seat is None:
@@ -123,6 +124,7 @@ class _Worker:
     layout: Layout
     epoch: int
     seed: int
+    slots: int                   # JobContext.slots
     timeout: float               # the collective timeout, also the transfers'
     control: DaemonClient
     nodes: tuple[str, ...]       # the assignment's node of each rank
@@ -145,6 +147,7 @@ class _Worker:
         ctx = JobContext(job=self.job, rank=rank, world_size=self.layout.world_size,
                          tp=self.layout.tp, pp=self.layout.pp,
                          groups=JobGroups(groups, rank, self.layout), seed=self.seed,
+                         slots=self.slots,
                          collective_timeout=self.timeout, should_abort=self.should_abort)
         return Runtime(self.make_job(), ctx)
 
@@ -162,7 +165,8 @@ class _Seat:
     recorder: Recorder | None = None
 
 
-def _start(make_job: Callable[[], TrainingJob], seed: int, timeout: float) -> _Worker:
+def _start(make_job: Callable[[], TrainingJob], seed: int, timeout: float,
+           slots: int) -> _Worker:
     """Tie this process to its daemon and read who it is from the environment.
 
     Raises:
@@ -188,7 +192,8 @@ def _start(make_job: Callable[[], TrainingJob], seed: int, timeout: float) -> _W
     recordings = os.environ.get(RECORDINGS)
     return _Worker(
         make_job=make_job, job=job, node=node, layout=layout, epoch=epoch, seed=seed,
-        timeout=timeout, control=control, nodes=tuple(info["assignment"]["ranks"]), stop=stop,
+        slots=slots, timeout=timeout, control=control,
+        nodes=tuple(info["assignment"]["ranks"]), stop=stop,
         log=logs.get(job=job, node=node), script=Path(sys.argv[0]).resolve(),
         recordings=(Path(recordings) if recordings is not None and sandboxed(make_job())
                     else None),
@@ -209,6 +214,7 @@ def _run_standby(w: _Worker) -> _Seat | None:
         with _signs_of_life(w.control), _collector_paused():
             warmed, _ = warm_standby(w.make_job, w.control, node=w.node, stop=w.stop,
                                      job=w.job, layout=w.layout, seed=w.seed,
+                                     slots=w.slots,
                                      recordings=w.recordings, script=w.script,
                                      timeout=w.timeout, should_abort=w.should_abort)
     found = wait_for_plan(w.control, w.node, w.stop)

@@ -6,7 +6,9 @@ One iteration of :meth:`Runtime.run`, for the step ``s`` after the last committe
    groups' next versions first, hand this rank's state off and leave, start sending the state
    ahead (a leaver whose job replays), or stop. This is where the migration protocol acts;
    nothing of step ``s`` has run yet.
-2. **Compute.** ``job.compute(s)``. An exception is recorded, not raised: this rank votes no.
+2. **Compute.** ``job.compute(s)`` (a :class:`~understudy.worker.api.SlottedJob`: each slot the
+   rank's replica holds, then the canonical sum of their gradients, :mod:`understudy.worker.
+   slots`). An exception is recorded, not raised: this rank votes no.
 3. **Vote.** An all-reduce (MIN) of ``[ok]`` over the world group, waited abortably.
 4. **Commit or redo.** All ranks ok: ``hook.before_apply(s, job)`` if the hook has it (a
    leaver forwards the step's apply inputs there), ``job.apply(s)``, and ``s`` is committed.
@@ -45,7 +47,7 @@ import torch.distributed as dist
 
 from understudy.common import logs
 from understudy.common.layout import Layout
-from understudy.worker import rng
+from understudy.worker import rng, slots
 from understudy.worker.api import (
     CollectiveAborted,
     Communicator,
@@ -54,6 +56,7 @@ from understudy.worker.api import (
     TrainingJob,
     allreduce_options,
     reseeds,
+    slotted,
 )
 
 
@@ -339,7 +342,10 @@ class Runtime:
         t1 = self._clock()
         error: Exception | None = None
         try:
-            self.job.compute(step)
+            if slotted(self.job):
+                slots.compute_step(self.job, self.ctx, step)  # type: ignore[arg-type]
+            else:
+                self.job.compute(step)
         except CollectiveAborted:
             self._roll_back(step, before)
             raise

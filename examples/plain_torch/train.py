@@ -26,6 +26,12 @@ The model's size is the command line's: ``--features`` and ``--hidden`` (default
 of state per rank at TP 2), or ``--state-size 64MiB`` (also ``27KB``, ``1GiB``...), which picks the
 hidden width at which a rank holds that much parameters and Adam state.
 
+``--slots N`` trains N data-parallel slots on however many replicas the layout has
+(:class:`~understudy.worker.api.SlottedJob`): each slot's batch derives from ``(seed, step,
+slot)`` and the runtime sums the slots' gradients in slot order, so ``--slots 4`` on DP 4, 2 or 1
+gives the same state bit for bit (not the same as without ``--slots``, whose DP all-reduce adds in
+gloo's ring order).
+
 ``--fail-at`` and ``--freeze-at`` inject faults for tests (a transient compute error, a frozen
 process); production code knows nothing of them. ``--step-log DIR`` appends a line per committed
 step (step, wall time, rank, pid, loss) to ``DIR/rank<r>-<pid>.jsonl``: the benchmarks compute
@@ -52,10 +58,71 @@ import torch.nn.functional as F
 from understudy.common import logs
 from understudy.common.sizes import size_arg
 from understudy.worker import rng
-from understudy.worker.api import JobContext, TrainingJob, allreduce_options
+from understudy.worker.api import JobContext, SlottedJob, TrainingJob, allreduce_options
 from understudy.worker.errors import record
 from understudy.worker.pipeline import run_schedule
 from understudy.worker.runtime import Runtime, StaticGroups
+
+
+class FunctionalAdam:
+    """``torch.optim.Adam`` with a ``LambdaLR`` schedule, through Adam's functional form
+    (``torch.optim.adam.adam``, the single-tensor update the class runs on CPU): the same
+    arithmetic, bit for bit, without the optimizer class, whose first use imports
+    ``torch._dynamo`` (``Optimizer.add_param_group``: 1.1-1.35 CPU-s per process here). The
+    tests run the example with it (``--adam functional``); a user's job would use the class.
+    Its ``schedule`` is the LambdaLR's counterpart: ``step()`` and its own state."""
+
+    class Schedule:
+        def __init__(self) -> None:
+            self.last_epoch = 0
+
+        def step(self) -> None:
+            self.last_epoch += 1
+
+        def state_dict(self) -> dict[str, Any]:
+            return {"last_epoch": self.last_epoch}
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            self.last_epoch = int(state["last_epoch"])
+
+    def __init__(self, params: Any, lr: float, factor: Any) -> None:
+        self.params = list(params)
+        self.lr, self.factor = lr, factor
+        self.schedule = FunctionalAdam.Schedule()
+        # As the class's lazy state at its first step: a float32 step count, zeroed moments.
+        self.steps = [torch.tensor(0.0) for _ in self.params]
+        self.exp_avg = [torch.zeros_like(p, memory_format=torch.preserve_format)
+                        for p in self.params]
+        self.exp_avg_sq = [torch.zeros_like(p, memory_format=torch.preserve_format)
+                           for p in self.params]
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.zero_()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        from torch.optim.adam import adam
+        grads = [p.grad for p in self.params]
+        assert all(g is not None for g in grads), "every parameter has a gradient"
+        adam(self.params, grads, self.exp_avg, self.exp_avg_sq, [], self.steps,  # type: ignore[arg-type]
+             foreach=False, capturable=False, differentiable=False, fused=None,
+             grad_scale=None, found_inf=None, has_complex=False, amsgrad=False, beta1=0.9,
+             beta2=0.999, lr=self.lr * self.factor(self.schedule.last_epoch),
+             weight_decay=0.0, eps=1e-8, maximize=False)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.steps, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for mine, theirs in ((self.steps, state["step"]), (self.exp_avg, state["exp_avg"]),
+                             (self.exp_avg_sq, state["exp_avg_sq"])):
+            if len(mine) != len(theirs):
+                raise ValueError(f"the optimizer state holds {len(theirs)} tensors for "
+                                 f"{len(mine)} parameters")
+            for a, b in zip(mine, theirs, strict=True):
+                a.copy_(b)
 
 
 class _SumOverTP(torch.autograd.Function):
@@ -107,8 +174,10 @@ class PlainJob(TrainingJob):
                  dropout: float = 0.1, fail_at: int | None = None,
                  freeze_at: int | None = None, marker_dir: Path | None = None,
                  step_sleep: float = 0.0, step_log: Path | None = None,
-                 step_sleep_off: Path | None = None) -> None:
+                 step_sleep_off: Path | None = None, adam: str = "class") -> None:
         self.features, self.hidden, self.batch = features, hidden, batch
+        #: "class": torch.optim.Adam and LambdaLR; "functional": FunctionalAdam (same bits)
+        self.adam = adam
         #: the state a rank should hold, in bytes (None: ``hidden`` as given); the hidden width
         #: that gives it is worked out in ``build``, once the layout is known
         self.state_bytes = state_bytes
@@ -122,6 +191,8 @@ class PlainJob(TrainingJob):
         self.step_log = StepLog(step_log) if step_log is not None else None
         self._loss: float | None = None  # the last compute's, for the step log
         self._replaying = False  # the next apply replays a leaver's step (load_apply_inputs)
+        #: what each loss is divided by beyond the micro-batches (a slotted job's slot count)
+        self.loss_parts = 1
         #: what the last build or retarget allocated, in words (the sandbox tests read it)
         self.allocated: list[str] = []
 
@@ -189,6 +260,10 @@ class PlainJob(TrainingJob):
         rng.seed_all(ctx.seed * 1_000_003 + ctx.rank)
 
     def _optimizer(self) -> None:
+        if self.adam == "functional":
+            self.optimizer = FunctionalAdam(self.params.parameters(), self.lr, self._lr_factor)
+            self.schedule = self.optimizer.schedule
+            return
         self.optimizer = torch.optim.Adam(self.params.parameters(), lr=self.lr)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
 
@@ -232,9 +307,11 @@ class PlainJob(TrainingJob):
         progress = min(1.0, (step - self.warmup) / max(1, self.total_steps - self.warmup))
         return 0.5 * (1.0 + math.cos(math.pi * progress))
 
-    def _batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed((self.ctx.seed * 1_000_003 + step) * 1_009
-                                          + self.ctx.dp_index)
+    def _batch(self, step: int, index: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch of ``step`` for data-parallel position ``index`` (default: this rank's
+        replica; a slotted job's: the slot)."""
+        index = self.ctx.dp_index if index is None else index
+        g = torch.Generator().manual_seed((self.ctx.seed * 1_000_003 + step) * 1_009 + index)
         x = torch.randn(self.batch, self.features, generator=g)
         return x, torch.sin(x) + 0.1 * torch.randn(x.shape, generator=g)
 
@@ -256,7 +333,8 @@ class PlainJob(TrainingJob):
             h = self._block(layer, h)
         if not ctx.last_stage:
             return h
-        return F.mse_loss(h @ p["head_w"].T + p["head_b"], y[rows]) / self.microbatches
+        loss = F.mse_loss(h @ p["head_w"].T + p["head_b"], y[rows]) / self.microbatches
+        return loss / self.loss_parts if self.loss_parts > 1 else loss
 
     def compute(self, step: int) -> float | None:
         ctx, p = self.ctx, self.params
@@ -437,11 +515,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-shard-copy", action="store_true",
                    help="with --shard-optimizer: no redundant copies (plain ZeRO-1, the "
                    "baseline of their cost)")
+    p.add_argument("--adam", choices=("class", "functional"), default="class",
+                   help="torch.optim.Adam with LambdaLR (default), or the same update through "
+                   "torch.optim.adam.adam (FunctionalAdam: the same bits, without importing "
+                   "torch._dynamo; the tests use it)")
+    p.add_argument("--slots", type=int, help="train this many data-parallel slots on the "
+                   "layout's replicas, each replica computing its share (SlottedPlainJob): "
+                   "the same result bit for bit whatever the DP size (default: no slots, "
+                   "the job's own DP all-reduce)")
     p.add_argument("--fail-at", type=int, help="fault: fail this step's compute once")
     p.add_argument("--freeze-at", type=int, help="fault: SIGSTOP this rank in this step")
     args = p.parse_args(argv)
     if args.no_shard_copy and not args.shard_optimizer:
         p.error("--no-shard-copy goes with --shard-optimizer")
+    if args.adam == "functional" and args.shard_optimizer:
+        p.error("--adam functional does not go with --shard-optimizer (ShardedJob steps its "
+                "shards with torch.optim.Adam)")
+    if args.slots is not None:
+        if args.slots < 1:
+            p.error(f"--slots must be at least 1, got {args.slots}")
+        if args.shard_optimizer:
+            p.error("--slots does not go with --shard-optimizer yet (ShardedJob reduces its "
+                    "own gradients)")
+        if args.fail_at is not None or args.freeze_at is not None:
+            p.error("--fail-at and --freeze-at are not available with --slots (the faults sit "
+                    "after the job's own DP all-reduce, which a slotted job does not have)")
     return args
 
 
@@ -666,6 +764,42 @@ def _unpack(buf: torch.Tensor, shard: torch.nn.Parameter, optimizer: torch.optim
         optimizer.state.pop(shard, None)
 
 
+class SlottedPlainJob(SlottedJob, PlainJob):
+    """The same model trained by data-parallel slots (``--slots``): the runtime computes each
+    slot this rank's replica holds and sums their gradients in slot order
+    (:mod:`understudy.worker.slots`); each slot's loss is divided by the slot count, so the sum
+    is the mean over the job's whole batch."""
+
+    def build(self, ctx: JobContext) -> None:
+        super().build(ctx)
+        self.loss_parts = ctx.data_slots
+        self._slot_losses: list[float] = []
+
+    def compute_slot(self, step: int, slot: int) -> float | None:
+        ctx = self.ctx
+        first = slot == ctx.held_slots.start
+        if first:
+            self._slot_losses = []
+            if self.step_sleep and not (self.step_sleep_off and self.step_sleep_off.exists()):
+                time.sleep(self.step_sleep)  # once a step, as the unslotted job
+        x, y = self._batch(step, slot)
+        self._zero_grad()
+        losses = run_schedule(ctx, microbatches=self.microbatches,
+                              stage=lambda mb, h: self._stage(x, y, mb, h),
+                              activation=(self.batch // self.microbatches, self.features))
+        loss = float(sum(losses)) if ctx.last_stage else None
+        if loss is not None:
+            self._slot_losses.append(loss)
+            if self.step_log is not None:  # this replica's share of the step's mean loss
+                self._loss = sum(self._slot_losses)
+        return loss
+
+    def gradients(self) -> list[torch.Tensor]:
+        grads = [q.grad for q in self.params.values()]
+        assert all(g is not None for g in grads), "every parameter takes part in the loss"
+        return grads  # type: ignore[return-value]
+
+
 def whole_hand_off(cls: type[PlainJob]) -> type[PlainJob]:
     """``cls`` without ``apply_inputs``: its state crosses whole at the switch."""
     return type(f"WholeHandOff{cls.__name__}", (cls,),
@@ -677,14 +811,16 @@ WholeHandOffJob = whole_hand_off(PlainJob)
 
 
 def make_job(args: argparse.Namespace) -> PlainJob:
-    cls: type[PlainJob] = ShardedJob if args.shard_optimizer else PlainJob
+    cls: type[PlainJob] = (ShardedJob if args.shard_optimizer else
+                           SlottedPlainJob if args.slots else PlainJob)
     if args.hand_off == "whole":
         cls = whole_hand_off(cls)
     extra = {"copy": not args.no_shard_copy} if args.shard_optimizer else {}
     return cls(features=args.features, hidden=args.hidden, state_bytes=args.state_size,
                layers=args.layers, microbatches=args.microbatches, fail_at=args.fail_at,
                freeze_at=args.freeze_at, marker_dir=args.save, step_sleep=args.step_sleep,
-               step_log=args.step_log, step_sleep_off=args.step_sleep_off, **extra)
+               step_log=args.step_log, step_sleep_off=args.step_sleep_off, adam=args.adam,
+               **extra)
 
 
 @record
@@ -702,7 +838,8 @@ def main(argv: list[str] | None = None) -> int:
                           prefix=f"{args.job}/groups", pp=args.pp)
     ctx = JobContext(job=args.job, rank=args.rank, world_size=args.world_size, tp=args.tp,
                      pp=args.pp,
-                     groups=groups, seed=args.seed, collective_timeout=args.collective_timeout)
+                     groups=groups, seed=args.seed, collective_timeout=args.collective_timeout,
+                     slots=args.slots or 0)
     job = make_job(args)
     runtime = Runtime(job, ctx)
     runtime.build()
@@ -727,7 +864,7 @@ def _under_understudy(args: argparse.Namespace) -> int:
             save(runtime, args.save, runtime.ctx.rank)
 
     return launch(lambda: make_job(args), args.steps, seed=args.seed, on_finish=finish,
-                  collective_timeout=args.collective_timeout)
+                  collective_timeout=args.collective_timeout, slots=args.slots or 0)
 
 
 def save(runtime: Runtime, directory: Path, rank: int) -> None:

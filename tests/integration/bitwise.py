@@ -29,13 +29,24 @@ def assert_bitwise_equal(expected_dir: Path, actual_dir: Path, world: int = 4) -
     """Parameters, optimizer state, schedule, RNG states and step of every rank are identical
     (dtype and bits). Only the count of redone attempts may differ: it is not training state."""
     for rank in range(world):
-        a, b = load_state(expected_dir, rank), load_state(actual_dir, rank)
-        assert a.keys() == b.keys(), f"rank {rank}: {sorted(a.keys() ^ b.keys())}"
-        for key, va in a.items():
-            vb = b[key]
-            if torch.is_tensor(va):
-                assert va.dtype == vb.dtype and torch.equal(va, vb), f"rank {rank} {key} differs"
-            elif key.endswith("redone"):
-                continue
-            else:
-                assert va == vb, f"rank {rank} {key}: {va!r} != {vb!r}"
+        assert_rank_equal(expected_dir, rank, actual_dir, rank)
+
+
+def assert_rank_equal(expected_dir: Path, expected: int, actual_dir: Path, actual: int,
+                      rng: bool = True) -> None:
+    """Rank ``actual`` of one run holds what rank ``expected`` of another does, bit for bit.
+    ``rng=False`` leaves out the process-global generators' states, which a slotted job
+    reseeds for every slot (what they hold after a step depends on the replica's last slot)."""
+    a, b = load_state(expected_dir, expected), load_state(actual_dir, actual)
+    if not rng:
+        a, b = ({k: v for k, v in d.items() if not k.startswith("/rng/")} for d in (a, b))
+    what = f"rank {actual}" + (f" (against {expected})" if actual != expected else "")
+    assert a.keys() == b.keys(), f"{what}: {sorted(a.keys() ^ b.keys())}"
+    for key, va in a.items():
+        vb = b[key]
+        if torch.is_tensor(va):
+            assert va.dtype == vb.dtype and torch.equal(va, vb), f"{what} {key} differs"
+        elif key.endswith("redone"):
+            continue
+        else:
+            assert va == vb, f"{what} {key}: {va!r} != {vb!r}"

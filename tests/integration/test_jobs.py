@@ -184,7 +184,7 @@ def test_a_standby_reports_its_warmth_and_a_silent_one_is_replaced(cluster: Loca
     train = str(Path(__file__).parents[2] / "examples" / "plain_torch" / "train.py")
     out = cluster.cli("run", "--job", "warm", "--tp", "2", "--dp", "2", "--standby", "1",
                       "--env=OMP_NUM_THREADS=1", "--", sys.executable, train, "--steps",
-                      "100000", "--step-sleep", "0.1")
+                      "100000", "--step-sleep", "0.1", "--adam", "functional")
     assert out.returncode == 0, out.stderr
 
     def warmth(s: Any) -> Any:

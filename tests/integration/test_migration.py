@@ -42,8 +42,12 @@ def _job_args(out: Path, step_sleep: float = 0.08, sleep_off: Path | None = None
     # The sleep stands in for a bigger model's compute: it changes how long the job runs (room
     # for slower scenarios), never its state. It stops once ``sleep_off`` exists. ``extra``:
     # more of the job's own arguments (``--shard-optimizer``).
+    # Torch's Adam through its functional form (FunctionalAdam): the bits of torch.optim.Adam
+    # (tests/unit/test_runtime.py checks), at half a training process's CPU. ShardedJob steps
+    # its shards with the class.
+    adam = () if "--shard-optimizer" in extra else ("--adam", "functional")
     args = [TRAIN, "--steps", str(STEPS), "--step-sleep", str(step_sleep), "--save", str(out),
-            "--hand-off", hand_off, *extra]
+            "--hand-off", hand_off, *adam, *extra]
     return args if sleep_off is None else [*args, "--step-sleep-off", str(sleep_off)]
 
 

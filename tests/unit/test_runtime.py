@@ -446,7 +446,8 @@ def ranks(base: Path, name: str, *args: str,
                 procs.append(subprocess.Popen(
                     [sys.executable, str(EXAMPLE), "--rank", str(r), "--world-size", str(WORLD),
                      "--tp", str(TP), "--store", str(where / "store"), "--save",
-                     str(where / "out"), *args, *(per_rank or {}).get(r, [])],
+                     str(where / "out"), "--adam", "functional", *args,
+                     *(per_rank or {}).get(r, [])],
                     stdout=log, stderr=subprocess.STDOUT, env=child_env))
         yield procs
     finally:
@@ -680,3 +681,27 @@ def test_a_joiner_that_replays_its_leavers_steps_ends_bitwise_equal(solo: JobCon
     assert mine.keys() == theirs.keys() and len(mine) > 10
     different = [k for k in mine if not torch.equal(mine[k], theirs[k])]
     assert not different, different
+
+
+def test_the_functional_adam_trains_the_bits_of_torch_optim_adam(solo: JobContext) -> None:
+    # The tests run the example with --adam functional (torch.optim.adam.adam, without the
+    # class that imports torch._dynamo): it must be the class's update, bit for bit.
+    train = _plain_example()
+    runs = {}
+    for adam in ("class", "functional"):
+        runtime = _runtime(train.PlainJob(adam=adam), solo)
+        runtime.run(25)
+        runs[adam] = runtime.state()["job"]
+    cls, fn = runs["class"], runs["functional"]
+    names = list(cls["params"])
+    assert names == list(fn["params"]) and len(names) >= 6
+    for i, name in enumerate(names):
+        assert torch.equal(cls["params"][name], fn["params"][name]), name
+        kept = cls["optimizer"]["state"][i]
+        for part in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(kept[part], fn["optimizer"][part][i]), (name, part)
+    assert cls["schedule"]["last_epoch"] == fn["schedule"]["last_epoch"] == 25
+    # and it learned something: Adam moved every parameter off its start
+    fresh = train.PlainJob(adam="functional")
+    fresh.build(solo)
+    assert all(not torch.equal(fresh.params[n], fn["params"][n]) for n in names)

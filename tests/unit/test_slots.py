@@ -1,0 +1,98 @@
+"""Data-parallel slots: which replica holds which slot, and the canonical sum of their gradients
+over real gloo groups (ranks are threads of this process, bootstrapped through a HashStore)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.unit.test_groups import run_ranks
+from understudy.worker.api import JobContext
+from understudy.worker.runtime import StaticGroups
+from understudy.worker.slots import canonical_sum, chunk, held
+
+
+def test_each_replica_holds_a_contiguous_balanced_block_and_every_slot_is_held_once() -> None:
+    for slots in range(1, 9):
+        for dp in range(1, slots + 1):
+            blocks = [held(slots, dp, i) for i in range(dp)]
+            assert [s for b in blocks for s in b] == list(range(slots))
+            assert max(map(len, blocks)) - min(map(len, blocks)) <= 1
+    assert [list(held(3, 2, i)) for i in range(2)] == [[0], [1, 2]]
+
+
+@pytest.mark.parametrize(("slots", "dp", "index"), [(2, 3, 0), (2, 0, 0), (4, 2, 2), (4, 2, -1)])
+def test_a_layout_that_cannot_hold_the_slots_is_refused(slots: int, dp: int, index: int) -> None:
+    with pytest.raises(ValueError, match="replica"):
+        held(slots, dp, index)
+
+
+def test_a_context_with_fewer_slots_than_replicas_is_refused() -> None:
+    with pytest.raises(ValueError, match="2 data-parallel slots cannot fill 4 replicas"):
+        JobContext(job="j", rank=0, world_size=4, tp=1, groups=None, slots=2)  # type: ignore
+    ctx = JobContext(job="j", rank=3, world_size=4, tp=2, groups=None, slots=5)  # type: ignore
+    assert ctx.data_slots == 5 and ctx.held_slots == range(2, 5)
+    plain = JobContext(job="j", rank=3, world_size=4, tp=2, groups=None)  # type: ignore
+    assert plain.data_slots == 2 and plain.held_slots == range(1, 2)
+
+
+def _slot_gradients(slots: int, numel: int) -> list[torch.Tensor]:
+    # Magnitudes over many orders, so that the order of the additions shows in the bits.
+    g = torch.Generator().manual_seed(7)
+    return [torch.randn(numel, generator=g) * 10.0 ** torch.randint(-6, 7, (numel,), generator=g)
+            for _ in range(slots)]
+
+
+def _sum_on(dp: int, grads: list[torch.Tensor], tp: int = 1) -> list[torch.Tensor]:
+    """canonical_sum on ``dp`` replicas (``tp`` ranks each): every rank's result."""
+    store = dist.HashStore()
+    world = dp * tp
+
+    def rank(r: int) -> torch.Tensor:
+        groups = StaticGroups(store, rank=r, world_size=world, tp=tp, timeout=10)
+        ctx = JobContext(job="j", rank=r, world_size=world, tp=tp, groups=groups,
+                         slots=len(grads), collective_timeout=10)
+        return canonical_sum(ctx, {s: grads[s].clone() for s in ctx.held_slots})
+
+    out = run_ranks({str(r): (lambda r=r: rank(r)) for r in range(world)}, timeout=30)
+    return [out[str(r)] for r in range(world)]
+
+
+@pytest.mark.parametrize("numel", [1000, 2])
+def test_the_sum_is_the_slot_order_sum_bit_for_bit_on_any_number_of_replicas(
+        numel: int) -> None:
+    slots = 5
+    grads = _slot_gradients(slots, numel)
+    expected = grads[0].clone()
+    for g in grads[1:]:
+        expected = expected + g
+    for dp in (1, 2, 3, 5):
+        for got in _sum_on(dp, grads):
+            assert torch.equal(got, expected), dp
+    # Not trivially so: another order of the same additions gives other bits.
+    if numel > 2:
+        other = (grads[0] + grads[1]) + ((grads[2] + grads[3]) + grads[4])
+        assert not torch.equal(other, expected)
+
+
+def test_the_sum_runs_on_each_tensor_parallel_rank_s_own_dp_group() -> None:
+    grads = _slot_gradients(3, 64)
+    expected = grads[0] + grads[1] + grads[2]
+    results = _sum_on(3, grads, tp=2)
+    assert len(results) == 6 and all(torch.equal(r, expected) for r in results)
+
+
+def test_chunks_cover_the_tensor_once() -> None:
+    for numel in (0, 1, 2, 7, 100):
+        for parts in (1, 2, 3, 5):
+            covered = [i for p in range(parts) for i in range(numel)[chunk(numel, parts, p)]]
+            assert covered == list(range(numel))
+
+
+def test_gradients_for_slots_the_replica_does_not_hold_are_refused() -> None:
+    store = dist.HashStore()
+    groups = StaticGroups(store, rank=0, world_size=1, tp=1, timeout=5)
+    ctx = JobContext(job="j", rank=0, world_size=1, tp=1, groups=groups, slots=2)
+    with pytest.raises(ValueError, match=r"holds slots \[0, 1\], got gradients for \[0\]"):
+        canonical_sum(ctx, {0: torch.zeros(3)})
