@@ -147,26 +147,34 @@ def test_migration_smoke(tmp_path: Path) -> None:
     assert s["p2p"]["send_state_fraction_of_raw_64mib"]["median"] > 0
 
 
+#: The side-by-side overhead benchmarks: script, measured variant, baseline, summary line.
+OVERHEADS = [("shard_copies.py", "copies", "no copies", "overhead of the copies"),
+             ("slots.py", "slots", "all-reduce", "overhead of the slots")]
+
+
 @pytest.mark.timeout(120)
-def test_shard_copies_smoke(tmp_path: Path) -> None:
-    out_file = tmp_path / "shard_copies.json"
-    res = run_benchmark("shard_copies.py", "--smoke", "--out", str(out_file), timeout=100)
+@pytest.mark.parametrize(("script", "measured", "baseline", "line"), OVERHEADS,
+                         ids=[o[0] for o in OVERHEADS])
+def test_side_by_side_smoke(tmp_path: Path, script: str, measured: str, baseline: str,
+                            line: str) -> None:
+    out_file = tmp_path / "overhead.json"
+    res = run_benchmark(script, "--smoke", "--out", str(out_file), timeout=100)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "overhead of the copies" in res.stdout
+    assert line in res.stdout
     data = json.loads(out_file.read_text())
     assert {"benchmark", "command", "machine", "config", "summary", "repeats"} <= set(data)
     assert "--smoke" in data["command"] and "torch" in data["machine"]
     cfg = data["config"]
     assert cfg["smoke"] is True and len(data["repeats"]) == cfg["repeats"] == 1
     for rep in data["repeats"]:
-        assert set(rep["order"]) == {"copies", "no copies"}
-        for variant in ("copies", "no copies"):
+        assert set(rep["order"]) == {measured, baseline}
+        for variant in (measured, baseline):
             # every step interval past the warm-up, each a real positive duration
             assert len(rep[variant]["intervals"]) == cfg["steps"] - 1 - cfg["warmup"]
             assert all(i > 0 for i in rep[variant]["intervals"])
         # The JSON holds every figure rounded to 1e-6 s (harness.rounded): a ratio of two
         # rounded step times of a few milliseconds is off by up to ~1e-6 / step_s.
-        with_, without = rep["copies"]["step_s"], rep["no copies"]["step_s"]
+        with_, without = rep[measured]["step_s"], rep[baseline]["step_s"]
         slack = 0.5e-6 + 0.5e-6 * (1 + with_ / without) / without
         assert rep["overhead"] == pytest.approx(with_ / without - 1, abs=slack)
     assert data["summary"]["overhead"]["n"] == 1
