@@ -63,6 +63,19 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 #: The plain-PyTorch example's job, which every benchmark of a training job runs.
 TRAIN = REPO / "examples" / "plain_torch" / "train.py"
+#: What a smoke adds to the example's command line: torch's Adam through its functional form
+#: (``--adam functional``: torch.optim.Adam's bits without the class, whose first use imports
+#: ``torch._dynamo``, 1.1-1.4 CPU-s a process). A smoke checks a benchmark's plumbing; the
+#: measured runs train with the class, as a user's job does.
+SMOKE_EXAMPLE = ("--adam", "functional")
+
+
+def example_options(smoke: bool, job_args: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The example's options for a run (``smoke`` or measured) whose own are ``job_args``
+    (``ShardedJob`` steps its shards with the class whatever the run)."""
+    return SMOKE_EXAMPLE if smoke and "--shard-optimizer" not in job_args else ()
+
+
 #: One thread per process: the benchmarks run many of them on few cores.
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 MIB = 1024 * 1024
@@ -536,7 +549,7 @@ def standalone_step(base: Path, label: str, cfg: Mapping[str, Any], ranks: int,
     """One standalone run of the plain example (``ranks`` processes bootstrapped through a file
     store, no daemons) with ``job_args`` added: rank 0's median interval between committed
     steps (``step_s``) and the intervals, the first ``cfg["warmup"]`` left out. ``cfg`` gives
-    ``steps``, ``state_size``, ``warmup`` and ``timeout`` (seconds)."""
+    ``steps``, ``state_size``, ``warmup``, ``smoke`` and ``timeout`` (seconds)."""
     base.mkdir(parents=True, exist_ok=True)
     steps = base / "steps"
     procs = []
@@ -545,7 +558,8 @@ def standalone_step(base: Path, label: str, cfg: Mapping[str, Any], ranks: int,
             procs.append(subprocess.Popen(
                 [sys.executable, str(TRAIN), "--rank", str(rank), "--world-size", str(ranks),
                  "--store", str(base / "store"), "--steps", str(cfg["steps"]),
-                 "--state-size", str(cfg["state_size"]), "--step-log", str(steps), *job_args],
+                 "--state-size", str(cfg["state_size"]), "--step-log", str(steps), *job_args,
+                 *example_options(cfg["smoke"], job_args)],
                 env={**os.environ, **ONE_THREAD}, stdout=subprocess.DEVNULL, stderr=log))
     codes = [p.wait(timeout=cfg["timeout"]) for p in procs]
     if any(codes):

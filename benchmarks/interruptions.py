@@ -34,6 +34,7 @@ from harness import (
     TRAIN,
     BenchmarkError,
     etcd_store,
+    example_options,
     local_cluster,
     snapshot,
     wait,
@@ -183,7 +184,7 @@ def submit(cluster: LocalCluster, cfg: RecoveryConfig, out: Path) -> None:
     run = cluster.cli("run", "--job", JOB, "--tp", str(TP), "--dp", str(WORLD // TP),
                       "--standby", "2", *env, "--", sys.executable, str(TRAIN),
                       "--steps", str(cfg.steps), "--step-sleep", str(cfg.step_sleep),
-                      "--save", str(out), *step_log)
+                      "--save", str(out), *step_log, *example_options(cfg.smoke))
     if run.returncode != 0:
         raise BenchmarkError(f"understudy run failed: {run.stderr.strip()}")
     # Both standby workers have imported the job (torch included) and wait: they are warm.

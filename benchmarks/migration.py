@@ -144,7 +144,8 @@ def run_repeat(i: int, cfg: BenchConfig, base: Path) -> dict[str, Any]:
                           "--", sys.executable, str(TRAIN), "--steps", str(cfg.steps),
                           "--step-sleep", str(cfg.step_sleep), "--save", str(out),
                           "--hand-off", cfg.hand_off,
-                          *(["--state-size", str(cfg.state_bytes)] if cfg.state_bytes else []))
+                          *(["--state-size", str(cfg.state_bytes)] if cfg.state_bytes else []),
+                          *harness.example_options(cfg.smoke))
         if run.returncode != 0:
             raise BenchmarkError(f"understudy run failed: {run.stderr.strip()}")
         started = wait("every rank to build its groups", lambda: ranks_grouped(cluster),

@@ -82,7 +82,7 @@ def run_understudy(cfg: BenchConfig, base: Path) -> dict[str, Any]:
         run = cluster.cli("run", "--job", JOB, "--tp", str(TP), "--dp", str(WORLD // TP), *env,
                           "--", sys.executable, str(TRAIN), "--steps", str(cfg.steps),
                           "--step-sleep", str(cfg.step_sleep), "--step-log", str(base / "steps"),
-                          "--save", str(base / "out"))
+                          "--save", str(base / "out"), *harness.example_options(cfg.smoke))
         if run.returncode != 0:
             raise BenchmarkError(f"understudy run failed: {run.stderr.strip()}")
         harness.wait_done(cluster, JOB, timeout=900, interval=0.5)

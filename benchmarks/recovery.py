@@ -149,7 +149,8 @@ def cold_start(saved: Path, cfg: RecoveryConfig, base: Path) -> dict[str, Any]:
               "--world-size", str(WORLD), "--tp", str(TP), "--store", str(base / "store"),
               "--steps", str(step + 1), "--step-sleep", str(cfg.step_sleep),
               "--load", str(saved), "--save", str(out),
-              *(["--state-size", str(cfg.state_bytes)] if cfg.state_bytes else [])]
+              *(["--state-size", str(cfg.state_bytes)] if cfg.state_bytes else []),
+              *harness.example_options(cfg.smoke)]
              for r in range(WORLD)]
     ranks: dict[str, Any] = {}
     for r, p in enumerate(spawn_all(argvs, base, "rank")):

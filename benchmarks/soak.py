@@ -287,7 +287,7 @@ class Soak:
             str(STANDBY), *(f"--env={k}={v}" for k, v in env.items()), "--", sys.executable,
             str(TRAIN), "--steps", str(self.cfg.steps), "--step-sleep", str(self.cfg.step_sleep),
             "--step-sleep-off", str(self.faults_over), "--save", str(self.out),
-            "--step-log", str(self.steps_dir))
+            "--step-log", str(self.steps_dir), *harness.example_options(self.cfg.smoke))
         if run.returncode != 0:
             raise SoakError(f"understudy run failed: {run.stderr.strip()}")
         warm = WARM_STEP + (SMOKE_NORMAL_GAPS if self.cfg.smoke else 0)
@@ -776,7 +776,7 @@ def attach_events(faults: list[dict[str, Any]], events: list[dict[str, Any]]) ->
                        and e["kind"].startswith(interesting)]
 
 
-def reference_run(base: Path, steps: int) -> Path:
+def reference_run(base: Path, steps: int, smoke: bool) -> Path:
     """The uninterrupted run: the same job on four plain processes, no daemons, no step sleep,
     as the tests' ``standalone_run`` (tests/integration/test_migration.py) starts it; that one
     runs the tests' fixed 300 steps, the soak's job runs ``steps``.
@@ -792,7 +792,8 @@ def reference_run(base: Path, steps: int) -> Path:
                 procs.append(subprocess.Popen(
                     [sys.executable, str(TRAIN), "--steps", str(steps), "--step-sleep", "0",
                      "--save", str(base / "out"), "--rank", str(r), "--world-size", str(WORLD),
-                     "--tp", str(TP), "--pp", "1", "--store", str(base / "store")],
+                     "--tp", str(TP), "--pp", "1", "--store", str(base / "store"),
+                     *harness.example_options(smoke)],
                     env={**os.environ, **ONE_THREAD}, stdout=subprocess.DEVNULL,
                     stderr=log))
         deadline = time.monotonic() + 120 + 0.1 * steps
@@ -876,7 +877,7 @@ def run(cfg: SoakConfig, base: Path) -> dict[str, Any]:
     if job_done_at is not None:
         t1 = time.monotonic()
         try:
-            bitwise = compare(reference_run(base / "reference", cfg.steps), soak.out)
+            bitwise = compare(reference_run(base / "reference", cfg.steps, cfg.smoke), soak.out)
         except SoakError as exc:
             bitwise = {"equal": None, "difference": f"no reference: {exc}"}
         ref_s = time.monotonic() - t1
