@@ -852,6 +852,7 @@ def main(argv: list[str] | None = None) -> int:
     runtime.run(args.steps)
     if args.save is not None:
         save(runtime, args.save, args.rank)
+    groups.close()
     return 0
 
 

@@ -264,6 +264,15 @@ def _runtime(job: TrainingJob, ctx: JobContext, **kwargs: Any) -> Runtime:
     return runtime
 
 
+def test_closed_static_groups_are_released(tmp_path: Path) -> None:
+    groups = StaticGroups(dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1,
+                          tp=1, timeout=10)
+    assert groups.current("dp").size() == 1
+    groups.close()
+    with pytest.raises(ValueError, match="unknown group 'dp'"):
+        groups.current("dp")
+
+
 def test_run_commits_every_step_and_times_it(solo: JobContext) -> None:
     job = ScriptedJob()
     runtime = _runtime(job, solo)
