@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from tests.unit.test_groups import run_ranks
+from understudy.worker import slots as slots_mod
 from understudy.worker.api import JobContext
 from understudy.worker.runtime import StaticGroups
 from understudy.worker.slots import canonical_sum, chunk, held
@@ -59,9 +60,16 @@ def _sum_on(dp: int, grads: list[torch.Tensor], tp: int = 1) -> list[torch.Tenso
     return [out[str(r)] for r in range(world)]
 
 
+@pytest.fixture(params=["chunked", "gathered"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways of the sum: two rounds of chunks, and (small gradients) one all-gather."""
+    monkeypatch.setattr(slots_mod, "GATHER_ALL_BYTES", 0 if request.param == "chunked" else 1 << 30)
+    return str(request.param)
+
+
 @pytest.mark.parametrize("numel", [1000, 2])
 def test_the_sum_is_the_slot_order_sum_bit_for_bit_on_any_number_of_replicas(
-        numel: int) -> None:
+        numel: int, path: str) -> None:
     slots = 5
     grads = _slot_gradients(slots, numel)
     expected = grads[0].clone()
@@ -76,7 +84,7 @@ def test_the_sum_is_the_slot_order_sum_bit_for_bit_on_any_number_of_replicas(
         assert not torch.equal(other, expected)
 
 
-def test_the_sum_runs_on_each_tensor_parallel_rank_s_own_dp_group() -> None:
+def test_the_sum_runs_on_each_tensor_parallel_rank_s_own_dp_group(path: str) -> None:
     grads = _slot_gradients(3, 64)
     expected = grads[0] + grads[1] + grads[2]
     results = _sum_on(3, grads, tp=2)
