@@ -12,8 +12,10 @@ replica; an all-to-all of point-to-point sends gives each replica its chunk of e
 gradient; it adds them in slot order; an all-gather gives every replica the whole sum. The bytes
 moved per replica are those of a ring all-reduce (its chunk of each slot held elsewhere in, its
 sum out to each peer) at one slot per replica; a replica holding ``k`` slots sends ``k`` times
-its share. A job's own all-reduce (gloo's ring) adds in an order that depends on the ring, which
-is why a job cannot keep its results across a change of replica count with it.
+its share. Small gradients (up to :data:`GATHER_ALL_BYTES` over all slots) take one all-gather
+of every slot's whole gradient instead, and every replica makes the same additions. A job's own
+all-reduce (gloo's ring) adds in an order that depends on the ring, which is why a job cannot
+keep its results across a change of replica count with it.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ def compute_step(job: SlottedJob, ctx: JobContext, step: int) -> None:
 
     Raises:
         CollectiveAborted: from a collective of the job's or of the sum.
-        ValueError: the job's gradients changed size between slots.
+        ValueError: the job's gradients changed size between slots, or mix dtypes.
     """
     flats: dict[int, torch.Tensor] = {}
     grads: list[torch.Tensor] = []
@@ -84,6 +86,9 @@ def compute_step(job: SlottedJob, ctx: JobContext, step: int) -> None:
         job.compute_slot(step, slot)
         grads = list(job.gradients())
         parts = [g.detach().reshape(-1) for g in grads]
+        if len({p.dtype for p in parts}) > 1:
+            raise ValueError("the slots are summed as one flat tensor: gradients() must return "
+                             f"tensors of one dtype, got {sorted({str(p.dtype) for p in parts})}")
         numel = sum(p.numel() for p in parts)
         if flats and numel != next(iter(flats.values())).numel():
             raise ValueError(f"the slots' gradients differ in size ({numel} elements against "
