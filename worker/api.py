@@ -13,6 +13,8 @@ votes in between, so that a step applies on every rank or on none::
     state() / load_state(state)        the rank's full state, to hand to a standby
     apply_inputs / load_apply_inputs   optional: what apply takes from compute, so that a
                                        joiner follows its leaver step by step (below)
+    compute_slot / gradients           instead of compute, in a SlottedJob: the runtime owns
+                                       the data-parallel sum, by slots (below)
 
 A minimal data-parallel job (``examples/plain_torch/train.py`` adds tensor parallelism)::
 
@@ -67,6 +69,11 @@ as for every job), then each committed step's apply inputs; its joiner applies e
 leaver did. At the switch only the RNG states and the step counters cross, and the joiner's
 last apply overlaps the survivors' own. A job without them hands its whole state off at the
 switch, as before.
+
+**Data-parallel slots (opt-in).** A :class:`SlottedJob` trains ``ctx.data_slots`` slots, its
+DP degree at submission, on however many replicas it has: the runtime computes each slot the
+rank's replica holds and sums the slots' gradients in slot order (:mod:`understudy.worker.
+slots`), so the run is the same bit for bit on any number of replicas.
 
 **Layout.** Ranks form a TP x DP x PP grid, TP fastest, PP slowest:
 ``rank = (pp_index * dp + dp_index) * tp + tp_index`` (:mod:`understudy.common.layout`). A TP
