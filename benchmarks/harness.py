@@ -623,6 +623,20 @@ def overhead_args(p: Parser, argv: list[str] | None, why_dp: str) -> argparse.Na
     return args
 
 
+def overhead_summary(result: dict[str, Any], rows: tuple[tuple[str, str], ...], overhead: str,
+                     target: str) -> None:
+    """The summary of an overhead benchmark: ``rows`` of (label, summary key) of step times,
+    the overhead per repeat and pooled, and the target, in words."""
+    s, cfg = result["summary"], result["config"]
+    table = Table(label_width=34, repeats=cfg["repeats"])
+    table.header(f"state {cfg['state_size']} B/rank, DP {cfg['dp']}")
+    for label, key in rows:
+        table.row(label, s[key], "s")
+    table.row(overhead, s["overhead"], "%", scale=100, fmt=".1f")
+    print(f"  pooled (medians of every interval): {100 * s['pooled_overhead']:+.1f} %")
+    print(f"  target: {target}")
+
+
 def overhead_run(args: argparse.Namespace, name: str, label: str, variants: tuple[str, str],
                  measure: Callable[[dict[str, Any], Path], list[dict[str, Any]]],
                  config: dict[str, Any], summary: Callable[[dict[str, Any]], None]) -> int:

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import harness
-from harness import Table
 
 VARIANTS = {"copies": ("--shard-optimizer",),
             "no copies": ("--shard-optimizer", "--no-shard-copy")}
@@ -48,14 +47,10 @@ def measure(cfg: dict[str, Any], base: Path) -> list[dict[str, Any]]:
 
 
 def print_summary(result: dict[str, Any]) -> None:
-    s, cfg = result["summary"], result["config"]
-    table = Table(label_width=34, repeats=cfg["repeats"])
-    table.header(f"state {cfg['state_size']} B/rank, DP {cfg['dp']}")
-    table.row("step, no copies (plain ZeRO-1)", s["no copies"], "s")
-    table.row("step, with copies", s["copies"], "s")
-    table.row("overhead of the copies", s["overhead"], "%", scale=100, fmt=".1f")
-    print(f"  pooled (medians of every interval): {100 * s['pooled_overhead']:+.1f} %")
-    print(f"  target: <= {100 * TARGET_OVERHEAD:.0f} % at 256 MiB per rank")
+    harness.overhead_summary(result, (("step, no copies (plain ZeRO-1)", "no copies"),
+                                      ("step, with copies", "copies")),
+                             "overhead of the copies",
+                             f"<= {100 * TARGET_OVERHEAD:.0f} % at 256 MiB per rank")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import harness
-from harness import Table
 
 #: Design target (issue 16, item 1): the canonical sum's cost, at the real-sized-state sizes.
 TARGET_OVERHEAD = 0.03
@@ -46,14 +45,10 @@ def measure(cfg: dict[str, Any], base: Path) -> list[dict[str, Any]]:
 
 
 def print_summary(result: dict[str, Any]) -> None:
-    s, cfg = result["summary"], result["config"]
-    table = Table(label_width=34, repeats=cfg["repeats"])
-    table.header(f"state {cfg['state_size']} B/rank, DP {cfg['dp']}")
-    table.row("step, the job's all-reduce", s["all-reduce"], "s")
-    table.row("step, slots (canonical sum)", s["slots"], "s")
-    table.row("overhead of the slots", s["overhead"], "%", scale=100, fmt=".1f")
-    print(f"  pooled (medians of every interval): {100 * s['pooled_overhead']:+.1f} %")
-    print(f"  target: <= {100 * TARGET_OVERHEAD:.0f} % of the step")
+    harness.overhead_summary(result, (("step, the job's all-reduce", "all-reduce"),
+                                      ("step, slots (canonical sum)", "slots")),
+                             "overhead of the slots",
+                             f"<= {100 * TARGET_OVERHEAD:.0f} % of the step")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
