@@ -3,15 +3,17 @@ over real gloo groups (ranks are threads of this process, bootstrapped through a
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from tests.unit.test_groups import run_ranks
 from understudy.worker import slots as slots_mod
-from understudy.worker.api import JobContext
+from understudy.worker.api import JobContext, SlottedJob
 from understudy.worker.runtime import StaticGroups
-from understudy.worker.slots import canonical_sum, chunk, held
+from understudy.worker.slots import canonical_sum, chunk, compute_step, held
 
 
 def test_each_replica_holds_a_contiguous_balanced_block_and_every_slot_is_held_once() -> None:
@@ -104,3 +106,46 @@ def test_gradients_for_slots_the_replica_does_not_hold_are_refused() -> None:
     ctx = JobContext(job="j", rank=0, world_size=1, tp=1, groups=groups, slots=2)
     with pytest.raises(ValueError, match=r"holds slots \[0, 1\], got gradients for \[0\]"):
         canonical_sum(ctx, {0: torch.zeros(3)})
+
+
+class _Grads(SlottedJob):
+    """A slotted job whose gradients are given: only what compute_step reads of a job."""
+
+    def __init__(self, grads: list[torch.Tensor]) -> None:
+        self.grads = grads
+
+    def build(self, ctx: JobContext) -> None: ...
+
+    def compute_slot(self, step: int, slot: int) -> float | None:
+        return None
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self.grads
+
+    def apply(self, step: int) -> None: ...
+
+    def discard(self, step: int) -> None: ...
+
+    def state(self) -> dict[str, Any]:
+        return {}
+
+    def load_state(self, state: dict[str, Any]) -> None: ...
+
+
+def test_one_replica_holding_every_slot_sums_them_into_the_gradients() -> None:
+    groups = StaticGroups(dist.HashStore(), rank=0, world_size=1, tp=1, timeout=5)
+    ctx = JobContext(job="j", rank=0, world_size=1, tp=1, groups=groups, slots=3)
+    job = _Grads([torch.ones(2, 2), torch.full((3,), 2.0)])
+    compute_step(job, ctx, step=0)  # the same gradients for each of the three slots
+    assert torch.equal(job.grads[0], torch.full((2, 2), 3.0))
+    assert torch.equal(job.grads[1], torch.full((3,), 6.0))
+    with pytest.raises(TypeError, match="the runtime calls compute_slot"):
+        job.compute(0)
+
+
+def test_gradients_of_mixed_dtypes_are_refused_with_a_sentence() -> None:
+    groups = StaticGroups(dist.HashStore(), rank=0, world_size=1, tp=1, timeout=5)
+    ctx = JobContext(job="j", rank=0, world_size=1, tp=1, groups=groups, slots=2)
+    job = _Grads([torch.ones(2), torch.ones(2, dtype=torch.float64)])
+    with pytest.raises(ValueError, match="tensors of one dtype"):
+        compute_step(job, ctx, step=0)
