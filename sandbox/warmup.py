@@ -57,17 +57,15 @@ from understudy.groups.groupset import GroupSet
 from understudy.sandbox.errors import RecordingError, RecordingMismatch, ReplayDiverged
 from understudy.sandbox.manifest import CodeVersion, Expectation, RoleType
 from understudy.sandbox.replay import Recording, ReplayGroups
-from understudy.worker import slots
 from understudy.worker.api import (
     Communicator,
     GroupsProvider,
     JobContext,
     TrainingJob,
     reseeds,
-    slotted,
 )
 from understudy.worker.migration import JobGroups
-from understudy.worker.runtime import Runtime
+from understudy.worker.runtime import Runtime, compute
 
 
 def _never() -> bool:
@@ -274,11 +272,7 @@ class _Shadow(TrainingJob):
 
     def compute(self, step: int) -> float | None:
         try:
-            if slotted(self.job):
-                slots.compute_step(self.job, self.ctx, step)  # type: ignore[arg-type]
-                loss = None
-            else:
-                loss = self.job.compute(step)
+            loss = compute(self.job, self.ctx, step)
         except ReplayDiverged:
             raise
         except Exception as exc:  # the job's own failure: recorded, decided on by warm_up

@@ -88,7 +88,7 @@ import abc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -440,7 +440,7 @@ class SlottedJob(TrainingJob):
         return None  # the runtime seeds the generators for each slot (slots.slot_seed)
 
 
-def slotted(job: TrainingJob) -> bool:
+def slotted(job: TrainingJob) -> TypeGuard[SlottedJob]:
     """Whether the runtime computes ``job``'s steps slot by slot (:class:`SlottedJob`)."""
     return isinstance(job, SlottedJob)
 

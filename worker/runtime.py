@@ -342,10 +342,7 @@ class Runtime:
         t1 = self._clock()
         error: Exception | None = None
         try:
-            if slotted(self.job):
-                slots.compute_step(self.job, self.ctx, step)  # type: ignore[arg-type]
-            else:
-                self.job.compute(step)
+            compute(self.job, self.ctx, step)
         except CollectiveAborted:
             self._roll_back(step, before)
             raise
@@ -408,6 +405,16 @@ class Runtime:
     def _require_built(self) -> None:
         if not self._built:
             raise RuntimeError("call Runtime.build() first")
+
+
+def compute(job: TrainingJob, ctx: JobContext, step: int) -> float | None:
+    """The compute of ``step``: ``job.compute(step)``, or for a
+    :class:`~understudy.worker.api.SlottedJob` its slots and their canonical sum
+    (:func:`understudy.worker.slots.compute_step`; no loss returned)."""
+    if slotted(job):
+        slots.compute_step(job, ctx, step)
+        return None
+    return job.compute(step)
 
 
 class StaticGroups:

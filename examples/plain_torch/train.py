@@ -54,6 +54,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.optim.adam import adam
 
 from understudy.common import logs
 from understudy.common.sizes import size_arg
@@ -103,7 +104,6 @@ class FunctionalAdam:
 
     @torch.no_grad()
     def step(self) -> None:
-        from torch.optim.adam import adam
         grads = [p.grad for p in self.params]
         assert all(g is not None for g in grads), "every parameter has a gradient"
         adam(self.params, grads, self.exp_avg, self.exp_avg_sq, [], self.steps,  # type: ignore[arg-type]
@@ -336,15 +336,24 @@ class PlainJob(TrainingJob):
         loss = F.mse_loss(h @ p["head_w"].T + p["head_b"], y[rows]) / self.microbatches
         return loss / self.loss_parts if self.loss_parts > 1 else loss
 
-    def compute(self, step: int) -> float | None:
-        ctx, p = self.ctx, self.params
+    def _sleep(self) -> None:
+        """The step's stand-in work (``--step-sleep``), until ``--step-sleep-off`` exists."""
         if self.step_sleep and not (self.step_sleep_off and self.step_sleep_off.exists()):
             time.sleep(self.step_sleep)
-        x, y = self._batch(step)
+
+    def _forward_backward(self, step: int, index: int | None = None) -> list[Any]:
+        """Zero the gradients, then forward and backward of the batch of ``step`` for position
+        ``index`` (:meth:`_batch`) through the stages; the micro-batches' losses (last stage)."""
+        x, y = self._batch(step, index)
         self._zero_grad()
-        losses = run_schedule(ctx, microbatches=self.microbatches,
-                              stage=lambda mb, h: self._stage(x, y, mb, h),
-                              activation=(self.batch // self.microbatches, self.features))
+        return run_schedule(self.ctx, microbatches=self.microbatches,
+                            stage=lambda mb, h: self._stage(x, y, mb, h),
+                            activation=(self.batch // self.microbatches, self.features))
+
+    def compute(self, step: int) -> float | None:
+        ctx, p = self.ctx, self.params
+        self._sleep()
+        losses = self._forward_backward(step)
         grads = [q.grad for q in p.values()]
         assert all(g is not None for g in grads), "every parameter takes part in the loss"
         self._sync_gradients(torch.cat([g.flatten() for g in grads if g is not None]))
@@ -776,18 +785,11 @@ class SlottedPlainJob(SlottedJob, PlainJob):
         self._slot_losses: list[float] = []
 
     def compute_slot(self, step: int, slot: int) -> float | None:
-        ctx = self.ctx
-        first = slot == ctx.held_slots.start
-        if first:
+        if slot == self.ctx.held_slots.start:
             self._slot_losses = []
-            if self.step_sleep and not (self.step_sleep_off and self.step_sleep_off.exists()):
-                time.sleep(self.step_sleep)  # once a step, as the unslotted job
-        x, y = self._batch(step, slot)
-        self._zero_grad()
-        losses = run_schedule(ctx, microbatches=self.microbatches,
-                              stage=lambda mb, h: self._stage(x, y, mb, h),
-                              activation=(self.batch // self.microbatches, self.features))
-        loss = float(sum(losses)) if ctx.last_stage else None
+            self._sleep()  # once a step, as the unslotted job
+        losses = self._forward_backward(step, slot)
+        loss = float(sum(losses)) if self.ctx.last_stage else None
         if loss is not None:
             self._slot_losses.append(loss)
             if self.step_log is not None:  # this replica's share of the step's mean loss
