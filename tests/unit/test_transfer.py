@@ -1071,3 +1071,24 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs CUDA: no GPU on this machine"))])
+def test_a_digest_queued_on_the_device_equals_the_hosts_and_survives_the_buffers_reuse(
+        device: str) -> None:
+    from understudy.worker.transfer.wire import _DeviceDigest, _finish_device_digests
+
+    g = torch.Generator().manual_seed(5)
+    sizes = [77, 8 * 4096, 3 * 8 * 4096 + 77, 5 * 8 * 4096 + 8 * 4096 - 8]
+    bufs = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
+    expected = [transfer._digest(b) for b in bufs]
+    reused = torch.empty(max(sizes), dtype=torch.uint8, device=device)
+    pending = []
+    for b in bufs:  # one buffer for all, as a staging region is: each digest must keep its bytes
+        reused[:b.numel()].copy_(b)
+        pending.append(_DeviceDigest.start(reused[:b.numel()]))
+    reused.fill_(0)
+    _finish_device_digests(pending)
+    assert [d.value for d in pending] == expected

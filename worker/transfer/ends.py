@@ -28,7 +28,16 @@ from understudy.worker.transfer.transports import (
     StateTransport,
     TransferError,
 )
-from understudy.worker.transfer.wire import ALIGN, CHECKSUM, _Chunk, _digest, _Entry, _plan
+from understudy.worker.transfer.wire import (
+    ALIGN,
+    CHECKSUM,
+    _Chunk,
+    _DeviceDigest,
+    _digest,
+    _Entry,
+    _finish_device_digests,
+    _plan,
+)
 
 
 @dataclass
@@ -127,31 +136,41 @@ class _Digests:
     end's thread moves the bytes (torch's reduction releases the GIL). On the leaver this is
     what keeps the stream going: digesting inline, its thread would write each chunk into the
     socket in ``send`` (gloo writes at once when nothing is queued) and only then digest it,
-    one after the other. One per transfer; :func:`_run` closes it."""
+    one after the other. A chunk on a GPU is digested on the device instead, queued on this
+    end's stream behind the chunk's bytes and read back with all the others in
+    :meth:`results` (:class:`~understudy.worker.transfer.wire._DeviceDigest`): no host sync
+    per chunk. One per transfer; :func:`_run` closes it."""
 
     def __init__(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
-        self._digests: list[Future[int]] = []
+        self._digests: list[Future[int] | _DeviceDigest] = []
 
     def add(self, buf: torch.Tensor) -> None:
-        """Digest the next chunk's bytes; ``buf`` stays untouched until :meth:`wait` for it."""
+        """Digest the next chunk's bytes; ``buf`` stays untouched until :meth:`wait` for it
+        (on a GPU: until work queued on this thread's stream after this call)."""
+        if buf.is_cuda:
+            self._digests.append(_DeviceDigest.start(buf))
+            return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="understudy-transfer-digest")
         self._digests.append(self._pool.submit(_digest, buf))
 
     def wait(self, index: int) -> None:
         """Block until chunk ``index``'s digest is taken (its buffer may then be reused)."""
-        self._digests[index].result()
+        d = self._digests[index]
+        if isinstance(d, Future):
+            d.result()
 
     def results(self) -> list[int]:
-        return [d.result() for d in self._digests]
+        _finish_device_digests([d for d in self._digests if isinstance(d, _DeviceDigest)])
+        return [d.result() if isinstance(d, Future) else d.value  # type: ignore[misc]
+                for d in self._digests]
 
     def close(self) -> None:
         """Drop the digests not started and join the thread (a digest takes milliseconds)."""
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
-
 
 class _Staging:
     """The scratch bytes of an end: one buffer of ``capacity`` bytes (at most ``chunk_bytes``),

@@ -31,9 +31,10 @@ pair's operations on one stream (NCCL) cannot deadlock.
 
 Checksums: each chunk's digest is a 64-bit blake2b over its length, the wrapping int64 sums
 of its 4 KiB rows, and its last partial row. The row sums are one torch reduction where the
-bytes are (on the GPU for NCCL only 1/512 of the bytes reach the host), computed on a thread of
-each end's own (``_Digests`` in :mod:`.ends`) by the leaver while the chunk is in flight and by
-the joiner while the next chunks land. Any change to a
+bytes are, computed by the leaver while the chunk is in flight and by the joiner while the next
+chunks land (``_Digests`` in :mod:`.ends`): on the host on a thread of each end's own; on a GPU
+queued on the end's stream, only 1/512 of the bytes reaching the host, all chunks' at once at
+the end (one host sync per transfer, not one per chunk). Any change to a
 single 8-byte word (every bit flip), truncation and shifted or misplaced data are always
 detected; random damage (garbage, stale or zeroed bytes) escapes with odds of about 2**-64 per
 row; what escapes for sure (compensating changes within one row, words swapped within a row)
@@ -261,16 +262,67 @@ def _digest(buf: torch.Tensor) -> int:
     """The 64-bit digest of a chunk (see "Checksums" in the module docstring). ``buf`` starts at
     a multiple of 8 bytes in its storage (``_End.direct`` in :mod:`.ends` and the staging see
     to it)."""
+    n, parts = _digest_parts(buf)
+    return _finish_digest(n, b"".join(_to_bytes(p) for p in parts))
+
+
+def _digest_parts(buf: torch.Tensor) -> tuple[int, list[torch.Tensor]]:
+    """What a chunk's digest hashes, as uint8 tensors where ``buf`` is: its 4 KiB rows' wrapping
+    int64 sums, then its last partial row."""
     n = buf.numel()
     body = n - n % (8 * _ROW_WORDS)
-    h = hashlib.blake2b(n.to_bytes(8, "little"), digest_size=8)
+    parts = []
     if body:
         # int64 addition wraps on every backend, so both ends agree bit for bit.
-        rows = buf[:body].view(torch.int64).view(-1, _ROW_WORDS).sum(1)
-        h.update(_to_bytes(rows.view(torch.uint8)))
+        parts.append(buf[:body].view(torch.int64).view(-1, _ROW_WORDS).sum(1).view(torch.uint8))
     if body < n:
-        h.update(_to_bytes(buf[body:]))
+        parts.append(buf[body:])
+    return n, parts
+
+
+def _finish_digest(n: int, hashed: bytes) -> int:
+    h = hashlib.blake2b(n.to_bytes(8, "little"), digest_size=8)
+    h.update(hashed)
     return int.from_bytes(h.digest(), "little")
+
+
+@dataclass
+class _DeviceDigest:
+    """A chunk's digest on a GPU, computed without waiting for the device: its reductions are
+    queued on the current stream behind the chunk's bytes (so the buffer may be reused by work
+    queued after them), and their few bytes (1/512 of the chunk) are read back for a whole
+    transfer at once by :func:`_finish_device_digests`. Per chunk, reading them back would wait
+    for everything queued before on the stream (staging copies, other digests): on an H200 that
+    wait held half of each end's time at 1 GiB (docs/benchmarks.md, "GPU self-test")."""
+
+    n: int
+    parts: list[torch.Tensor]
+    value: int | None = None
+
+    @classmethod
+    def start(cls, buf: torch.Tensor) -> _DeviceDigest:
+        n, parts = _digest_parts(buf)
+        if n % (8 * _ROW_WORDS):
+            parts[-1] = parts[-1].clone()  # the partial row is a view of the reusable buffer
+        return cls(n, parts)
+
+
+def _finish_device_digests(digests: list[_DeviceDigest]) -> None:
+    """Read back the queued reductions of ``digests`` (one copy per device) and hash them."""
+    by_device: dict[torch.device, list[_DeviceDigest]] = {}
+    for d in digests:
+        if d.value is None:
+            device = d.parts[0].device if d.parts else torch.device("cpu")
+            by_device.setdefault(device, []).append(d)
+    for group in by_device.values():
+        parts = [p for d in group for p in d.parts]
+        data = _to_bytes(torch.cat(parts)) if parts else b""
+        at = 0
+        for d in group:
+            size = sum(p.numel() for p in d.parts)
+            d.value = _finish_digest(d.n, data[at:at + size])
+            d.parts = []
+            at += size
 
 
 def _pack_digests(digests: list[int]) -> bytes:
