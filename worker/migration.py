@@ -267,6 +267,11 @@ class JobGroups:
         self.groups = groups
         self.names = layout.concrete(rank)
 
+    def retarget(self, groups: GroupSet, rank: int, layout: Layout) -> None:
+        """Answer from ``groups``, as ``rank`` of ``layout``, from now on (a reshape: the job
+        keeps this object, and the groups it fetches at call time are the new shape's)."""
+        self.groups, self.names = groups, layout.concrete(rank)
+
     def current(self, name: str) -> Any:
         try:
             concrete = self.names[name]

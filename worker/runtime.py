@@ -308,6 +308,41 @@ class Runtime:
                                  step=step, attempts=attempt)
         return Outcome.COMPLETED
 
+    def reshape(self, ctx: JobContext) -> None:
+        """Take ``ctx``, this rank's new place after its job's data parallelism changed shape
+        (:mod:`understudy.worker.reshape`), at a step boundary: the next step computes the
+        slots ``ctx.held_slots`` names, on the groups ``ctx`` reaches. The job's own ``ctx``
+        attribute, where it keeps one, is replaced too (a slotted job reads its held slots
+        there). Only a :class:`~understudy.worker.api.SlottedJob` can: its arithmetic does not
+        depend on the number of replicas; any other job's would change.
+
+        Raises:
+            ValueError: the job is not slotted, or ``ctx`` changes more than the data-parallel
+                shape (the job, seed, TP or PP degree, slot count, or this rank's TP index or
+                stage, which its random streams are keyed by).
+            RuntimeError: a step is pending (settle first), or the job is not built.
+        """
+        self._require_built()
+        if not slotted(self.job):
+            raise ValueError(f"{type(self.job).__name__} is not a SlottedJob: only a job that "
+                             "trains data-parallel slots keeps its results when the number of "
+                             "replicas changes")
+        old = self.ctx
+        kept = ("job", "seed", "tp", "pp", "data_slots", "tp_index", "pp_index")
+        changed = [k for k in kept if getattr(ctx, k) != getattr(old, k)]
+        if changed:
+            raise ValueError(f"a reshape changes the data-parallel shape only; this one also "
+                             f"changes {', '.join(changed)}")
+        if self.pending is not None:
+            raise RuntimeError(f"step {self.pending[0]} is pending: settle it before a reshape")
+        self.ctx = ctx
+        if getattr(self.job, "ctx", None) is old:
+            self.job.ctx = ctx  # type: ignore[attr-defined]
+        self._log = logs.get("understudy.worker", job=ctx.job, rank=ctx.rank)
+        self._log.info("Took a new place in the job.", step=self.step, dp=ctx.dp,
+                       dp_index=ctx.dp_index, slots=list(ctx.held_slots),
+                       was_rank=old.rank, was_dp=old.dp)
+
     def settle(self, committed: int) -> None:
         """After an abort, take the survivors' word: ``committed`` steps are committed (the
         most advanced survivor's count). Applies or discards a pending step to match.

@@ -3,6 +3,7 @@ over real gloo groups (ranks are threads of this process, bootstrapped through a
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -11,8 +12,8 @@ import torch.distributed as dist
 
 from tests.unit.test_groups import run_ranks
 from understudy.worker import slots as slots_mod
-from understudy.worker.api import JobContext, SlottedJob
-from understudy.worker.runtime import StaticGroups
+from understudy.worker.api import JobContext, SlottedJob, TrainingJob
+from understudy.worker.runtime import Runtime, StaticGroups
 from understudy.worker.slots import canonical_sum, chunk, compute_step, held
 
 
@@ -149,3 +150,42 @@ def test_gradients_of_mixed_dtypes_are_refused_with_a_sentence() -> None:
     job = _Grads([torch.ones(2), torch.ones(2, dtype=torch.float64)])
     with pytest.raises(ValueError, match="tensors of one dtype"):
         compute_step(job, ctx, step=0)
+
+
+class _Plain(TrainingJob):
+    """A job that is not slotted: it sums its own gradients."""
+
+    def build(self, ctx: JobContext) -> None: ...
+
+    def compute(self, step: int) -> float | None:
+        return None
+
+    def apply(self, step: int) -> None: ...
+
+    def discard(self, step: int) -> None: ...
+
+    def state(self) -> dict[str, Any]:
+        return {}
+
+    def load_state(self, state: dict[str, Any]) -> None: ...
+
+
+def test_a_reshape_takes_a_new_place_and_refuses_what_would_change_the_arithmetic() -> None:
+    groups = StaticGroups(dist.HashStore(), rank=0, world_size=1, tp=1, timeout=5)
+    ctx = JobContext(job="j", rank=0, world_size=1, tp=1, groups=groups, slots=4)
+    runtime = Runtime(_Grads([torch.ones(2)]), ctx)
+    runtime.build()
+    wider = dataclasses.replace(ctx, rank=2, world_size=4)
+    for bad, what in [(dataclasses.replace(wider, seed=1), "seed"),
+                      (dataclasses.replace(wider, slots=8), "data_slots"),
+                      (dataclasses.replace(ctx, world_size=2, tp=2), "tp")]:
+        with pytest.raises(ValueError, match=f"also changes {what}"):
+            runtime.reshape(bad)
+        assert runtime.ctx is ctx
+    runtime.reshape(wider)
+    assert runtime.ctx is wider and list(runtime.ctx.held_slots) == [2]
+    plain = Runtime(_Plain(), ctx)
+    plain.build()
+    with pytest.raises(ValueError, match="not a SlottedJob"):
+        plain.reshape(wider)
+    assert plain.ctx is ctx

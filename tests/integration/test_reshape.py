@@ -1,0 +1,73 @@
+"""Live reshape of data parallelism (issue 16, items 2-4, the workers' side): a slotted TP=2 job
+shrinks from four replicas to two, grows to three, then back to four, its survivors keeping
+their state in memory and the new replicas taking theirs from a replica that stays, and ends
+bit for bit equal to an uninterrupted run on four replicas. Real processes, real gloo groups
+(rebuilt at each boundary), the real state transfer; the shapes and their boundaries are given
+to every process by the test (``reshape_run.py``): the controller that would decide them is
+not built."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from tests.integration.bitwise import assert_rank_equal
+from tests.integration.test_migration import ONE_THREAD, standalone_run
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+RUN = str(Path(__file__).with_name("reshape_run.py"))
+TP, SLOTS, STEPS = 2, 4, 24
+#: [the step each shape trains to, its replicas in data-parallel order]: DP 4 -> 2 -> 3 -> 4.
+#: Replicas 1 and 3 leave at step 6; 4 joins at 12 (its state from replica 0), 5 at 18.
+PHASES = [[6, [0, 1, 2, 3]], [12, [0, 2]], [18, [0, 2, 4]], [STEPS, [0, 2, 4, 5]]]
+JOB = ("--slots", str(SLOTS), "--steps", str(STEPS), "--step-sleep", "0", "--adam",
+       "functional", "--tp", str(TP))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_job_shrunk_from_four_replicas_to_two_and_grown_back_keeps_every_bit(
+        tmp_path: Path) -> None:
+    port = _free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
+    out = tmp_path / "out"
+    replicas = sorted({r for _, reps in PHASES for r in reps})
+    procs = {}
+    for replica in replicas:
+        for t in range(TP):
+            log = open(tmp_path / f"p{replica}.{t}.log", "wb")  # noqa: SIM115 (closed below)
+            procs[replica, t] = (log, subprocess.Popen(
+                [sys.executable, RUN, "--replica", str(replica), "--tp-index", str(t),
+                 "--port", str(port), "--phases", json.dumps(PHASES), "--", "--save", str(out),
+                 *JOB],
+                env={**os.environ, **ONE_THREAD}, stdout=subprocess.DEVNULL, stderr=log))
+    try:
+        for (replica, t), (_, proc) in procs.items():
+            code = proc.wait(timeout=240)
+            assert code == 0, (tmp_path / f"p{replica}.{t}.log").read_text()[-3000:]
+    finally:
+        for log, proc in procs.values():
+            proc.kill()
+            log.close()
+        del store
+    text = (tmp_path / "p0.0.log").read_text()
+    assert text.count("Took a new place in the job.") == 3, text[-3000:]
+    # The uninterrupted run: four TP=2 replicas, one slot each, the same job and steps.
+    reference = standalone_run(tmp_path / "reference", world=8, tp=TP,
+                               extra=("--slots", str(SLOTS), "--steps", str(STEPS)))
+    for rank in range(8):
+        assert_rank_equal(reference, rank, out, rank, rng=False)
