@@ -119,8 +119,9 @@ def reshape(runtime: Runtime, provider: JobGroups, old: GroupSet, new: GroupSet,
         GroupError: a group could not be built (a member did not come).
     """
     build_groups(new, shape, rank, members, version)
+    # The slot count stays the job's: a context that left it to the replica count (0) says so.
     ctx = dataclasses.replace(runtime.ctx, rank=rank, world_size=shape.layout.world_size,
-                              groups=provider)
+                              groups=provider, slots=runtime.ctx.data_slots)
     runtime.reshape(ctx)
     provider.retarget(new, rank, shape.layout)
     old.close()

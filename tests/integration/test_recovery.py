@@ -73,7 +73,8 @@ def _recovery_done(c: LocalCluster) -> dict:
 
 def test_a_killed_rank_is_replaced_from_its_replica_and_the_result_is_bitwise_identical(
         etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:
-    with training(etcd, tmp_path, {"node-a": 2, "node-b": 2}, STANDBYS) as (c, out):
+    with training(etcd, tmp_path, {"node-a": 2, "node-b": 2}, ("node-s1",),
+                  standby=1) as (c, out):
         a = c.daemons["node-a"]
         _wait_steps(a, 1, 50)
         os.kill(worker_pid(a, "mig.r1"), signal.SIGKILL)

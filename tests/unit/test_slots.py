@@ -189,3 +189,27 @@ def test_a_reshape_takes_a_new_place_and_refuses_what_would_change_the_arithmeti
     with pytest.raises(ValueError, match="not a SlottedJob"):
         plain.reshape(wider)
     assert plain.ctx is ctx
+
+
+def test_a_reshape_keeps_the_slot_count_a_context_left_to_the_replica_count() -> None:
+    from understudy.common.layout import Layout
+    from understudy.groups.groupset import GroupSet
+    from understudy.worker.migration import JobGroups
+    from understudy.worker.reshape import Shape, reshape
+
+    def group_set(member: str) -> GroupSet:
+        store = dist.HashStore()
+        return GroupSet("j", member, timeout=5, backends={"cpu": "gloo"},
+                        store_factory=lambda ns, cancel: dist.PrefixStore(ns, store))
+
+    old = group_set("a")
+    provider = JobGroups(old, 0, Layout(2, 1))
+    ctx = JobContext(job="j", rank=0, world_size=2, tp=1, groups=provider)  # slots: 0 -> DP 2
+    runtime = Runtime(_Grads([torch.ones(2)]), ctx)
+    runtime.build()
+    new = group_set("a")
+    reshape(runtime, provider, old, new, Shape(("a",), tp=1), 0, ["a"], 2)
+    assert (runtime.ctx.world_size, runtime.ctx.data_slots) == (1, 2)
+    assert list(runtime.ctx.held_slots) == [0, 1]
+    assert runtime.ctx.group("dp").size() == 1
+    new.close()
