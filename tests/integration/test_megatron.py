@@ -163,14 +163,12 @@ def test_cpu_substitutes_fork_the_cpu_generator_and_refuse_cuda(
         cpu.install()
 
 
-def test_standalone_runs_are_bitwise_identical_and_learn(reference: Path,
-                                                         tmp_path: Path) -> None:
-    again = _standalone(tmp_path)
-    assert_bitwise_equal(reference, again)
+def test_the_standalone_run_learns_and_its_replicas_see_their_own_data(reference: Path) -> None:
+    # That a run repeats bit for bit is what every other test here shows: each compares an
+    # interrupted run with this one (a second uninterrupted run cost the suite ~25 CPU-s).
     for rank in range(4):
         losses = _summary(reference, rank)["losses"]
         assert [int(s) for s in losses] == list(range(STEPS))
-        assert losses == _summary(again, rank)["losses"]
         first, last = losses["0"], losses[str(STEPS - 1)]
         assert first > 4.5 and last < 0.6 * first, (first, last)  # ln(128) = 4.85 at start
     # TP ranks of one replica hold the same replicated parameters and see the same loss.
