@@ -2,9 +2,10 @@
 
 0. The CPU substitutes for Megatron's CUDA RNG tracker and memory buffer behave as Megatron's
    (in this process; everything below runs megatron-core in worker processes only).
-1. Standalone (four plain processes, groups bootstrapped through a file store): two runs with
-   the same seed end bitwise identical, the loss falls, and the parameters Megatron replicates
-   over the TP group (layer norms, row-parallel biases) are bitwise equal on both TP ranks.
+1. Standalone (four plain processes, groups bootstrapped through a file store): the loss falls,
+   and the parameters Megatron replicates over the TP group (layer norms, row-parallel biases)
+   are bitwise equal on both TP ranks. That a run repeats bit for bit is what 2-4 show: each
+   compares an interrupted run with this one.
 2. Under real daemons on a real etcd, with two standby nodes warmed in the sandbox: node-b is
    drained mid-run, its two ranks move live to the standbys (warmed as ranks 0 and 1, they
    build ranks 2 and 3 afresh), the job ends ``done`` at epoch 2, and the final state of
