@@ -46,6 +46,14 @@ def member(replica: Any, tp_index: int, stage: int) -> str:
     return f"p{replica}.{tp_index}.{stage}"
 
 
+def pair(groups: GroupSet, donor: Any, joiner: Any, t: int, version: int,
+         timeout: float) -> PairGroupTransport:
+    """The transfer pair of ``joiner``'s place ``t`` and its donor's, built on both ends."""
+    name = f"pair-{joiner}.{t}"
+    groups.create(name, [member(donor, t, 0), member(joiner, t, 0)], version=version)
+    return PairGroupTransport(groups.current(name), timeout_s=timeout)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--replica", type=int, required=True)
@@ -59,6 +67,7 @@ def main() -> int:
     logs.configure(stream=sys.stderr)
     phases = [(int(until), Shape(tuple(reps), args.tp)) for until, reps in json.loads(a.phases)]
     me, t = a.replica, a.tp_index
+
     def store(prefix: str) -> dist.Store:
         # A client of its own for each group: a TCPStore client serialises its operations,
         # so two groups built at once through one would wait for each other's keys crosswise.
@@ -85,9 +94,7 @@ def main() -> int:
     build_groups(groups, shape, rank, members, k + 1)
     if k > 0:  # a new replica: the state of the same place in a replica that stays
         donor = donors(phases[k - 1][1], shape)[me]
-        pair = f"pair-{me}.{t}"
-        groups.create(pair, [member(donor, t, 0), member(me, t, 0)], version=k + 1)
-        with PairGroupTransport(groups.current(pair), timeout_s=a.timeout) as transport:
+        with pair(groups, donor, me, t, k + 1, a.timeout) as transport:
             state, _ = receive_into(transport, runtime.state())
         runtime.load_state(state)
     while True:
@@ -103,9 +110,7 @@ def main() -> int:
         for joiner, donor in sorted(donors(before, shape).items()):
             if donor != me:
                 continue
-            pair = f"pair-{joiner}.{t}"
-            groups.create(pair, [member(me, t, 0), member(joiner, t, 0)], version=k + 1)
-            with PairGroupTransport(groups.current(pair), timeout_s=a.timeout) as transport:
+            with pair(groups, me, joiner, t, k + 1, a.timeout) as transport:
                 send_state(transport, runtime.state())
     if k == len(phases) - 1 and args.save is not None:
         train.save(runtime, args.save, runtime.ctx.rank)
