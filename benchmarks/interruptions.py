@@ -122,6 +122,9 @@ class RecoveryConfig:
     #: how a drain's leaver hands its state off (``train.py --hand-off``): ``ahead`` (its
     #: state while training goes on, then each step's gradients) or ``whole`` (at the switch)
     hand_off: str = "ahead"
+    #: the job shards its Adam state over DP with a redundant copy of each shard on the next
+    #: DP rank (``train.py --shard-optimizer``)
+    shard_optimizer: bool = False
 
 
 # -- the cluster and the job -------------------------------------------------------------------
@@ -181,6 +184,8 @@ def submit(cluster: LocalCluster, cfg: RecoveryConfig, out: Path) -> None:
     if cfg.state_bytes is not None:
         step_log += ["--state-size", str(cfg.state_bytes)]
     step_log += ["--hand-off", cfg.hand_off]
+    if cfg.shard_optimizer:
+        step_log.append("--shard-optimizer")
     run = cluster.cli("run", "--job", JOB, "--tp", str(TP), "--dp", str(WORLD // TP),
                       "--standby", "2", *env, "--", sys.executable, str(TRAIN),
                       "--steps", str(cfg.steps), "--step-sleep", str(cfg.step_sleep),

@@ -150,6 +150,7 @@ def cold_start(saved: Path, cfg: RecoveryConfig, base: Path) -> dict[str, Any]:
               "--steps", str(step + 1), "--step-sleep", str(cfg.step_sleep),
               "--load", str(saved), "--save", str(out),
               *(["--state-size", str(cfg.state_bytes)] if cfg.state_bytes else []),
+              *(["--shard-optimizer"] if cfg.shard_optimizer else []),
               *harness.example_options(cfg.smoke)]
              for r in range(WORLD)]
     ranks: dict[str, Any] = {}
@@ -340,6 +341,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the job's state per rank (64MiB, 1GiB, ...: examples/plain_torch/"
                         "train.py --state-size), the same for the cold start (default: the "
                         "example's own, about 27 KB)")
+    p.add_argument("--shard-optimizer", action="store_true",
+                   help="the job shards its Adam state over DP, each shard's redundant copy on "
+                        "the next DP rank (train.py --shard-optimizer), the cold start too")
     p.outputs(keep="keep daemon logs, etcd data and states here")
     args = p.parse(argv, {"repeats": (5, 1), "steps": (300, 90)})
     if args.repeats < 1:
@@ -362,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = RecoveryConfig(repeats=args.repeats, steps=args.steps, step_sleep=args.step_sleep,
                          crash_at=args.crash_at, ttl=args.ttl, smoke=args.smoke,
-                         sandbox=not args.no_sandbox, state_bytes=args.state_size)
+                         sandbox=not args.no_sandbox, state_bytes=args.state_size,
+                         shard_optimizer=args.shard_optimizer)
     os.environ.update(ONE_THREAD)  # the daemons, their workers and the cold ranks inherit it
     scratch = harness.Scratch(args.keep_dir, "understudy-bench-rec-")
 
