@@ -68,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--dp", type=int, required=True, help="data-parallel size")
     r.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
     r.add_argument("--standby", type=int, default=0, help="standby nodes to reserve")
+    r.add_argument("--reshape", action="store_true",
+                   help="the job is a slotted one (SlottedJob, --dp slots) that may shrink its "
+                        "data parallelism live when a replica is lost and no standby is free, "
+                        "instead of pausing (docs/reshape.md)")
     r.add_argument("--env", action="append", default=[], metavar="K=V",
                    help="extra environment for every rank")
     r.add_argument("--cwd", default=None, help="working directory of the ranks "
@@ -270,7 +274,7 @@ async def _run_job(store: EtcdStore, keys: Keys, args: argparse.Namespace) -> in
     try:
         spec = JobSpec(name=args.job, argv=tuple(argv), cwd=args.cwd or os.getcwd(),
                        tp=args.tp, dp=args.dp, pp=args.pp, standby=args.standby,
-                       created_at=time.time(),
+                       reshape=args.reshape, created_at=time.time(),
                        created_by=f"{getpass.getuser()}@{socket.gethostname()}", env=env)
     except ValueError as exc:
         raise CliError(str(exc)) from None
@@ -290,7 +294,7 @@ async def _run_job(store: EtcdStore, keys: Keys, args: argparse.Namespace) -> in
         raise CliError(f"a job named {spec.name!r} already exists")
     pp = f" x pp {spec.pp}" if spec.pp > 1 else ""
     print(f"job {spec.name} submitted: {spec.world_size} ranks (tp {spec.tp} x dp {spec.dp}{pp}), "
-          f"{spec.standby} standby", flush=True)
+          f"{spec.standby} standby{', may reshape' if spec.reshape else ''}", flush=True)
     if args.no_wait:
         return 0
     deadline = time.monotonic() + 15

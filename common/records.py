@@ -236,6 +236,10 @@ class JobSpec(Record):
     env: dict[str, Any] = field(default_factory=dict)
     #: pipeline stages (1: no pipeline parallelism)
     pp: int = 1
+    #: the job is a slotted one (``SlottedJob``: ``dp`` data-parallel slots) that may change
+    #: its data-parallel size live (``understudy run --reshape``): a lost replica with no
+    #: standby free shrinks the job instead of pausing it (``docs/reshape.md``)
+    reshape: bool = False
 
     @property
     def world_size(self) -> int:
@@ -352,7 +356,7 @@ class MigrationPhase(enum.StrEnum):
     ABORTED = "aborted"
 
 
-MIGRATION_KINDS = ("planned", "recovery", "rollback")
+MIGRATION_KINDS = ("planned", "recovery", "rollback", "reshape")
 
 
 class Report(enum.StrEnum):
@@ -374,11 +378,16 @@ class Report(enum.StrEnum):
     SWITCHED = "switched"
     #: once: the migration was called off (the value says why)
     ABORTED = "aborted"
+    #: a reshape: the rank (numbered as before it) holds its groups of the new shape
+    RESHAPED = "reshaped"
 
     def of(self, rank: int) -> str:
         return f"{self.value}/{rank}"
 
 
+#: begins the :attr:`Report.ABORTED` value of a reshape that a rank cannot take part in (its job
+#: is not a slotted one): the next plan for the job pauses it instead
+CANNOT_RESHAPE = "cannot reshape: "
 #: the value of a :attr:`Report.TRANSFERRED` report whose state arrived
 TRANSFER_OK = b"ok"
 #: begins the :attr:`Report.ABORTED` value of a recovery whose donor keeps no copy of the lost
@@ -398,6 +407,11 @@ class Migration(Record):
     snapshot of ``snapshot_step``, rank ``r``'s from ``snapshot_from[r]``: ``storage`` or
     ``memory:<node>:<holder id>``, each followed by ``@<epoch>``, the epoch the copy was
     written under, see ``snapshot_tiers.py``; empty: all from storage).
+
+    A ``reshape`` changes the job's data-parallel size (``docs/reshape.md``): replica ``d`` of
+    the new shape is replica ``replicas[d]`` of the old one, its ranks renumbered to their new
+    place and keeping their processes and state; a replica not named leaves (a shrink: its ranks
+    are gone or end). ``ranks``, ``leavers`` and ``joiners`` are empty.
     """
 
     KIND: ClassVar[str] = "migration"
@@ -423,9 +437,23 @@ class Migration(Record):
     snapshot_from: tuple[str, ...] = ()
     #: aborted: why (the controller's reason, or a rank's report)
     outcome: str = ""
+    #: reshape: the old data-parallel index of each replica of the new shape, in its order
+    replicas: tuple[int, ...] = ()
+    #: reshape: the data-parallel size before it
+    from_dp: int = 0
 
     def __post_init__(self) -> None:
-        if not len(self.ranks) == len(self.leavers) == len(self.joiners) > 0:
+        if self.kind == "reshape":
+            if self.ranks or self.leavers or self.joiners:
+                raise ValueError("a reshape moves no rank to a standby")
+            if not self.replicas or min(self.replicas) < 0 or \
+                    len(set(self.replicas)) != len(self.replicas) or \
+                    max(self.replicas) >= self.from_dp:
+                raise ValueError(f"a reshape names each replica it keeps once, each below its "
+                                 f"size before ({self.from_dp})")
+        elif self.replicas or self.from_dp:
+            raise ValueError("only a reshape names replicas")
+        elif not len(self.ranks) == len(self.leavers) == len(self.joiners) > 0:
             raise ValueError("a migration moves at least one rank, with a leaver and a joiner "
                              "for each")
         if self.to_epoch != self.from_epoch + 1:
@@ -447,12 +475,48 @@ class Migration(Record):
 
     @property
     def recovery(self) -> bool:
-        """The leavers are gone (a recovery from a replica, or a rollback to a snapshot)."""
-        return self.kind in ("recovery", "rollback")
+        """The job stopped for it: a recovery from a replica, a rollback to a snapshot, or a
+        reshape (every rank that stays settles on the last committed step first)."""
+        return self.kind in ("recovery", "rollback", "reshape")
+
+    def renumbering(self, tp: int, pp: int) -> dict[int, int]:
+        """A reshape's ranks that stay, by their rank before it -> their rank after it."""
+        return renumbering(Layout(self.from_dp * tp * pp, tp, pp), self.replicas)
 
     @property
     def active(self) -> bool:
         return self.phase not in (MigrationPhase.DONE, MigrationPhase.ABORTED)
+
+
+def renumbering(layout: Layout, replicas: tuple[int, ...]) -> dict[int, int]:
+    """The ranks of ``layout`` whose data-parallel index is in ``replicas`` -> their rank in
+    the shape whose replica ``d`` is ``replicas[d]`` (TP index and stage kept)."""
+    new = reshaped(layout, len(replicas))
+    out = {}
+    for r in range(layout.world_size):
+        t, d, s = layout.coordinates(r)
+        if d in replicas:
+            out[r] = new.rank_of(t, replicas.index(d), s)
+    return out
+
+
+def current_layout(spec: JobSpec, assignment: Assignment) -> Layout:
+    """The job's layout now: its submitted TP and PP, and as many data-parallel replicas as
+    its assignment places (fewer than submitted after a reshape shrank it).
+
+    Raises:
+        ValueError: the assignment's rank count does not fit the spec (a foreign write).
+    """
+    layout = Layout(len(assignment.ranks), spec.tp, spec.pp)
+    if layout.dp > spec.dp:
+        raise ValueError(f"job {spec.name}'s assignment places {layout.dp} replicas, more than "
+                         f"its {spec.dp} slots")
+    return layout
+
+
+def reshaped(layout: Layout, dp: int) -> Layout:
+    """``layout`` with ``dp`` data-parallel replicas."""
+    return Layout(dp * layout.tp * layout.pp, layout.tp, layout.pp)
 
 
 #: what a job keeps under ``jobs/<job>/``: key name -> record (``exits/<epoch>/<rank>`` hold

@@ -30,6 +30,7 @@ from understudy.common.records import (
     MigrationPhase,
     RankExit,
     Report,
+    current_layout,
     decode_job_record,
 )
 from understudy.common.states import NodeState
@@ -165,6 +166,7 @@ class JobRunner:
             # Joining (again, after a lost lease): what this node runs is readopt's to decide,
             # once the new record exists. Nothing is started or stopped before.
             return
+        await self._renumber(jobs)
         children = self.supervisor.children
         running = {n for n, c in children.items() if c.state == ChildState.RUNNING}
         promotions = self._promotions(jobs)
@@ -217,6 +219,39 @@ class JobRunner:
                 await self.supervisor.stop(name, self.agent.cfg.drain.stop_grace)
         await self._check_standbys(jobs, running)
         await self._back_to_the_pool(jobs, promotions)
+
+    async def _renumber(self, jobs: dict[str, _Job]) -> None:
+        """A reshape committed (the job's assignment is at its new epoch): this node's ranks that
+        stay keep their processes under their new numbers, and those of a dropped replica are
+        stopped (they end cleanly: the job goes on without them). ``docs/reshape.md``."""
+        for job in jobs.values():
+            m, a, spec = job.migration, job.assignment, job.spec
+            if m is None or a is None or spec is None or m.kind != "reshape" or \
+                    m.phase != MigrationPhase.DONE or a.epoch != m.to_epoch:
+                continue
+            stay = m.renumbering(spec.tp, spec.pp)
+            held = sorted(r for r in range(m.from_dp * spec.tp * spec.pp)
+                          if self._held_epoch.get(rank_child(spec.name, r)) == m.from_epoch and
+                          (c := self.supervisor.children.get(rank_child(spec.name, r)))
+                          is not None and c.state == ChildState.RUNNING)
+            for r in held:
+                if r not in stay:
+                    name = rank_child(spec.name, r)
+                    self.log.info(f"Rank {r} of job {spec.name} was in a replica the reshape "
+                                  f"{m.id} dropped; stopping it.", job=spec.name, rank=r)
+                    await self.supervisor.stop(name, self.agent.cfg.drain.stop_grace)
+            # New numbers are never above old ones (the replicas kept stay in order), so in
+            # rising order each new name is free: a dropped rank's, or one renamed already.
+            for r in held:
+                if r not in stay:
+                    continue
+                old, new = rank_child(spec.name, r), rank_child(spec.name, stay[r])
+                if old != new:
+                    self.supervisor.rename(old, new)
+                    self._held_epoch.pop(old, None)
+                self._held_epoch[new] = m.to_epoch
+                self.log.info(f"Rank {r} of job {spec.name} is rank {stay[r]} after reshape "
+                              f"{m.id}.", job=spec.name, epoch=m.to_epoch)
 
     async def _back_to_the_pool(self, jobs: dict[str, _Job],
                                 promotions: dict[str, tuple[_Job, int, int, str]]) -> None:
@@ -459,20 +494,24 @@ class JobRunner:
         return await self.store.get(self.keys.rank_exit(job, epoch, rank)) is not None
 
     async def _spawn(self, spec: JobSpec, assignment: Assignment, rank: int | None) -> None:
+        try:  # a standby of a job that shrank takes ranks of its current shape
+            layout = current_layout(spec, assignment)
+        except ValueError:
+            layout = spec.layout
         worker_env = {
             **spec.env,
             env.CHILD_SOCKET: str(self.agent.cfg.socket_path),
             env.CHILD_NODE: self.node,
             env.JOB: spec.name,
-            env.WORLD_SIZE: str(spec.world_size),
+            env.WORLD_SIZE: str(layout.world_size),
             env.TP: str(spec.tp),
-            env.DP: str(spec.dp),
+            env.DP: str(layout.dp),
             env.PP: str(spec.pp),
             env.EPOCH: str(assignment.epoch),
             env.WORKER_ROLE: env.WorkerRole.STANDBY if rank is None else env.WorkerRole.RANK,
         }
         if rank is not None:
-            tp_index, dp_index, pp_index = spec.layout.coordinates(rank)
+            tp_index, dp_index, pp_index = layout.coordinates(rank)
             worker_env.update({env.RANK: str(rank), env.TP_INDEX: str(tp_index),
                                env.DP_INDEX: str(dp_index), env.PP_INDEX: str(pp_index)})
             name = rank_child(spec.name, rank)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from understudy.common.layout import Layout
 from understudy.common.records import (
+    CANNOT_RESHAPE,
     NO_REPLICA_COPY,
     PAUSED,
     Assignment,
@@ -25,6 +26,7 @@ from understudy.common.records import (
     RankExit,
     RegistryEntry,
     Report,
+    current_layout,
 )
 from understudy.common.snapshot_tiers import (
     MemoryCopies,
@@ -262,6 +264,10 @@ def _plan_job(name: str, job: JobView, view: ClusterView, now: float) -> list[Ac
         return [AssignJob(placed, "placed on " + ", ".join(sorted(set(placed.ranks))))]
     if state != JobState.RUNNING or job.assignment is None:
         return []
+    try:
+        current_layout(job.spec, job.assignment)
+    except ValueError:
+        return []  # a foreign assignment: nothing is planned on it
     if job.migration is not None and job.migration.active:
         return _advance_migration(job, job.migration, view, now)
     gone = _gone_ranks(job, job.assignment, view, now)
@@ -270,7 +276,7 @@ def _plan_job(name: str, job: JobView, view: ClusterView, now: float) -> list[Ac
     migration = _plan_migration(job, job.assignment, view, now)
     if migration is not None:
         return [migration]
-    if len(job.exits) == job.spec.world_size:
+    if len(job.exits) == len(job.assignment.ranks):
         return [SetJobState(name, JobState.DONE, "every rank finished")]
     actions: list[Action] = []
     if job.status is not None and job.status.paused:
@@ -349,7 +355,7 @@ def _plan_recovery(job: JobView, a: Assignment, gone: dict[int, str], view: Clus
                    now: float) -> list[Action]:
     """Replace ranks whose process or node is gone by standbys, each taking the state of the
     last committed step from a live data-parallel replica (same TP index)."""
-    name, layout = a.job, job.spec.layout
+    name, layout = a.job, current_layout(job.spec, a)
     donors: list[int] = []
     snapshot_step = -1
     point: RollbackPoint | None = None
@@ -366,7 +372,7 @@ def _plan_recovery(job: JobView, a: Assignment, gone: dict[int, str], view: Clus
         if replicas:
             donors.append(replicas[0])
             continue
-        point = rollback_point(job.spec.world_size, job.snapshots, job.memory_snapshots,
+        point = rollback_point(layout.world_size, job.snapshots, job.memory_snapshots,
                                live_holders(name, {n: rec.warmth for n, rec in
                                                    view.live.items()}), job.storage_epochs)
         if point is None:
@@ -390,6 +396,9 @@ def _plan_recovery(job: JobView, a: Assignment, gone: dict[int, str], view: Clus
         refill = _refill_standbys(job, a, view, now, want=len(gone))
         if refill is not None:
             return [refill]  # capacity returned: the next round recovers onto it
+        shrink = _plan_shrink(job, a, gone, view, now)
+        if shrink is not None:
+            return [shrink]
         reason = (f"{PAUSED}{what}; waiting for a standby to take over ({len(free)} free, "
                   f"{len(gone)} needed)")
         if job.status is None or job.status.reason != reason:
@@ -415,6 +424,71 @@ def _plan_recovery(job: JobView, a: Assignment, gone: dict[int, str], view: Clus
     moves = ", ".join(f"rank {r} -> {j} (state from rank {d})" for r, j, d in
                       zip(migration.ranks, migration.joiners, donors, strict=True))
     return [StartMigration(migration, f"recovery: {moves}", absent)]
+
+
+def _plan_shrink(job: JobView, a: Assignment, gone: dict[int, str], view: ClusterView,
+                 now: float) -> StartMigration | None:
+    """A job that may reshape (``--reshape``) with no standby for its lost ranks: drop their
+    whole replicas and train on with the others, renumbered densely, holding every slot
+    between them (``docs/reshape.md``). None: it may not, no replica is left whole, or its
+    ranks refused the last reshape (its job is not a slotted one); the job then pauses."""
+    last = job.migration
+    if not job.spec.reshape or (last is not None and last.kind == "reshape"
+                                and last.phase == MigrationPhase.ABORTED
+                                and last.outcome.startswith(CANNOT_RESHAPE)):
+        return None
+    layout = current_layout(job.spec, a)
+    dropped = {layout.coordinates(r)[1] for r in gone}
+    keep = tuple(d for d in range(layout.dp) if d not in dropped and all(
+        a.ranks[r] in view.live for r in range(layout.world_size)
+        if layout.coordinates(r)[1] == d))
+    if not keep:
+        return None
+    what = "; ".join(gone.values())
+    migration = Migration(
+        job=a.job, id=f"e{a.epoch + 1}-{int(now * 1000)}", from_epoch=a.epoch,
+        to_epoch=a.epoch + 1, ranks=(), leavers=(), joiners=(), phase=MigrationPhase.PLANNED,
+        reason=what, created_at=now, deadline=now + view.migration_timeout, updated_at=now,
+        timings={"planned": now}, kind="reshape", replicas=keep, from_dp=layout.dp)
+    moves = ", ".join(f"{old}->{new}" for old, new in
+                      migration.renumbering(layout.tp, layout.pp).items())
+    absent = tuple(sorted({a.ranks[r] for r in gone if a.ranks[r] not in view.live}))
+    return StartMigration(migration, f"reshape for want of a standby: DP {layout.dp} -> "
+                                     f"{len(keep)}, replica(s) {sorted(dropped)} dropped, "
+                                     f"ranks renumbered {moves}", absent)
+
+
+def _advance_reshape(job: JobView, m: Migration, view: ClusterView,
+                     now: float) -> list[Action]:
+    """A reshape commits once every rank that stays holds its groups of the new shape; a
+    failure of one of them before that, a rank's refusal or the deadline call it off (its
+    ranks wait for the next plan on the step they settled on)."""
+    a = job.assignment
+    assert a is not None
+    layout = current_layout(job.spec, a)
+    stay = m.renumbering(layout.tp, layout.pp)
+    if all(Report.RESHAPED.of(r) in job.progress for r in stay):
+        nodes = [""] * len(stay)
+        for old, new in stay.items():
+            nodes[new] = a.ranks[old]
+        after = Assignment(job=a.job, epoch=m.to_epoch, ranks=tuple(nodes),
+                           standbys=a.standbys, reason=f"reshape {m.id}: {m.reason}",
+                           updated_at=now)
+        return [AdvanceMigration(m.job, m.id, MigrationPhase.DONE,
+                                 f"every rank that stays holds the new shape "
+                                 f"(DP {layout.dp} -> {len(m.replicas)})", assignment=after)]
+    if Report.ABORTED in job.progress:
+        return [AdvanceMigration(m.job, m.id, MigrationPhase.ABORTED,
+                                 job.abort_reason or "a rank aborted the reshape")]
+    failed = [why for r, why in _gone_ranks(job, a, view, now).items() if r in stay]
+    if failed:
+        return [AdvanceMigration(m.job, m.id, MigrationPhase.ABORTED,
+                                 f"{failed[0]} during the reshape")]
+    if now > m.deadline:
+        return [AdvanceMigration(m.job, m.id, MigrationPhase.ABORTED,
+                                 f"the deadline passed ({now - m.created_at:.1f} s after it "
+                                 "was planned)")]
+    return []
 
 
 def _refill_standbys(job: JobView, a: Assignment, view: ClusterView, now: float,
@@ -459,7 +533,7 @@ def _plan_migration(job: JobView, a: Assignment, view: ClusterView,
         job=a.job, id=mig_id, from_epoch=a.epoch, to_epoch=a.epoch + 1,
         ranks=tuple(r for r, _ in leaving), leavers=tuple(n for _, n in leaving),
         joiners=_pick_joiners(a.job, [r for r, _ in leaving], free, view,
-                              job.spec.layout),
+                              current_layout(job.spec, a)),
         phase=MigrationPhase.PLANNED,
         reason=f"drain of {', '.join(sorted({n for _, n in leaving}))}", created_at=now,
         deadline=deadline, updated_at=now, timings={"planned": now})
@@ -470,10 +544,15 @@ def _plan_migration(job: JobView, a: Assignment, view: ClusterView,
 
 def _advance_migration(job: JobView, m: Migration, view: ClusterView,
                        now: float) -> list[Action]:
+    assert job.assignment is not None
+    if m.kind == "reshape":
+        return _advance_reshape(job, m, view, now)
+
     def reported(kind: Report, ranks: tuple[int, ...]) -> bool:
         return all(kind.of(r) in job.progress for r in ranks)
 
-    if len(job.exits) == job.spec.world_size and not any(e.failed for e in job.exits.values()):
+    if len(job.exits) == len(job.assignment.ranks) and \
+            not any(e.failed for e in job.exits.values()):
         return [AdvanceMigration(m.job, m.id, MigrationPhase.ABORTED,
                                  "every rank finished the job first")]
     gone = [n for n in m.joiners if lost(view, n, now)]
@@ -511,7 +590,8 @@ def _advance_migration(job: JobView, m: Migration, view: ClusterView,
         return [AdvanceMigration(
             m.job, m.id, MigrationPhase.ABORTED,
             f"the deadline passed ({m.phase} {now - m.created_at:.1f} s after it was planned)")]
-    world = tuple(r for r in range(job.spec.world_size) if not (m.recovery and r in m.ranks))
+    world = tuple(r for r in range(len(job.assignment.ranks))
+                  if not (m.recovery and r in m.ranks))
     if m.phase == MigrationPhase.PLANNED and reported(Report.BOUND, m.ranks):
         return [AdvanceMigration(m.job, m.id, MigrationPhase.PREPARING, "joiners are bound")]
     if m.phase == MigrationPhase.PREPARING and reported(Report.PREPARED, world) \

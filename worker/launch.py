@@ -62,7 +62,7 @@ from understudy.worker.migration import (
     member,
     wait_for_plan,
 )
-from understudy.worker.recovery import recover, wait_for_recovery, wait_while_replaced
+from understudy.worker.recovery import recover, reshape, wait_for_recovery, wait_while_replaced
 from understudy.worker.runtime import Outcome, Runtime
 from understudy.worker.snapshots import SNAPSHOTS, start_holder, start_snapshotter
 from understudy.worker.transfer import TransferError
@@ -223,8 +223,30 @@ def _run_standby(w: _Worker) -> _Seat | None:
             holder.close()
         return None
     plan, rank = found
+    if _follow_shape(w, plan) and warmed is not None:
+        w.log.info("The job changed shape since this standby warmed up: building the rank "
+                   "afresh.")
+        warmed.discard()
+        warmed = None
     with _collector_paused():
         return _take_over(w, plan, rank, warmed, holder)
+
+
+def _follow_shape(w: _Worker, plan: Plan) -> bool:
+    """Take the job's nodes and shape as ``plan`` found them (the assignment of its
+    ``from_epoch``), not as they were when this standby started: ranks moved meanwhile, and a
+    reshape changes the data-parallel size. True if the shape changed."""
+    try:
+        a = (w.control.job() or {}).get("assignment") or {}
+        if a.get("epoch") != plan.from_epoch:
+            return False
+        nodes = tuple(a["ranks"])
+        layout = Layout(len(nodes), w.layout.tp, w.layout.pp)
+    except (DaemonError, KeyError, TypeError, ValueError):
+        return False  # the start's view stands
+    changed = layout != w.layout
+    w.nodes, w.layout = nodes, layout
+    return changed
 
 
 @contextlib.contextmanager
@@ -364,22 +386,32 @@ def _run_rank(w: _Worker, seat: _Seat, steps: int,
               on_finish: Callable[[Runtime], None] | None) -> int:
     """Train the rank to ``steps``, taking part in migrations and recoveries, then tear down.
     A rank handed off to a joiner leaves the process at once."""
-    runtime, groups = seat.runtime, seat.groups
-    # The boundary hook reads the job's view at every step: keep it current in the background.
-    w.control.follow_job(lambda: groups.epoch)
-    hook = MigrationHook(w.control, groups, job=w.job, rank=seat.rank, node=w.node,
+    runtime = seat.runtime
+    hook = MigrationHook(w.control, seat.groups, job=w.job, rank=seat.rank, node=w.node,
                          layout=w.layout, nodes=seat.nodes, transfer_timeout=w.timeout,
                          finished=seat.finished, stop=w.stop, send_ahead=replays(runtime.job))
+    # The boundary hook reads the job's view at every step: keep it current in the background.
+    # (A reshape gives the hook a group set of the new epoch: read it there.)
+    w.control.follow_job(lambda: hook.groups.epoch)
     runtime.hook = hook if seat.recorder is None else seat.recorder.hook(hook)
     w.hook = hook
-    snapshotter = start_snapshotter(runtime, w.job, lambda: groups.epoch)
-    outcome = _train(runtime, hook, steps, w.stop, w.timeout, w.log, w.snapshots)
+    snapshotter = start_snapshotter(runtime, w.job, lambda: hook.groups.epoch)
+
+    def reshaped() -> None:
+        # The snapshots of a rank are its number's: a rank renumbered starts a new series.
+        nonlocal snapshotter
+        w.layout = hook.layout
+        if snapshotter is not None:
+            snapshotter.close()
+            snapshotter = start_snapshotter(runtime, w.job, lambda: hook.groups.epoch)
+
+    outcome = _train(runtime, hook, steps, w.stop, w.timeout, w.log, w.snapshots, reshaped)
     if snapshotter is not None:
         snapshotter.close()
     if seat.recorder is not None:
         seat.recorder.close(timeout=30)
-    w.log.info(f"Rank {seat.rank} finished: {outcome.value} at step {runtime.step}.",
-               rank=seat.rank)
+    w.log.info(f"Rank {hook.rank} finished: {outcome.value} at step {runtime.step}.",
+               rank=hook.rank)
     if outcome is Outcome.HANDED_OFF:
         # The joiner holds the state now; tearing down communicators whose peers moved on can
         # block, and there is nothing left to save: leave at once.
@@ -387,16 +419,18 @@ def _run_rank(w: _Worker, seat: _Seat, steps: int,
         os._exit(0)
     if outcome is Outcome.COMPLETED and on_finish is not None:
         on_finish(runtime)
-    groups.close()
+    hook.groups.close()
     w.control.close()
     return 0
 
 
 def _train(runtime: Runtime, hook: MigrationHook, steps: int, stop: threading.Event,
-           timeout: float, log: Any, snapshots: Path | None = None) -> Outcome:
-    """Run the loop; after a step aborted by a lost peer, take part in the job's recovery and
-    run on. A step aborted with no recovery coming (and the job not paused waiting for a
-    standby) fails this worker after ``timeout`` seconds: never a silent hang."""
+           timeout: float, log: Any, snapshots: Path | None = None,
+           reshaped: Callable[[], None] = lambda: None) -> Outcome:
+    """Run the loop; after a step aborted by a lost peer, take part in the job's recovery (or
+    reshape: then ``reshaped()``) and run on. A step aborted with no recovery coming (and the
+    job not paused waiting for a standby) fails this worker after ``timeout`` seconds: never a
+    silent hang. A rank of a replica a reshape drops waits for its daemon to stop it."""
     while True:
         try:
             return runtime.run(steps)
@@ -417,10 +451,18 @@ def _train(runtime: Runtime, hook: MigrationHook, steps: int, stop: threading.Ev
                     record_error(exc)
                     hook.control.close()
                     os._exit(1)
-                if hook.rank in plan.moves:
-                    log.warning(f"Recovery {plan.id} replaces this rank: it takes no part and "
-                                "waits to be stopped.", rank=hook.rank)
+                if hook.rank in plan.moves or (
+                        plan.reshape and hook.rank not in plan.renumbering(hook.layout)):
+                    log.warning(f"{'Reshape' if plan.reshape else 'Recovery'} {plan.id} "
+                                "replaces this rank: it takes no part and waits to be stopped.",
+                                rank=hook.rank)
                     wait_while_replaced(hook, plan, stop)
+                    continue
+                if plan.reshape:
+                    if reshape(runtime, hook, plan, timeout=timeout):
+                        reshaped()
+                        runtime.announce = f"First step after reshape {plan.id}"
+                        break
                     continue
                 if recover(runtime, hook, plan, timeout=timeout, snapshots=snapshots):
                     runtime.announce = f"First step after recovery {plan.id}"

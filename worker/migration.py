@@ -36,7 +36,7 @@ from typing import Any
 from understudy.common import failpoints, logs
 from understudy.common.daemon_client import DaemonClient, DaemonError
 from understudy.common.layout import Layout
-from understudy.common.records import TRANSFER_OK, Report, is_paused
+from understudy.common.records import TRANSFER_OK, Report, is_paused, renumbering
 from understudy.common.snapshot_tiers import STORAGE
 from understudy.groups.errors import GroupError
 from understudy.groups.groupset import GroupSet
@@ -195,6 +195,10 @@ class Plan:
     snapshot_step: int = -1
     #: rollback: where each rank's copy comes from, by rank (empty: storage for all)
     snapshot_from: tuple[str, ...] = ()
+    #: reshape: the old data-parallel index of each replica of the new shape, in its order
+    replicas: tuple[int, ...] = ()
+    #: reshape: the data-parallel size before it
+    from_dp: int = 0
 
     @classmethod
     def from_info(cls, info: dict[str, Any] | None) -> Plan | None:
@@ -209,12 +213,23 @@ class Plan:
                    kind=m.get("kind", "planned"),
                    donors=dict(zip(m["ranks"], m.get("donors") or (), strict=False)),
                    snapshot_step=int(m.get("snapshot_step", -1)),
-                   snapshot_from=tuple(m.get("snapshot_from") or ()))
+                   snapshot_from=tuple(m.get("snapshot_from") or ()),
+                   replicas=tuple(m.get("replicas") or ()), from_dp=int(m.get("from_dp", 0)))
 
     @property
     def recovery(self) -> bool:
-        """The leavers are gone: a recovery from replicas or a rollback to snapshots."""
-        return self.kind in ("recovery", "rollback")
+        """The job stopped for it: a recovery from replicas, a rollback to snapshots, or a
+        reshape (``worker/recovery.py``)."""
+        return self.kind in ("recovery", "rollback", "reshape")
+
+    @property
+    def reshape(self) -> bool:
+        return self.kind == "reshape"
+
+    def renumbering(self, layout: Layout) -> dict[int, int]:
+        """A reshape's ranks that stay, by their rank in ``layout`` (before it) -> their rank
+        after it; the ranks not named leave."""
+        return renumbering(layout, self.replicas)
 
     @property
     def rollback(self) -> bool:
@@ -344,6 +359,16 @@ class MigrationHook:
         self._forget_planned()
         self.nodes = plan.nodes_after(self.nodes)
         self.groups.epoch = plan.to_epoch
+        self._finished.add(plan.id)
+        self._recovery = None
+
+    def reshaped(self, plan: Plan, groups: GroupSet, rank: int, layout: Layout,
+                 nodes: tuple[str, ...]) -> None:
+        """This rank's side of reshape ``plan`` is done: it is ``rank`` of ``layout`` on
+        ``groups`` (of the new epoch), the ranks' nodes ``nodes``."""
+        self._forget_planned()
+        self.groups, self.rank, self.layout, self.nodes = groups, rank, layout, nodes
+        self.log = logs.get(job=self.job, rank=rank, node=self.node)
         self._finished.add(plan.id)
         self._recovery = None
 

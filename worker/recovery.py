@@ -27,6 +27,14 @@ A survivor learns of the loss from its daemon: the collective it waits in is rel
 If the plan is called off at any point (the joiner or another rank died meanwhile, the deadline
 passed) the prepared versions are abandoned and the survivor waits for the next plan; its step
 stays settled, so a second attempt reports the same step and nothing pending.
+
+A **reshape** (:func:`reshape`: a replica lost and no standby free, for a job that may reshape)
+stops and settles the same way, among the ranks that stay; then each of them takes its rank in
+the new shape, builds all its groups afresh as a new group set of the new epoch, takes its new
+place in the job (:mod:`understudy.worker.reshape`) and reports ``reshaped/<rank>`` (its rank
+before). Nothing moves but the group bootstrap: a replica that stays holds the whole state, and
+the slots it now holds too. The ranks of a dropped replica that still run take no part; their
+daemons stop them once the controller committed the new shape.
 """
 
 from __future__ import annotations
@@ -40,17 +48,22 @@ from typing import Any
 
 from understudy.common import logs
 from understudy.common.daemon_client import DaemonClient, DaemonError
-from understudy.common.records import NO_REPLICA_COPY, TRANSFER_OK, Report
+from understudy.common.layout import Layout
+from understudy.common.records import CANNOT_RESHAPE, NO_REPLICA_COPY, TRANSFER_OK, Report
 from understudy.groups.errors import GroupError
 from understudy.groups.groupset import GroupSet
 from understudy.worker.holder_client import HolderDirectory
 from understudy.worker.migration import (
+    REPORT_RETRY_S,
+    JobGroups,
     MigrationHook,
     Plan,
     group_members,
     member,
     pair_name,
 )
+from understudy.worker.reshape import Shape
+from understudy.worker.reshape import reshape as reshape_runtime
 from understudy.worker.runtime import Runtime
 from understudy.worker.snapshots import SnapshotError, restore
 from understudy.worker.transfer import PairGroupTransport, TransferError, send_state
@@ -104,6 +117,13 @@ def recover(runtime: Runtime, hook: MigrationHook, plan: Plan, *, timeout: float
     return _Survivor(runtime, hook, plan, timeout, snapshots).run()
 
 
+def reshape(runtime: Runtime, hook: MigrationHook, plan: Plan, *, timeout: float) -> bool:
+    """This rank's part of reshape ``plan``, as a rank that stays (see the module docstring).
+    True: it holds its rank of the new shape (``hook`` says which) and training resumes.
+    False: the plan was called off; the caller waits for the next one."""
+    return _Survivor(runtime, hook, plan, timeout, None).run_reshape()
+
+
 class _Survivor:
     def __init__(self, runtime: Runtime, hook: MigrationHook, plan: Plan,
                  timeout: float, snapshots: Path | None) -> None:
@@ -143,6 +163,48 @@ class _Survivor:
                       epoch=self.plan.to_epoch, seconds=round(time.monotonic() - t0, 3))
         return True
 
+    def run_reshape(self) -> bool:
+        t0 = time.monotonic()
+        stay = self.plan.renumbering(self.layout)
+        layout = Layout(len(stay), self.layout.tp, self.layout.pp)
+        rank = stay[self.rank]
+        nodes = [""] * len(stay)
+        for old, new in stay.items():
+            nodes[new] = self.nodes[old]
+        groups = GroupSet(self.hook.job, member(rank, self.hook.node), epoch=self.plan.to_epoch,
+                          timeout=self.timeout)
+        try:
+            self.hook._forget_planned()
+            committed = self._settle()
+            provider = self.runtime.ctx.groups
+            if not isinstance(provider, JobGroups):
+                raise CalledOff(f"{CANNOT_RESHAPE}the job's groups are not the runtime's own")
+            shape = Shape(self.plan.replicas, layout.tp, layout.pp)
+            members = tuple(member(r, n) for r, n in enumerate(nodes))
+            try:
+                reshape_runtime(self.runtime, provider, self.groups, groups, shape, rank, members,
+                                self.plan.version)
+            except ValueError as exc:
+                self._set(Report.ABORTED, f"{CANNOT_RESHAPE}rank {self.rank}: {exc}".encode())
+                raise CalledOff(f"{CANNOT_RESHAPE}{exc}") from exc
+            except GroupError as exc:
+                self._set(Report.ABORTED, f"reshape failed on rank {self.rank}: {exc}".encode())
+                raise CalledOff(str(exc)) from exc
+        except CalledOff as exc:
+            self.log.warning(f"Reshape {self.plan.id} was called off ({exc}); waiting for the "
+                             "next plan.")
+            groups.close(timeout=1.0)
+            self.reports.close()
+            return False
+        self.hook.reshaped(self.plan, groups, rank, layout, tuple(nodes))
+        self._set_quietly(Report.RESHAPED.of(self.rank))
+        self.reports.close()
+        self.log.info(f"Reshaped at step {committed}: rank {self.rank} of DP {self.layout.dp} is "
+                      f"rank {rank} of DP {layout.dp}, holding slots "
+                      f"{list(self.runtime.ctx.held_slots)}.", epoch=self.plan.to_epoch,
+                      seconds=round(time.monotonic() - t0, 3))
+        return True
+
     # -- steps --------------------------------------------------------------------------------
 
     def _my_groups(self) -> list[str]:
@@ -157,8 +219,9 @@ class _Survivor:
         mine = {"step": self.runtime.step, "pending": pending[0] if pending else None,
                 "ops": ops}
         self._set(f"stopped/{self.rank}", json.dumps(mine).encode())
-        self.stopped = {r: self._read_report(r) for r in range(self.layout.world_size)
-                        if r not in self.plan.moves}
+        reporting = (self.plan.renumbering(self.layout) if self.plan.reshape else
+                     [r for r in range(self.layout.world_size) if r not in self.plan.moves])
+        self.stopped = {r: self._read_report(r) for r in reporting}
         committed = max(int(rep["step"]) for rep in self.stopped.values())
         try:
             self.runtime.settle(committed)
@@ -252,6 +315,21 @@ class _Survivor:
             self.reports.set(key, value)
         except DaemonError as exc:
             raise CalledOff(f"could not report {key}: {exc}") from exc
+
+    def _set_quietly(self, key: str) -> None:
+        """A report once this rank is past the point of no return (it holds the new shape, as
+        every rank of it does, since their groups came up together): tried again while the
+        daemon cannot reach etcd, up to the timeout; one that never goes through is logged."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                self.reports.set(key, b"1")
+                return
+            except DaemonError as exc:
+                if not exc.retryable or time.monotonic() > deadline:
+                    self.log.error(f"Could not report {key}: {exc}.")
+                    return
+            time.sleep(REPORT_RETRY_S)
 
     def _check_plan(self) -> None:
         try:

@@ -21,14 +21,16 @@ existing group cannot), switches them in, and points the job's groups provider a
 of the shape (:mod:`understudy.worker.slots`), so the run stays bit for bit the one of the
 submitted size.
 
-What drives a reshape here is the caller: today ``tests/integration/reshape_run.py`` (every
-process told the shapes and their boundaries). The controller's side (a ``reshape`` plan when a
-replica is lost and no standby is free, ``understudy resize``) is not built.
+What drives a reshape is a ``reshape`` plan of the controller (a replica lost with no standby
+free, ``daemon/planner.py``), which a survivor follows in :func:`worker.recovery.reshape`; or
+the caller, as ``tests/integration/reshape_run.py`` does (every process told the shapes and
+their boundaries).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable, Hashable, Sequence
 
 from understudy.common.layout import Layout
@@ -112,16 +114,21 @@ def reshape(runtime: Runtime, provider: JobGroups, old: GroupSet, new: GroupSet,
             rank: int, members: Sequence[str], version: int) -> None:
     """This surviving rank's part of a reshape, at a step boundary: build its groups of
     ``shape`` in ``new`` (as rank ``rank``), point the job at them, take the new context, and
-    close ``old``.
+    close ``old`` in the background (a group whose peer died may take its backend's timeout
+    to release; the next step does not wait for it).
 
     Raises:
-        ValueError: as :meth:`Runtime.reshape` (then nothing changed but the new groups).
+        ValueError: as :meth:`Runtime.reshape`, checked before anything is built: nothing
+            changed.
         GroupError: a group could not be built (a member did not come).
     """
-    build_groups(new, shape, rank, members, version)
     # The slot count stays the job's: a context that left it to the replica count (0) says so.
     ctx = dataclasses.replace(runtime.ctx, rank=rank, world_size=shape.layout.world_size,
                               groups=provider, slots=runtime.ctx.data_slots)
+    refusal = runtime.reshape_refusal(ctx)
+    if refusal is not None:
+        raise ValueError(refusal)
+    build_groups(new, shape, rank, members, version)
     runtime.reshape(ctx)
     provider.retarget(new, rank, shape.layout)
-    old.close()
+    threading.Thread(target=old.close, name="understudy-close-old-shape", daemon=True).start()

@@ -323,16 +323,10 @@ class Runtime:
             RuntimeError: a step is pending (settle first), or the job is not built.
         """
         self._require_built()
-        if not slotted(self.job):
-            raise ValueError(f"{type(self.job).__name__} is not a SlottedJob: only a job that "
-                             "trains data-parallel slots keeps its results when the number of "
-                             "replicas changes")
+        refusal = self.reshape_refusal(ctx)
+        if refusal is not None:
+            raise ValueError(refusal)
         old = self.ctx
-        kept = ("job", "seed", "tp", "pp", "data_slots", "tp_index", "pp_index")
-        changed = [k for k in kept if getattr(ctx, k) != getattr(old, k)]
-        if changed:
-            raise ValueError(f"a reshape changes the data-parallel shape only; this one also "
-                             f"changes {', '.join(changed)}")
         if self.pending is not None:
             raise RuntimeError(f"step {self.pending[0]} is pending: settle it before a reshape")
         self.ctx = ctx
@@ -342,6 +336,19 @@ class Runtime:
         self._log.info("Took a new place in the job.", step=self.step, dp=ctx.dp,
                        dp_index=ctx.dp_index, slots=list(ctx.held_slots),
                        was_rank=old.rank, was_dp=old.dp)
+
+    def reshape_refusal(self, ctx: JobContext) -> str | None:
+        """Why :meth:`reshape` would refuse ``ctx`` (None: it would not), checked before any
+        group of the new shape is built."""
+        if not slotted(self.job):
+            return (f"{type(self.job).__name__} is not a SlottedJob: only a job that trains "
+                    "data-parallel slots keeps its results when the number of replicas changes")
+        kept = ("job", "seed", "tp", "pp", "data_slots", "tp_index", "pp_index")
+        changed = [k for k in kept if getattr(ctx, k) != getattr(self.ctx, k)]
+        if changed:
+            return (f"a reshape changes the data-parallel shape only; this one also changes "
+                    f"{', '.join(changed)}")
+        return None
 
     def settle(self, committed: int) -> None:
         """After an abort, take the survivors' word: ``committed`` steps are committed (the

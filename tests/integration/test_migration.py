@@ -79,10 +79,12 @@ def cluster(etcd: EmbeddedEtcd, tmp_path: Path) -> Iterator[LocalCluster]:
 
 def _run_job(c: LocalCluster, out: Path, step_sleep: float = 0.08, standby: int = 2,
              env: dict[str, str] | None = None, dp: int = 2, tp: int = 2, pp: int = 1,
-             hand_off: str = "ahead", extra: tuple[str, ...] = ()) -> None:
+             hand_off: str = "ahead", extra: tuple[str, ...] = (),
+             options: tuple[str, ...] = ()) -> None:
+    """``extra``: the job's own arguments; ``options``: more of ``understudy run``'s."""
     env = [f"--env={k}={v}" for k, v in {**ONE_THREAD, **(env or {})}.items()]
     run = c.cli("run", "--job", "mig", "--tp", str(tp), "--dp", str(dp), "--pp", str(pp),
-                "--standby", str(standby),
+                "--standby", str(standby), *options,
                 *env,
                 "--", sys.executable, *_job_args(out, step_sleep, faults_over(c), hand_off, extra))
     assert run.returncode == 0, run.stderr

@@ -1,17 +1,20 @@
-"""Data-parallel slots end to end (issue 16, item 1): the plain example with ``--slots 2``
-trains the same bits on two TP=2 replicas as on one under real daemons, through a live drain to
-standbys warmed in the sandbox (whose shadow iterations replay the slots' point-to-point sums).
-That any replica count trains the same bits as plain processes is test_reshape.py's (DP 4, 2
-and 3 in one run, against an uninterrupted DP 4 run)."""
+"""Data-parallel slots end to end (issue 16, items 1 and 2): the plain example with
+``--slots 2`` trains the same bits on two TP=2 replicas as on one under real daemons, through a
+live drain to standbys warmed in the sandbox (whose shadow iterations replay the slots'
+point-to-point sums), and through a live shrink to one replica when a rank is lost and no
+standby is free. That any replica count trains the same bits as plain processes is
+test_reshape.py's (DP 4, 2 and 3 in one run, against an uninterrupted DP 4 run)."""
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import pytest
 
 from tests.integration.bitwise import assert_rank_equal
-from tests.integration.scenarios import start, wait_log
+from tests.integration.scenarios import events, start, wait_log, worker_pid
 from tests.integration.test_migration import _finish, _run_job, standalone_run
 from tests.once import build_once
 from understudy.testing.embedded_etcd import EmbeddedEtcd
@@ -51,5 +54,35 @@ def test_a_slotted_job_drained_live_keeps_the_bits_of_one_replica(
         assert job.assignment is not None and job.assignment.epoch == 2
         assert "node-b" not in job.assignment.ranks
         _assert_same_as_one_replica(one_replica, out)
+    finally:
+        c.stop_all(timeout=5, drain=False)
+
+
+def test_a_rank_lost_with_no_standby_free_shrinks_the_job_live_and_keeps_the_bits(
+        etcd: EmbeddedEtcd, one_replica: Path, tmp_path: Path) -> None:
+    # No standby: without --reshape the job would pause. Rank 0's worker dies; its replica
+    # (ranks 0 and 1, on node-a) is dropped, and node-b's replica, ranks 2 and 3, trains on as
+    # ranks 0 and 1 holding both slots, in the same processes.
+    c = start(etcd, tmp_path / "cluster", {"node-a": 2, "node-b": 2}, ())
+    try:
+        out = tmp_path / "out"
+        _run_job(c, out, standby=0, extra=SLOTS, options=("--reshape",))
+        a, b = c.daemons["node-a"], c.daemons["node-b"]
+        stayers = {r: worker_pid(b, f"mig.r{r}") for r in (2, 3)}
+        wait_log(b, "50 steps committed on rank 2", timeout=60)
+        os.kill(worker_pid(a, "mig.r0"), 9)
+        job = _finish(c)
+        assert job.assignment is not None and job.assignment.epoch == 2
+        assert job.assignment.ranks == ("node-b", "node-b")
+        planned = next(e for e in events(c) if e["kind"] == "migration-planned")
+        assert "reshape for want of a standby: DP 2 -> 1" in planned["message"], planned
+        assert "migration-done" in [e["kind"] for e in events(c)]
+        for old, new in ((2, 0), (3, 1)):  # the same process under its new number
+            renamed = [json.loads(line) for line in b.log_text().splitlines()
+                       if f"Worker mig.r{old} is now mig.r{new}." in line]
+            assert [x["pid"] for x in renamed] == [stayers[old]], renamed
+        assert "was in a replica the reshape" in a.log_text()  # rank 1 stopped, not failed
+        for rank in range(2):
+            assert_rank_equal(one_replica, rank, out, rank, rng=False)
     finally:
         c.stop_all(timeout=5, drain=False)

@@ -9,6 +9,7 @@ import pytest
 
 from understudy.common.errors import RecordError
 from understudy.common.records import (
+    CANNOT_RESHAPE,
     MAX_VALUE_BYTES,
     NO_REPLICA_COPY,
     PAUSED,
@@ -22,6 +23,7 @@ from understudy.common.records import (
     NodeRecord,
     RankExit,
     RegistryEntry,
+    Report,
     decode_job_record,
 )
 from understudy.common.states import IllegalTransition, NodeLifecycle, NodeState
@@ -413,6 +415,99 @@ def test_an_exhausted_pool_pauses_the_job_once_and_a_refill_resumes_it() -> None
     healed = _recovery_view(standbys=(), status_reason=paused.reason)
     resumed = [x for x in plan(healed, 9.0) if isinstance(x, SetJobState)]
     assert resumed and resumed[0].event == "job-resumed"
+
+
+def _reshape_view(exits: dict[int, RankExit] | None = None, drop: tuple[str, ...] = (),
+                  tp: int = 1) -> ClusterView:
+    """DP 4 / tp on nodes a, a, b, b with no standby node online; the job may reshape."""
+    view = _recovery_view(exits, drop=(*drop, "s1", "s2"), standbys=(), tp=tp)
+    job = view.jobs["j"]
+    spec = dataclasses.replace(job.spec, reshape=True)
+    return dataclasses.replace(view, jobs={"j": dataclasses.replace(job, spec=spec)},
+                               registry={n: e for n, e in view.registry.items()
+                                         if n not in ("s1", "s2")})
+
+
+def test_a_job_that_may_reshape_drops_a_lost_replica_instead_of_pausing() -> None:
+    # DP 4 (TP 1): rank 1 crashed; replicas 0, 2 and 3 train on as ranks 0, 1 and 2.
+    (start,) = plan(_reshape_view({1: _crash(1)}), 5.0)
+    assert isinstance(start, StartMigration)
+    m = start.migration
+    assert m.kind == "reshape" and m.replicas == (0, 2, 3) and m.from_dp == 4
+    assert (m.ranks, m.leavers, m.joiners) == ((), (), ())
+    assert m.renumbering(tp=1, pp=1) == {0: 0, 2: 1, 3: 2}
+    assert "DP 4 -> 3" in start.reason and start.absent == ()
+    # TP 2: node b lost takes replica 1 whole; replica 0 stays, its ranks keep their numbers.
+    (start,) = [x for x in plan(_reshape_view(drop=("b",), tp=2), 5.0)
+                if isinstance(x, StartMigration)]
+    assert start.migration.replicas == (0,) and start.absent == ("b",)
+    assert start.migration.renumbering(tp=2, pp=1) == {0: 0, 1: 1}
+    # No replica left whole (TP 2, a rank of each lost): the job pauses as before.
+    both = plan(_reshape_view({1: _crash(1), 2: _crash(2, "b")}, tp=2), 5.0)
+    assert [x.event for x in both if isinstance(x, SetJobState)] == ["job-paused"]
+
+
+def test_a_reshape_commits_once_every_rank_that_stays_holds_the_new_shape() -> None:
+    view = _reshape_view({1: _crash(1)})
+    (start,) = plan(view, 5.0)
+    assert isinstance(start, StartMigration)
+    job = view.jobs["j"]
+
+    def at(progress: set[str]) -> ClusterView:
+        return dataclasses.replace(view, jobs={"j": dataclasses.replace(
+            job, migration=start.migration, progress=frozenset(progress))})
+
+    assert plan(at({Report.RESHAPED.of(0), Report.RESHAPED.of(2)}), 6.0) == []
+    (done,) = plan(at({Report.RESHAPED.of(r) for r in (0, 2, 3)}), 6.0)
+    assert isinstance(done, AdvanceMigration) and done.phase == MigrationPhase.DONE
+    assert done.assignment is not None and done.assignment.epoch == 4
+    assert done.assignment.ranks == ("a", "b", "b")  # old ranks 0, 2, 3 renumbered 0, 1, 2
+    # A rank that stays and fails before it reshaped calls the reshape off.
+    failed = dataclasses.replace(view, jobs={"j": dataclasses.replace(
+        job, migration=start.migration, exits={1: _crash(1), 3: _crash(3, "b")})})
+    (off,) = plan(failed, 6.0)
+    assert isinstance(off, AdvanceMigration) and off.phase == MigrationPhase.ABORTED
+    assert "rank 3 failed" in off.reason
+
+
+def test_a_job_whose_ranks_cannot_reshape_pauses_after_the_refusal() -> None:
+    view = _reshape_view({1: _crash(1)})
+    (start,) = plan(view, 5.0)
+    assert isinstance(start, StartMigration)
+    refused = dataclasses.replace(start.migration, phase=MigrationPhase.ABORTED,
+                                  outcome=f"{CANNOT_RESHAPE}rank 0: PlainJob is not a SlottedJob")
+    job = view.jobs["j"]
+    again = dataclasses.replace(view, jobs={"j": dataclasses.replace(job, migration=refused)})
+    (paused,) = plan(again, 6.0)
+    assert isinstance(paused, SetJobState) and paused.event == "job-paused"
+
+
+def test_a_reshape_record_names_its_replicas_and_nothing_else_does() -> None:
+    base = dict(job="j", id="e2-1", from_epoch=1, to_epoch=2, phase=MigrationPhase.PLANNED,
+                reason="", created_at=0.0, deadline=1.0, updated_at=0.0)
+    ok = Migration(**base, ranks=(), leavers=(), joiners=(), kind="reshape", replicas=(2, 0),
+                   from_dp=3)
+    assert Migration.decode(ok.encode()) == ok and ok.recovery
+    for bad, match in (({"replicas": ()}, "names each replica"),
+                       ({"replicas": (0, 0)}, "names each replica"),
+                       ({"replicas": (3,)}, "below its size before"),
+                       ({"ranks": (1,), "leavers": ("a",), "joiners": ("s",)},
+                        "moves no rank")):
+        with pytest.raises(ValueError, match=match):
+            Migration(**{**base, "ranks": (), "leavers": (), "joiners": (), "kind": "reshape",
+                         "replicas": (0,), "from_dp": 3, **bad})
+    with pytest.raises(ValueError, match="only a reshape"):
+        Migration(**base, ranks=(1,), leavers=("a",), joiners=("s",), replicas=(0,), from_dp=2)
+
+
+def test_an_assignment_that_does_not_fit_its_job_plans_nothing() -> None:
+    view = _recovery_view({1: _crash(1)})
+    job = view.jobs["j"]
+    assert job.assignment is not None
+    for ranks in (("a", "a", "b"), ("a",) * 6):  # TP 2 does not divide 3; 3 replicas of 2 slots
+        odd = dataclasses.replace(job.assignment, ranks=ranks)
+        bad = dataclasses.replace(view, jobs={"j": dataclasses.replace(job, assignment=odd)})
+        assert plan(bad, 5.0) == []
 
 
 def test_a_rank_failing_during_a_drain_calls_the_drain_off() -> None:
