@@ -19,8 +19,8 @@ CLI = {
     "cordon": ["node"],
     "uncordon": ["node"],
     "events": ["--follow", "--json", "--limit"],
-    "run": ["--cwd", "--dp", "--env", "--job", "--no-wait", "--pp", "--reshape", "--standby", "--tp",
-            "argv"],
+    "run": ["--cwd", "--dp", "--env", "--job", "--no-wait", "--pp", "--reshape", "--standby",
+            "--tp", "argv"],
 }
 
 DAEMON = ["--address", "--check-config", "--config", "--drain-deadline", "--enable-failpoints",
