@@ -18,6 +18,7 @@ from understudy.common.records import (
     Migration,
     NodeRecord,
     RegistryEntry,
+    ResizeRequest,
     decode_job_record,
 )
 from understudy.common.store import EtcdStore
@@ -62,10 +63,18 @@ class JobView:
     status: JobStatus | None
     assignment: Assignment | None
     migration: Migration | None = None
+    resize: ResizeRequest | None = None
 
     @property
     def state(self) -> str:
         return str(self.status.state) if self.status else "pending"
+
+    @property
+    def dp_now(self) -> int:
+        """The data-parallel size the job trains at: its assignment's (smaller than its
+        ``--dp`` after a reshape shrank it)."""
+        a, spec = self.assignment, self.spec
+        return len(a.ranks) // (spec.tp * spec.pp) if a is not None and a.ranks else spec.dp
 
     def as_json(self) -> dict[str, Any]:
         a = self.assignment
@@ -73,6 +82,8 @@ class JobView:
             "name": self.spec.name, "state": self.state,
             "reason": self.status.reason if self.status else "",
             "tp": self.spec.tp, "dp": self.spec.dp, "pp": self.spec.pp,
+            "dp_now": self.dp_now, "reshape": self.spec.reshape,
+            "resize_dp": self.resize.dp if self.resize is not None else None,
             "standby": self.spec.standby,
             "argv": list(self.spec.argv), "epoch": a.epoch if a else 0,
             "ranks": list(a.ranks) if a else [], "standbys": list(a.standbys) if a else [],
@@ -166,7 +177,7 @@ async def _read_jobs(store: EtcdStore, keys: Keys, ignored: list[str]) -> list[J
             job, name, record = decoded
             tables[name][job] = record
     return [JobView(spec, tables["status"].get(name), tables["assignment"].get(name),
-                    tables["migration"].get(name))
+                    tables["migration"].get(name), tables["resize"].get(name))
             for name, spec in sorted(tables["spec"].items())]
 
 

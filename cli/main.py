@@ -23,7 +23,14 @@ from understudy.cli.cluster import ClusterStatus, read_cluster, read_events
 from understudy.common import config as config_mod
 from understudy.common.errors import ConfigError, UnderstudyError
 from understudy.common.keys import Keys
-from understudy.common.records import DrainRequest, Event, JobSpec, RegistryEntry, warmth_line
+from understudy.common.records import (
+    DrainRequest,
+    Event,
+    JobSpec,
+    RegistryEntry,
+    ResizeRequest,
+    warmth_line,
+)
 from understudy.common.store import EtcdStore, WatchEvent
 
 EXIT_FAILED = 1
@@ -79,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-wait", action="store_true", help="do not wait for the placement")
     r.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND",
                    help="the training command, after --")
+
+    z = sub.add_parser("resize", parents=[common],
+                       help="change the data-parallel size of a job run with --reshape, live")
+    z.add_argument("job")
+    z.add_argument("--dp", type=int, required=True,
+                   help="data-parallel replicas to train on, 1 to the job's --dp (its slots)")
 
     e = sub.add_parser("events", parents=[common], help="show the cluster's events")
     e.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
@@ -160,8 +173,9 @@ def _print_jobs(status: ClusterStatus) -> None:
                 placement += f"  standby: {','.join(a.standbys)}"
         elif j.status is not None:
             placement = j.status.reason
+        dp = f"{j.dp_now}/{j.spec.dp}" if j.dp_now != j.spec.dp else str(j.spec.dp)
         rows.append((j.spec.name, j.state, str(a.epoch) if a else "-",
-                     f"tp{j.spec.tp}xdp{j.spec.dp}"
+                     f"tp{j.spec.tp}xdp{dp}"
                      + (f"xpp{j.spec.pp}" if j.spec.pp > 1 else ""), placement))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
@@ -169,8 +183,11 @@ def _print_jobs(status: ClusterStatus) -> None:
     for j in status.jobs:
         m = j.migration
         if m is not None and m.active:
-            moves = ", ".join(f"rank {r} {ln} -> {jn}" for r, ln, jn in
+            moves = ", ".join(f"rank {r} {ln or '(new)'} -> {jn}" for r, ln, jn in
                               zip(m.ranks, m.leavers, m.joiners, strict=True))
+            if m.kind == "reshape":
+                moves = (f"DP {m.from_dp} -> {len(m.replicas)}" + (f"; {moves}" if moves
+                                                                   else ""))
             print(f"  migration {m.id} of {j.spec.name}: {m.phase} ({m.reason}): {moves}")
 
 
@@ -247,6 +264,34 @@ async def _drain(store: EtcdStore, keys: Keys, args: argparse.Namespace) -> int:
             return 0 if node is not None and node.state == "drained" else EXIT_FAILED
         await asyncio.sleep(0.2)
     raise CliError(f"node {args.node!r} did not finish draining in time")
+
+
+async def _resize(store: EtcdStore, keys: Keys, name: str, dp: int) -> str:
+    """Ask the controller to reshape job ``name`` to ``dp`` replicas (``docs/reshape.md``).
+    Refused, with nothing written, for an unknown job, one not run with ``--reshape``, one
+    not running, or a size outside 1 to its ``--dp``."""
+    status = await read_cluster(store, keys)
+    job = status.job(name)
+    if job is None:
+        known = ", ".join(j.spec.name for j in status.jobs) or "none"
+        raise CliError(f"no job named {name!r} in this cluster (known: {known})")
+    if not job.spec.reshape:
+        raise CliError(f"job {name!r} was not run with --reshape: its data-parallel size is "
+                       f"fixed at {job.spec.dp}")
+    if job.state != "running":
+        raise CliError(f"job {name!r} is {job.state}: only a running job can be resized")
+    if not 1 <= dp <= job.spec.dp:
+        raise CliError(f"job {name!r} can train on 1 to {job.spec.dp} data-parallel replicas "
+                       f"(its slots), not {dp}")
+    req = ResizeRequest(job=name, dp=dp, requested_at=time.time(),
+                        requested_by=f"{getpass.getuser()}@{socket.gethostname()}")
+    await store.put(keys.job_resize(name), req.encode())
+    now = job.dp_now
+    if dp == now:
+        return f"job {name} trains at DP {dp} already; it will stay there"
+    more = "" if dp < now else " (as standby nodes are free: a replica takes " \
+        f"{job.spec.tp * job.spec.pp} of them)"
+    return f"job {name}: resize from DP {now} to DP {dp} requested{more}"
 
 
 async def _undrain(store: EtcdStore, keys: Keys, name: str) -> str:
@@ -353,6 +398,9 @@ async def _run(args: argparse.Namespace) -> int:
             return 0
         if args.command == "events":
             return await _events(store, keys, args)
+        if args.command == "resize":
+            print(await _resize(store, keys, args.job, args.dp))
+            return 0
         raise AssertionError(args.command)
     finally:
         await store.close()

@@ -67,6 +67,10 @@ class Keys:
     def job_status(self, job: str) -> str:
         return f"{self.jobs}{job}/status"
 
+    def job_resize(self, job: str) -> str:
+        """The operator's resize request for the job (``understudy resize``)."""
+        return f"{self.jobs}{job}/resize"
+
     def job_migration(self, job: str) -> str:
         """The job's current (or last) migration; one at a time per job."""
         return f"{self.jobs}{job}/migration"

@@ -411,7 +411,9 @@ class Migration(Record):
     A ``reshape`` changes the job's data-parallel size (``docs/reshape.md``): replica ``d`` of
     the new shape is replica ``replicas[d]`` of the old one, its ranks renumbered to their new
     place and keeping their processes and state; a replica not named leaves (a shrink: its ranks
-    are gone or end). ``ranks``, ``leavers`` and ``joiners`` are empty.
+    are gone or end). A replica that is :data:`NEW_REPLICA` (a grow) is made of standbys:
+    ``joiners[i]`` takes ``ranks[i]`` (numbered in the new shape) with the state of rank
+    ``donors[i]`` (of the new shape too, a replica kept); ``leavers`` are empty strings.
     """
 
     KIND: ClassVar[str] = "migration"
@@ -437,20 +439,23 @@ class Migration(Record):
     snapshot_from: tuple[str, ...] = ()
     #: aborted: why (the controller's reason, or a rank's report)
     outcome: str = ""
-    #: reshape: the old data-parallel index of each replica of the new shape, in its order
+    #: reshape: the old data-parallel index of each replica of the new shape, in its order, or
+    #: :data:`NEW_REPLICA` for one that standbys (``joiners``) make up
     replicas: tuple[int, ...] = ()
     #: reshape: the data-parallel size before it
     from_dp: int = 0
 
     def __post_init__(self) -> None:
         if self.kind == "reshape":
-            if self.ranks or self.leavers or self.joiners:
-                raise ValueError("a reshape moves no rank to a standby")
-            if not self.replicas or min(self.replicas) < 0 or \
-                    len(set(self.replicas)) != len(self.replicas) or \
-                    max(self.replicas) >= self.from_dp:
-                raise ValueError(f"a reshape names each replica it keeps once, each below its "
-                                 f"size before ({self.from_dp})")
+            kept = [d for d in self.replicas if d != NEW_REPLICA]
+            if not kept or min(kept) < 0 or len(set(kept)) != len(kept) or \
+                    max(kept) >= self.from_dp:
+                raise ValueError(f"a reshape keeps at least one replica and names each once, "
+                                 f"each below its size before ({self.from_dp})")
+            if not len(self.ranks) == len(self.leavers) == len(self.joiners) == \
+                    len(self.donors) or any(self.leavers):
+                raise ValueError("a reshape's joiners each take a rank of a new replica, from a "
+                                 "donor, with no leaver")
         elif self.replicas or self.from_dp:
             raise ValueError("only a reshape names replicas")
         elif not len(self.ranks) == len(self.leavers) == len(self.joiners) > 0:
@@ -462,7 +467,7 @@ class Migration(Record):
             raise ValueError(f"kind {self.kind!r} is not one of {', '.join(MIGRATION_KINDS)}")
         if self.kind == "recovery" and len(self.donors) != len(self.ranks):
             raise ValueError("a recovery names one donor rank for each rank it replaces")
-        if self.kind != "recovery" and self.donors:
+        if self.kind not in ("recovery", "reshape") and self.donors:
             raise ValueError(f"a {self.kind} migration names no donors")
         if (self.kind == "rollback") != (self.snapshot_step >= 0):
             raise ValueError("a rollback, and only a rollback, names the snapshot step")
@@ -488,6 +493,10 @@ class Migration(Record):
         return self.phase not in (MigrationPhase.DONE, MigrationPhase.ABORTED)
 
 
+#: a reshape's replica that is new (a grow): standbys make it up
+NEW_REPLICA = -1
+
+
 def renumbering(layout: Layout, replicas: tuple[int, ...]) -> dict[int, int]:
     """The ranks of ``layout`` whose data-parallel index is in ``replicas`` -> their rank in
     the shape whose replica ``d`` is ``replicas[d]`` (TP index and stage kept)."""
@@ -498,6 +507,29 @@ def renumbering(layout: Layout, replicas: tuple[int, ...]) -> dict[int, int]:
         if d in replicas:
             out[r] = new.rank_of(t, replicas.index(d), s)
     return out
+
+
+def reshaped_nodes(layout: Layout, nodes: tuple[str, ...], replicas: tuple[int, ...],
+                   ranks: tuple[int, ...] = (), joiners: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The node of every rank after a reshape from ``layout``, whose rank ``r`` was on
+    ``nodes[r]``: a kept rank's node under its new number, a new replica's rank ``ranks[i]``
+    on ``joiners[i]``.
+
+    Raises:
+        ValueError: a rank of the new shape would have no node (the joiners do not make up the
+            new replicas).
+    """
+    after = [""] * (len(replicas) * layout.tp * layout.pp)
+    for old, new in renumbering(layout, replicas).items():
+        after[new] = nodes[old]
+    for r, joiner in zip(ranks, joiners, strict=True):
+        if not 0 <= r < len(after) or after[r]:
+            raise ValueError(f"a joiner cannot take rank {r} of the new shape")
+        after[r] = joiner
+    if not all(after):
+        raise ValueError(f"ranks {[r for r, n in enumerate(after) if not n]} of the new shape "
+                         "have no node")
+    return tuple(after)
 
 
 def current_layout(spec: JobSpec, assignment: Assignment) -> Layout:
@@ -519,6 +551,24 @@ def reshaped(layout: Layout, dp: int) -> Layout:
     return Layout(dp * layout.tp * layout.pp, layout.tp, layout.pp)
 
 
+@dataclass(frozen=True)
+class ResizeRequest(Record):
+    """``understudy resize JOB --dp N``: the data-parallel size the operator wants a
+    ``--reshape`` job to train at, from 1 to its slot count (the ``--dp`` it was run with).
+    The controller shrinks or grows the job to it, and grows it back after a loss no further;
+    the next request replaces it."""
+
+    KIND: ClassVar[str] = "resize"
+    job: str
+    dp: int
+    requested_at: float
+    requested_by: str = ""
+
+    def __post_init__(self) -> None:
+        if self.dp < 1:
+            raise ValueError(f"dp ({self.dp}) must be >= 1")
+
+
 #: what a job keeps under ``jobs/<job>/``: key name -> record (``exits/<epoch>/<rank>`` hold
 #: :class:`RankExit` records, read by the controller alone)
 JOB_RECORDS: dict[str, type[Record]] = {
@@ -526,6 +576,7 @@ JOB_RECORDS: dict[str, type[Record]] = {
     "assignment": Assignment,
     "status": JobStatus,
     "migration": Migration,
+    "resize": ResizeRequest,
 }
 
 

@@ -34,6 +34,7 @@ from understudy.common.records import (
     RankExit,
     RegistryEntry,
     Report,
+    ResizeRequest,
     decode_job_record,
 )
 from understudy.common.snapshot_tiers import MemoryCopies, SnapshotReport, counted_copies
@@ -505,6 +506,7 @@ class _JobTables:
         self.statuses: dict[str, tuple[JobStatus, int]] = {}
         self.exits: dict[str, dict[tuple[int, int], RankExit]] = {}
         self.migrations: dict[str, tuple[Migration, int]] = {}
+        self.resizes: dict[str, tuple[ResizeRequest, int]] = {}
         #: job -> migration id -> progress keys ("prepared/3", ...)
         self.progress: dict[str, dict[str, set[str]]] = {}
         self.abort_reasons: dict[tuple[str, str], str] = {}
@@ -580,7 +582,8 @@ class _JobTables:
         if rest in JOB_RECORDS:
             tables: dict[str, dict[str, Any]] = {"spec": self.specs, "assignment": self.assignments,
                                                  "status": self.statuses,
-                                                 "migration": self.migrations}
+                                                 "migration": self.migrations,
+                                                 "resize": self.resizes}
             if deleted:
                 tables[rest].pop(job, None)
                 return
@@ -628,7 +631,8 @@ class _JobTables:
                                 migration=m[0] if m else None, progress=progress,
                                 abort_reason=self.abort_reasons.get((name, m[0].id), "")
                                 if m else "", snapshots=storage, memory_snapshots=memory,
-                                storage_epochs=storage_epochs)
+                                storage_epochs=storage_epochs,
+                                resize=r[0] if (r := self.resizes.get(name)) else None)
         return out
 
     def _counted_snapshots(self, job: str, epoch: int | None

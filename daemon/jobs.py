@@ -30,6 +30,7 @@ from understudy.common.records import (
     MigrationPhase,
     RankExit,
     Report,
+    ResizeRequest,
     current_layout,
     decode_job_record,
 )
@@ -64,6 +65,7 @@ class _Job:
     assignment: Assignment | None = None
     status: JobStatus | None = None
     migration: Migration | None = None
+    resize: ResizeRequest | None = None
 
     @property
     def complete(self) -> bool:
@@ -240,15 +242,18 @@ class JobRunner:
                     self.log.info(f"Rank {r} of job {spec.name} was in a replica the reshape "
                                   f"{m.id} dropped; stopping it.", job=spec.name, rank=r)
                     await self.supervisor.stop(name, self.agent.cfg.drain.stop_grace)
-            # New numbers are never above old ones (the replicas kept stay in order), so in
-            # rising order each new name is free: a dropped rank's, or one renamed already.
-            for r in held:
-                if r not in stay:
-                    continue
-                old, new = rank_child(spec.name, r), rank_child(spec.name, stay[r])
-                if old != new:
-                    self.supervisor.rename(old, new)
-                    self._held_epoch.pop(old, None)
+            # Two passes, with nothing awaited in between: a new number may be another kept
+            # rank's old one (either way round, with pipeline stages).
+            moving = [r for r in held if r in stay]
+            for r in moving:
+                if stay[r] != r:
+                    self.supervisor.rename(rank_child(spec.name, r),
+                                           f"{rank_child(spec.name, r)}-renumbering")
+                    self._held_epoch.pop(rank_child(spec.name, r), None)
+            for r in moving:
+                new = rank_child(spec.name, stay[r])
+                if stay[r] != r:
+                    self.supervisor.rename(f"{rank_child(spec.name, r)}-renumbering", new)
                 self._held_epoch[new] = m.to_epoch
                 self.log.info(f"Rank {r} of job {spec.name} is rank {stay[r]} after reshape "
                               f"{m.id}.", job=spec.name, epoch=m.to_epoch)
@@ -427,7 +432,7 @@ class JobRunner:
                     j.status.state == JobState.RUNNING:
                 a, mig = j.assignment, j.migration
                 taking = mig is not None and mig.phase != MigrationPhase.ABORTED and \
-                    mig.from_epoch == a.epoch
+                    mig.from_epoch == a.epoch and mig.kind != "reshape"
                 if m["rank"] is not None:
                     rank = int(m["rank"])
                     ok = a.epoch == self._held_epoch.get(name) and rank < len(a.ranks) and \
@@ -727,7 +732,7 @@ def _replacing(job: _Job, rank: int) -> bool:
     """Whether a migration from the job's current epoch is taking ``rank`` elsewhere."""
     m, a = job.migration, job.assignment
     return m is not None and a is not None and m.active and m.from_epoch == a.epoch and \
-        rank in m.ranks
+        m.kind != "reshape" and rank in m.ranks  # a reshape's ranks are of the new shape
 
 
 def _joiner_end(node: str, child: ChildExit, when: str = "") -> str:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from understudy.common.layout import Layout
 from understudy.common.records import (
     CANNOT_RESHAPE,
+    NEW_REPLICA,
     NO_REPLICA_COPY,
     PAUSED,
     Assignment,
@@ -26,7 +27,10 @@ from understudy.common.records import (
     RankExit,
     RegistryEntry,
     Report,
+    ResizeRequest,
     current_layout,
+    reshaped,
+    reshaped_nodes,
 )
 from understudy.common.snapshot_tiers import (
     MemoryCopies,
@@ -126,6 +130,14 @@ class JobView:
     #: rank -> step of ``snapshots`` -> the epoch its writer held (the folder it is in);
     #: absent or None: an older worker's report, the old layout
     storage_epochs: Mapping[int, Mapping[int, int | None]] = field(default_factory=dict)
+    #: the operator's resize request (``understudy resize``), if any
+    resize: ResizeRequest | None = None
+
+    @property
+    def target_dp(self) -> int:
+        """The data-parallel size the job is to train at: its ``--dp``, or what the operator
+        resized it to (within 1 and its ``--dp``)."""
+        return self.spec.dp if self.resize is None else max(1, min(self.resize.dp, self.spec.dp))
 
 
 @dataclass(frozen=True)
@@ -278,6 +290,9 @@ def _plan_job(name: str, job: JobView, view: ClusterView, now: float) -> list[Ac
         return [migration]
     if len(job.exits) == len(job.assignment.ranks):
         return [SetJobState(name, JobState.DONE, "every rank finished")]
+    resize = _plan_resize(job, job.assignment, view, now)
+    if resize is not None:
+        return [resize]
     actions: list[Action] = []
     if job.status is not None and job.status.paused:
         actions.append(SetJobState(name, JobState.RUNNING, "resumed: every rank is held again",
@@ -427,11 +442,12 @@ def _plan_recovery(job: JobView, a: Assignment, gone: dict[int, str], view: Clus
 
 
 def _plan_shrink(job: JobView, a: Assignment, gone: dict[int, str], view: ClusterView,
-                 now: float) -> StartMigration | None:
-    """A job that may reshape (``--reshape``) with no standby for its lost ranks: drop their
-    whole replicas and train on with the others, renumbered densely, holding every slot
-    between them (``docs/reshape.md``). None: it may not, no replica is left whole, or its
-    ranks refused the last reshape (its job is not a slotted one); the job then pauses."""
+                 now: float, cause: str = "for want of a standby") -> StartMigration | None:
+    """A job that may reshape (``--reshape``) with no standby for its lost ranks (or for its
+    draining ones, or resized down): drop their whole replicas and train on with the others,
+    renumbered densely, holding every slot between them (``docs/reshape.md``). None: it may
+    not, no replica is left whole, or its ranks refused the last reshape (its job is not a
+    slotted one); the job then pauses (a drain waits for its deadline)."""
     last = job.migration
     if not job.spec.reshape or (last is not None and last.kind == "reshape"
                                 and last.phase == MigrationPhase.ABORTED
@@ -444,7 +460,7 @@ def _plan_shrink(job: JobView, a: Assignment, gone: dict[int, str], view: Cluste
         if layout.coordinates(r)[1] == d))
     if not keep:
         return None
-    what = "; ".join(gone.values())
+    what = "; ".join(dict.fromkeys(gone.values()))
     migration = Migration(
         job=a.job, id=f"e{a.epoch + 1}-{int(now * 1000)}", from_epoch=a.epoch,
         to_epoch=a.epoch + 1, ranks=(), leavers=(), joiners=(), phase=MigrationPhase.PLANNED,
@@ -453,30 +469,34 @@ def _plan_shrink(job: JobView, a: Assignment, gone: dict[int, str], view: Cluste
     moves = ", ".join(f"{old}->{new}" for old, new in
                       migration.renumbering(layout.tp, layout.pp).items())
     absent = tuple(sorted({a.ranks[r] for r in gone if a.ranks[r] not in view.live}))
-    return StartMigration(migration, f"reshape for want of a standby: DP {layout.dp} -> "
+    return StartMigration(migration, f"reshape {cause}: DP {layout.dp} -> "
                                      f"{len(keep)}, replica(s) {sorted(dropped)} dropped, "
                                      f"ranks renumbered {moves}", absent)
 
 
 def _advance_reshape(job: JobView, m: Migration, view: ClusterView,
                      now: float) -> list[Action]:
-    """A reshape commits once every rank that stays holds its groups of the new shape; a
-    failure of one of them before that, a rank's refusal or the deadline call it off (its
-    ranks wait for the next plan on the step they settled on)."""
+    """A reshape commits once every rank that stays holds its groups of the new shape (they
+    came up with every member, the joiners included, after each joiner took its state); until
+    then the ranks train on nothing and wait for the commit, so a failure of a rank that stays
+    or of a joiner, a rank's refusal or the deadline call it off and nothing changed (its ranks
+    wait for the next plan on the step they settled on). A grow's joiners bind first."""
     a = job.assignment
     assert a is not None
     layout = current_layout(job.spec, a)
     stay = m.renumbering(layout.tp, layout.pp)
     if all(Report.RESHAPED.of(r) in job.progress for r in stay):
-        nodes = [""] * len(stay)
-        for old, new in stay.items():
-            nodes[new] = a.ranks[old]
-        after = Assignment(job=a.job, epoch=m.to_epoch, ranks=tuple(nodes),
-                           standbys=a.standbys, reason=f"reshape {m.id}: {m.reason}",
-                           updated_at=now)
+        after = Assignment(job=a.job, epoch=m.to_epoch,
+                           ranks=reshaped_nodes(layout, a.ranks, m.replicas, m.ranks, m.joiners),
+                           standbys=tuple(n for n in a.standbys if n not in m.joiners),
+                           reason=f"reshape {m.id}: {m.reason}", updated_at=now)
         return [AdvanceMigration(m.job, m.id, MigrationPhase.DONE,
                                  f"every rank that stays holds the new shape "
                                  f"(DP {layout.dp} -> {len(m.replicas)})", assignment=after)]
+    gone = [n for n in m.joiners if lost(view, n, now)]
+    if gone:
+        return [AdvanceMigration(m.job, m.id, MigrationPhase.ABORTED,
+                                 f"joiner node {gone[0]} is gone")]
     if Report.ABORTED in job.progress:
         return [AdvanceMigration(m.job, m.id, MigrationPhase.ABORTED,
                                  job.abort_reason or "a rank aborted the reshape")]
@@ -488,7 +508,53 @@ def _advance_reshape(job: JobView, m: Migration, view: ClusterView,
         return [AdvanceMigration(m.job, m.id, MigrationPhase.ABORTED,
                                  f"the deadline passed ({now - m.created_at:.1f} s after it "
                                  "was planned)")]
+    if m.phase == MigrationPhase.PLANNED and m.ranks and \
+            all(Report.BOUND.of(r) in job.progress for r in m.ranks):
+        return [AdvanceMigration(m.job, m.id, MigrationPhase.PREPARING, "joiners are bound")]
     return []
+
+
+def _plan_resize(job: JobView, a: Assignment, view: ClusterView,
+                 now: float) -> StartMigration | AddStandbys | None:
+    """A ``--reshape`` job not at its target size (:attr:`JobView.target_dp`): above it (the
+    operator resized it down), drop its last replicas; below it (it shrank after a loss, or
+    the operator resized it up), grow while standbys are free: as many whole replicas as they
+    make up, each rank taking the state of the same place in replica 0. Standbys are first
+    taken into its pool from the free ones (:class:`AddStandbys`). None: nothing to do."""
+    layout = current_layout(job.spec, a)
+    target = job.target_dp
+    if not job.spec.reshape or layout.dp == target or job.exits:
+        return None
+    if layout.dp > target:
+        why = f"resized to DP {target} by {job.resize.requested_by or 'the operator'}" \
+            if job.resize is not None else f"DP {target}"
+        return _plan_shrink(job, a, {r: why for r in range(layout.world_size)
+                                     if layout.coordinates(r)[1] >= target}, view, now,
+                            "to the operator's size")
+    per = layout.tp * layout.pp
+    free = _free_standbys(job, a, view)
+    if len(free) < per:
+        return _refill_standbys(job, a, view, now, want=per * (target - layout.dp))
+    grow = min(target - layout.dp, len(free) // per)
+    new = reshaped(layout, layout.dp + grow)
+    ranks = sorted(new.rank_of(t, d, s) for s in range(layout.pp)
+                   for d in range(layout.dp, new.dp) for t in range(layout.tp))
+    donors = []
+    for r in ranks:
+        t, _, s = new.coordinates(r)
+        donors.append(new.rank_of(t, 0, s))
+    migration = Migration(
+        job=a.job, id=f"e{a.epoch + 1}-{int(now * 1000)}", from_epoch=a.epoch,
+        to_epoch=a.epoch + 1, ranks=tuple(ranks), leavers=("",) * len(ranks),
+        joiners=_pick_joiners(a.job, ranks, free, view, new), phase=MigrationPhase.PLANNED,
+        reason=f"standbys free: DP {layout.dp} -> {new.dp} of {target}", created_at=now,
+        deadline=now + view.migration_timeout, updated_at=now, timings={"planned": now},
+        kind="reshape", replicas=(*range(layout.dp), *[NEW_REPLICA] * grow),
+        from_dp=layout.dp, donors=tuple(donors))
+    moves = ", ".join(f"rank {r} -> {j} (state from rank {d})" for r, j, d in
+                      zip(migration.ranks, migration.joiners, donors, strict=True))
+    return StartMigration(migration, f"reshape onto free standbys: DP {layout.dp} -> {new.dp}: "
+                                     f"{moves}")
 
 
 def _refill_standbys(job: JobView, a: Assignment, view: ClusterView, now: float,
@@ -523,7 +589,9 @@ def _plan_migration(job: JobView, a: Assignment, view: ClusterView,
         return None
     free = _free_standbys(job, a, view)
     if len(free) < len(leaving):
-        return None  # the drain cannot be satisfied live; its deadline stops the ranks
+        # The drain cannot be satisfied live: a --reshape job drops the draining ranks'
+        # replicas; any other waits for its deadline to stop them.
+        return _plan_shrink(job, a, {r: f"drain of {n}" for r, n in leaving}, view, now)
     deadline = min((d for d in (view.drain_deadlines.get(n) for _, n in leaving) if d),
                    default=now + view.migration_timeout)
     deadline = min(deadline, now + view.migration_timeout)

@@ -235,17 +235,21 @@ def _run_standby(w: _Worker) -> _Seat | None:
 def _follow_shape(w: _Worker, plan: Plan) -> bool:
     """Take the job's nodes and shape as ``plan`` found them (the assignment of its
     ``from_epoch``), not as they were when this standby started: ranks moved meanwhile, and a
-    reshape changes the data-parallel size. True if the shape changed."""
+    reshape changes the data-parallel size; a reshape's joiner takes a rank of the shape after
+    it. True if the shape this worker builds for changed."""
+    layout = w.layout
     try:
         a = (w.control.job() or {}).get("assignment") or {}
-        if a.get("epoch") != plan.from_epoch:
-            return False
-        nodes = tuple(a["ranks"])
-        layout = Layout(len(nodes), w.layout.tp, w.layout.pp)
+        if a.get("epoch") == plan.from_epoch:
+            nodes = tuple(a["ranks"])
+            layout = Layout(len(nodes), w.layout.tp, w.layout.pp)
+            w.nodes = nodes
     except (DaemonError, KeyError, TypeError, ValueError):
-        return False  # the start's view stands
+        pass  # the start's view stands
+    if plan.reshape:
+        layout = plan.reshaped_layout(w.layout.tp, w.layout.pp)
     changed = layout != w.layout
-    w.nodes, w.layout = nodes, layout
+    w.layout = layout
     return changed
 
 
@@ -295,13 +299,21 @@ def _take_over(w: _Worker, plan: Plan, rank: int, warmed: Warmed | None,
     _take_state(w, joiner, plan, rank, runtime, holder)
     failpoints.hit("joiner.switch")
     joiner.switched()
+    if plan.reshape and not joiner.committed():
+        # The ranks that stay keep the old shape: this standby is spent, as after a failed
+        # take-over (see _take_state).
+        w.log.warning(f"Reshape {plan.id} was called off after this standby took rank {rank}'s "
+                      "state. This standby leaves.")
+        w.control.close()
+        os._exit(0)
     if holder is not None:
         # A rank now: the survivors have their copies (they loaded before the switch),
         # the controller counts this holder no more (its warmth went with the promotion).
         holder.close()
         w.log.info(f"Snapshot holder {holder.id} closed: this standby holds rank {rank} now.")
     if plan.recovery:
-        runtime.announce = f"First step after recovery {plan.id}"
+        runtime.announce = (f"First step after {'reshape' if plan.reshape else 'recovery'} "
+                            f"{plan.id}")
     return _Seat(rank, groups, runtime, joiner.nodes, finished=(plan.id,))
 
 

@@ -36,7 +36,13 @@ from typing import Any
 from understudy.common import failpoints, logs
 from understudy.common.daemon_client import DaemonClient, DaemonError
 from understudy.common.layout import Layout
-from understudy.common.records import TRANSFER_OK, Report, is_paused, renumbering
+from understudy.common.records import (
+    TRANSFER_OK,
+    Report,
+    is_paused,
+    renumbering,
+    reshaped_nodes,
+)
 from understudy.common.snapshot_tiers import STORAGE
 from understudy.groups.errors import GroupError
 from understudy.groups.groupset import GroupSet
@@ -230,6 +236,18 @@ class Plan:
         """A reshape's ranks that stay, by their rank in ``layout`` (before it) -> their rank
         after it; the ranks not named leave."""
         return renumbering(layout, self.replicas)
+
+    def reshaped_layout(self, tp: int, pp: int) -> Layout:
+        """A reshape's layout after it."""
+        return Layout(len(self.replicas) * tp * pp, tp, pp)
+
+    def reshaped_nodes(self, nodes: tuple[str, ...], tp: int, pp: int) -> tuple[str, ...]:
+        """The node of every rank after this reshape, from ``nodes`` before it.
+
+        Raises: ValueError: the plan's ranks do not make up its new replicas.
+        """
+        return reshaped_nodes(Layout(self.from_dp * tp * pp, tp, pp), nodes, self.replicas,
+                              tuple(self.moves), tuple(j for _, j in self.moves.values()))
 
     @property
     def rollback(self) -> bool:
@@ -656,7 +674,9 @@ class Joiner:
         self.control, self.groups, self.plan = control, groups, plan
         self.job, self.rank, self.node, self.layout = job, rank, node, layout
         self.nodes_before = nodes
-        self.nodes = plan.nodes_after(nodes)
+        # A reshape's joiner is numbered in the new shape (``layout``), as its donor is.
+        self.nodes = (plan.reshaped_nodes(nodes, layout.tp, layout.pp) if plan.reshape
+                      else plan.nodes_after(nodes))
         self.timeout = timeout
         self.reports = DaemonClient(f"{job}/migration/{plan.id}", epoch=plan.from_epoch,
                                     timeout=10)
@@ -682,9 +702,10 @@ class Joiner:
         waiting = list(names)
         if not self.plan.rollback:  # a rollback's joiner loads its rank's snapshot instead
             pair = pair_name(self.rank, self.plan.version)
-            self.groups.prepare(pair, self.plan.version,
-                                (self.plan.source(self.rank, self.nodes_before),
-                                 member(self.rank, self.node)))
+            donor = self.plan.donors.get(self.rank, -1)
+            source = (member(donor, self.nodes[donor]) if self.plan.reshape
+                      else self.plan.source(self.rank, self.nodes_before))
+            self.groups.prepare(pair, self.plan.version, (source, member(self.rank, self.node)))
             waiting.append(pair)
         # A member lost meanwhile keeps the groups from ever coming up: the migration is called
         # off, and this joiner leaves at once rather than hold its node for the timeout.
@@ -808,6 +829,22 @@ class Joiner:
     def switched(self) -> None:
         self.reports.set(Report.SWITCHED.of(self.rank), b"1")
         self.reports.close()
+
+    def committed(self) -> bool:
+        """A reshape's joiner, holding its state and groups: wait until the controller
+        committed the new shape (True) or called it off (False: the ranks that stay keep the
+        old one, and this joiner must leave)."""
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(DaemonError):
+                info = self.control.job() or {}
+                plan = Plan.from_info(info)
+                if plan is None or plan.id != self.plan.id or plan.phase == "aborted":
+                    return False
+                if plan.phase == "done":
+                    return True
+            time.sleep(0.02)
+        return False
 
 
 def _load(runtime: Runtime, state: Any) -> None:

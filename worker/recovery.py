@@ -54,7 +54,6 @@ from understudy.groups.errors import GroupError
 from understudy.groups.groupset import GroupSet
 from understudy.worker.holder_client import HolderDirectory
 from understudy.worker.migration import (
-    REPORT_RETRY_S,
     JobGroups,
     MigrationHook,
     Plan,
@@ -62,8 +61,7 @@ from understudy.worker.migration import (
     member,
     pair_name,
 )
-from understudy.worker.reshape import Shape
-from understudy.worker.reshape import reshape as reshape_runtime
+from understudy.worker.reshape import Shape, new_context, take_shape
 from understudy.worker.runtime import Runtime
 from understudy.worker.snapshots import SnapshotError, restore
 from understudy.worker.transfer import PairGroupTransport, TransferError, send_state
@@ -132,7 +130,8 @@ class _Survivor:
         self.groups: GroupSet = hook.groups
         self.rank, self.layout = hook.rank, hook.layout
         self.nodes = hook.nodes
-        self.after = plan.nodes_after(self.nodes)
+        # A reshape's ranks are numbered in its new shape: run_reshape works them out.
+        self.after = self.nodes if plan.reshape else plan.nodes_after(self.nodes)
         self.log = logs.get(job=hook.job, rank=self.rank, node=hook.node)
         self.reports = DaemonClient(f"{hook.job}/migration/{plan.id}", epoch=plan.from_epoch,
                                     timeout=10)
@@ -166,44 +165,102 @@ class _Survivor:
     def run_reshape(self) -> bool:
         t0 = time.monotonic()
         stay = self.plan.renumbering(self.layout)
-        layout = Layout(len(stay), self.layout.tp, self.layout.pp)
+        layout = self.plan.reshaped_layout(self.layout.tp, self.layout.pp)
         rank = stay[self.rank]
-        nodes = [""] * len(stay)
-        for old, new in stay.items():
-            nodes[new] = self.nodes[old]
         groups = GroupSet(self.hook.job, member(rank, self.hook.node), epoch=self.plan.to_epoch,
                           timeout=self.timeout)
         try:
             self.hook._forget_planned()
             committed = self._settle()
-            provider = self.runtime.ctx.groups
-            if not isinstance(provider, JobGroups):
-                raise CalledOff(f"{CANNOT_RESHAPE}the job's groups are not the runtime's own")
-            shape = Shape(self.plan.replicas, layout.tp, layout.pp)
-            members = tuple(member(r, n) for r, n in enumerate(nodes))
             try:
-                reshape_runtime(self.runtime, provider, self.groups, groups, shape, rank, members,
-                                self.plan.version)
+                nodes = self.plan.reshaped_nodes(self.nodes, self.layout.tp, self.layout.pp)
+            except ValueError as exc:
+                raise CalledOff(f"the plan does not make up its new shape: {exc}") from exc
+            provider = self.runtime.ctx.groups
+            shape = Shape(self.plan.replicas, layout.tp, layout.pp)
+            try:
+                if not isinstance(provider, JobGroups):
+                    raise ValueError("the job's groups are not the runtime's own")
+                ctx = new_context(self.runtime, provider, shape, rank)
             except ValueError as exc:
                 self._set(Report.ABORTED, f"{CANNOT_RESHAPE}rank {self.rank}: {exc}".encode())
                 raise CalledOff(f"{CANNOT_RESHAPE}{exc}") from exc
+            names = self._build_shape(groups, layout, rank, nodes)
+            self._donate(groups, rank, committed)
+            self._wait_transferred()
+            try:
+                groups.switch(names)
             except GroupError as exc:
                 self._set(Report.ABORTED, f"reshape failed on rank {self.rank}: {exc}".encode())
                 raise CalledOff(str(exc)) from exc
+            # Nothing has trained on the new shape yet: it is taken only once the controller
+            # committed it, which it does once every rank that stays said it holds it.
+            self._set(Report.RESHAPED.of(self.rank))
+            self._until(self._committed, "the controller's commit of the new shape")
         except CalledOff as exc:
             self.log.warning(f"Reshape {self.plan.id} was called off ({exc}); waiting for the "
                              "next plan.")
             groups.close(timeout=1.0)
             self.reports.close()
             return False
-        self.hook.reshaped(self.plan, groups, rank, layout, tuple(nodes))
-        self._set_quietly(Report.RESHAPED.of(self.rank))
+        take_shape(self.runtime, provider, self.groups, groups, shape, ctx)
+        self.hook.reshaped(self.plan, groups, rank, layout, nodes)
         self.reports.close()
         self.log.info(f"Reshaped at step {committed}: rank {self.rank} of DP {self.layout.dp} is "
                       f"rank {rank} of DP {layout.dp}, holding slots "
                       f"{list(self.runtime.ctx.held_slots)}.", epoch=self.plan.to_epoch,
                       seconds=round(time.monotonic() - t0, 3))
         return True
+
+    def _build_shape(self, groups: GroupSet, layout: Layout, rank: int,
+                     nodes: tuple[str, ...]) -> list[str]:
+        """Start every group of ``rank`` in the new shape, and the pair to each joiner this rank
+        gives the state to; wait until they are up. Returns the job's groups' names."""
+        names = list(layout.concrete(rank).values())
+        try:
+            for name in names:
+                groups.prepare(name, self.plan.version, group_members(name, nodes, layout))
+            for j in self._donating_as(rank):
+                groups.prepare(pair_name(j, self.plan.version), self.plan.version,
+                               (member(rank, nodes[rank]), member(j, nodes[j])))
+        except ValueError as exc:
+            self._set(Report.ABORTED, f"reshape failed on rank {self.rank}: {exc}".encode())
+            raise CalledOff(str(exc)) from exc
+        self._until(lambda: groups.ready(groups.pending()), "the new shape's groups")
+        self.log.info(f"Reshape {self.plan.id}: the groups of rank {rank} of the new shape are "
+                      "up.")
+        return names
+
+    def _donating_as(self, rank: int) -> list[int]:
+        return [j for j, d in self.plan.donors.items() if d == rank]
+
+    def _donate(self, groups: GroupSet, rank: int, committed: int) -> None:
+        """Give each new rank whose donor this rank is the state of the settled step (the
+        replicas of a slotted job hold the same one)."""
+        for j in self._donating_as(rank):
+            pair = pair_name(j, self.plan.version)
+            try:
+                groups.switch([pair])
+                with PairGroupTransport(groups.current(pair),
+                                        timeout_s=self.timeout) as transport:
+                    stats = send_state(transport, self.runtime.state())
+            except (TransferError, GroupError) as exc:
+                self._set(Report.TRANSFERRED.of(j), f"failed: {exc}".encode())
+                raise CalledOff(f"the state did not reach rank {j}'s joiner: {exc}") from exc
+            self._set(Report.TRANSFERRED.of(j), TRANSFER_OK)
+            self.log.info(f"Gave rank {j} of the new shape the state of step {committed}: "
+                          f"{stats}.")
+
+    def _committed(self) -> bool:
+        """Whether the controller committed this reshape; CalledOff once it called it off."""
+        try:
+            plan = Plan.from_info(self.hook.control.job())
+        except DaemonError:
+            return False
+        if plan is None or plan.id != self.plan.id or plan.phase == "aborted":
+            raise CalledOff("aborted" if plan is not None and plan.id == self.plan.id
+                            else "replaced")
+        return plan.phase == "done"
 
     # -- steps --------------------------------------------------------------------------------
 
@@ -315,21 +372,6 @@ class _Survivor:
             self.reports.set(key, value)
         except DaemonError as exc:
             raise CalledOff(f"could not report {key}: {exc}") from exc
-
-    def _set_quietly(self, key: str) -> None:
-        """A report once this rank is past the point of no return (it holds the new shape, as
-        every rank of it does, since their groups came up together): tried again while the
-        daemon cannot reach etcd, up to the timeout; one that never goes through is logged."""
-        deadline = time.monotonic() + self.timeout
-        while True:
-            try:
-                self.reports.set(key, b"1")
-                return
-            except DaemonError as exc:
-                if not exc.retryable or time.monotonic() > deadline:
-                    self.log.error(f"Could not report {key}: {exc}.")
-                    return
-            time.sleep(REPORT_RETRY_S)
 
     def _check_plan(self) -> None:
         try:

@@ -35,6 +35,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 from understudy.common.layout import Layout
 from understudy.groups.groupset import GroupSet
+from understudy.worker.api import JobContext
 from understudy.worker.migration import JobGroups
 from understudy.worker.runtime import Runtime
 
@@ -122,13 +123,30 @@ def reshape(runtime: Runtime, provider: JobGroups, old: GroupSet, new: GroupSet,
             changed.
         GroupError: a group could not be built (a member did not come).
     """
+    ctx = new_context(runtime, provider, shape, rank)
+    build_groups(new, shape, rank, members, version)
+    take_shape(runtime, provider, old, new, shape, ctx)
+
+
+def new_context(runtime: Runtime, provider: JobGroups, shape: Shape, rank: int) -> JobContext:
+    """This rank's context as ``rank`` of ``shape``.
+
+    Raises:
+        ValueError: :meth:`Runtime.reshape` would refuse it (the job is not slotted, ...).
+    """
     # The slot count stays the job's: a context that left it to the replica count (0) says so.
     ctx = dataclasses.replace(runtime.ctx, rank=rank, world_size=shape.layout.world_size,
                               groups=provider, slots=runtime.ctx.data_slots)
     refusal = runtime.reshape_refusal(ctx)
     if refusal is not None:
         raise ValueError(refusal)
-    build_groups(new, shape, rank, members, version)
+    return ctx
+
+
+def take_shape(runtime: Runtime, provider: JobGroups, old: GroupSet, new: GroupSet,
+               shape: Shape, ctx: JobContext) -> None:
+    """Once ``new`` holds this rank's groups of ``shape``: point the job at them, take ``ctx``
+    (:func:`new_context`), and close ``old`` in the background."""
     runtime.reshape(ctx)
-    provider.retarget(new, rank, shape.layout)
+    provider.retarget(new, ctx.rank, shape.layout)
     threading.Thread(target=old.close, name="understudy-close-old-shape", daemon=True).start()

@@ -84,7 +84,8 @@ def test_a_failing_rank_fails_the_job_with_its_cause(cluster: LocalCluster) -> N
     assert "RuntimeError: probe rank 1 failed on purpose" in job.status.reason
 
 
-def test_submissions_that_cannot_be_satisfied_change_nothing(cluster: LocalCluster) -> None:
+def test_submissions_that_cannot_be_satisfied_change_nothing(cluster: LocalCluster,
+                                                             etcd: EmbeddedEtcd) -> None:
     cluster.wait_settled()
     before = cluster.status().revision
     too_big = cluster.cli("run", "--job", "big", "--tp", "4", "--dp", "2", "--", "true")
@@ -102,6 +103,20 @@ def test_submissions_that_cannot_be_satisfied_change_nothing(cluster: LocalClust
     assert ok.returncode == 0, ok.stderr
     again = cluster.cli("run", "--job", "dup", "--tp", "1", "--dp", "1", "--", "true")
     assert again.returncode == 1 and "already exists" in again.stderr
+    # A resize that cannot be: one sentence, exit 1, nothing written.
+    ok = cluster.cli("run", "--job", "rs", "--tp", "1", "--dp", "2", "--reshape", "--env",
+                     "PROBE_SLEEP=60", "--", sys.executable, PROBE)
+    assert ok.returncode == 0 and "may reshape" in ok.stdout, ok.stderr
+    for argv, told in ((("nope", "--dp", "1"), "no job named 'nope'"),
+                       (("dup", "--dp", "1"), "was not run with --reshape"),
+                       (("rs", "--dp", "3"), "1 to 2 data-parallel replicas"),
+                       (("rs", "--dp", "0"), "1 to 2 data-parallel replicas")):
+        refused = cluster.cli("resize", *argv)
+        assert refused.returncode == 1 and told in refused.stderr, refused.stderr
+        assert len(refused.stderr.strip().splitlines()) == 1
+    assert cluster.cli("resize", "rs").returncode == 2  # --dp is required
+    for job in ("nope", "dup", "rs"):
+        assert _kv(etcd, f"{cluster.prefix}/jobs/{job}/resize") is None
 
 
 def test_workers_see_their_job_and_a_stale_epoch_is_refused(cluster: LocalCluster) -> None:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -58,31 +60,49 @@ def test_a_slotted_job_drained_live_keeps_the_bits_of_one_replica(
         c.stop_all(timeout=5, drain=False)
 
 
-def test_a_rank_lost_with_no_standby_free_shrinks_the_job_live_and_keeps_the_bits(
+def test_a_slotted_job_shrinks_live_with_no_standby_free_and_grows_back_bit_for_bit(
         etcd: EmbeddedEtcd, one_replica: Path, tmp_path: Path) -> None:
-    # No standby: without --reshape the job would pause. Rank 0's worker dies; its replica
+    # Two standby nodes, cordoned: no standby is free. Rank 0's worker dies; its replica
     # (ranks 0 and 1, on node-a) is dropped, and node-b's replica, ranks 2 and 3, trains on as
-    # ranks 0 and 1 holding both slots, in the same processes.
-    c = start(etcd, tmp_path / "cluster", {"node-a": 2, "node-b": 2}, ())
+    # ranks 0 and 1 holding both slots, in the same processes (without --reshape the job would
+    # pause). Then the standbys are uncordoned: they make up a new replica, ranks 2 and 3,
+    # with the state of ranks 0 and 1, and the job ends on two replicas again.
+    c = start(etcd, tmp_path / "cluster", {"node-a": 2, "node-b": 2}, ("node-s1", "node-s2"))
     try:
+        for n in ("node-s1", "node-s2"):
+            assert c.cli("cordon", n).returncode == 0
         out = tmp_path / "out"
-        _run_job(c, out, standby=0, extra=SLOTS, options=("--reshape",))
+        _run_job(c, out, step_sleep=0.1, standby=0, extra=SLOTS, options=("--reshape",))
         a, b = c.daemons["node-a"], c.daemons["node-b"]
         stayers = {r: worker_pid(b, f"mig.r{r}") for r in (2, 3)}
         wait_log(b, "50 steps committed on rank 2", timeout=60)
         os.kill(worker_pid(a, "mig.r0"), 9)
-        job = _finish(c)
-        assert job.assignment is not None and job.assignment.epoch == 2
+
+        def epoch(n: int) -> Callable[[Any], bool]:
+            return lambda s: s.job("mig") is not None and s.job("mig").assignment is not None \
+                and s.job("mig").assignment.epoch == n
+
+        c.wait_for("the shrink", epoch(2), timeout=60)
+        job = c.status().job("mig")
+        assert job is not None and job.assignment is not None
         assert job.assignment.ranks == ("node-b", "node-b")
-        planned = next(e for e in events(c) if e["kind"] == "migration-planned")
-        assert "reshape for want of a standby: DP 2 -> 1" in planned["message"], planned
-        assert "migration-done" in [e["kind"] for e in events(c)]
+        wait_log(b, "Rank 3 of job mig is rank 1 after reshape", timeout=30)
         for old, new in ((2, 0), (3, 1)):  # the same process under its new number
             renamed = [json.loads(line) for line in b.log_text().splitlines()
-                       if f"Worker mig.r{old} is now mig.r{new}." in line]
+                       if f"Worker mig.r{old}-renumbering is now mig.r{new}." in line]
             assert [x["pid"] for x in renamed] == [stayers[old]], renamed
-        assert "was in a replica the reshape" in a.log_text()  # rank 1 stopped, not failed
-        for rank in range(2):
-            assert_rank_equal(one_replica, rank, out, rank, rng=False)
+        wait_log(a, "was in a replica the reshape", timeout=30)  # rank 1 stopped, not failed
+        for n in ("node-s1", "node-s2"):
+            assert c.cli("uncordon", n).returncode == 0
+        c.wait_for("the grow", epoch(3), timeout=120)
+        job = _finish(c)
+        assert job.assignment is not None and job.assignment.epoch == 3
+        assert job.assignment.ranks == ("node-b", "node-b", "node-s1", "node-s2")
+        planned = [e["message"] for e in events(c) if e["kind"] == "migration-planned"]
+        assert "reshape for want of a standby: DP 2 -> 1" in planned[0], planned
+        assert "reshape onto free standbys: DP 1 -> 2" in planned[1], planned
+        assert [e["kind"] for e in events(c)].count("migration-done") == 2
+        for rank in range(4):
+            assert_rank_equal(one_replica, rank % 2, out, rank, rng=False)
     finally:
         c.stop_all(timeout=5, drain=False)

@@ -19,6 +19,7 @@ CLI = {
     "cordon": ["node"],
     "uncordon": ["node"],
     "events": ["--follow", "--json", "--limit"],
+    "resize": ["--dp", "job"],
     "run": ["--cwd", "--dp", "--env", "--job", "--no-wait", "--pp", "--reshape", "--standby",
             "--tp", "argv"],
 }

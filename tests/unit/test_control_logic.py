@@ -24,6 +24,7 @@ from understudy.common.records import (
     RankExit,
     RegistryEntry,
     Report,
+    ResizeRequest,
     decode_job_record,
 )
 from understudy.common.states import IllegalTransition, NodeLifecycle, NodeState
@@ -482,17 +483,117 @@ def test_a_job_whose_ranks_cannot_reshape_pauses_after_the_refusal() -> None:
     assert isinstance(paused, SetJobState) and paused.event == "job-paused"
 
 
+def _shrunk_view(standbys: tuple[str, ...] = ("s1", "s2"), tp: int = 1) -> ClusterView:
+    """A --reshape job of 4 slots (DP 4 / tp) that shrank to DP 2 / tp on a and b; standby
+    nodes s1 and s2 online and free."""
+    view = _recovery_view(standbys=(), tp=tp)
+    job = view.jobs["j"]
+    assert job.assignment is not None
+    shrunk = dataclasses.replace(job.assignment, ranks=("a", "b") if tp == 1 else ("a", "a"),
+                                 standbys=standbys)
+    return dataclasses.replace(view, jobs={"j": dataclasses.replace(
+        job, spec=dataclasses.replace(job.spec, reshape=True), assignment=shrunk)})
+
+
+def test_a_job_that_shrank_grows_back_onto_free_standbys() -> None:
+    (start,) = plan(_shrunk_view(), 5.0)
+    assert isinstance(start, StartMigration)
+    m = start.migration
+    assert m.kind == "reshape" and m.replicas == (0, 1, -1, -1) and m.from_dp == 2
+    assert m.ranks == (2, 3) and m.joiners == ("s1", "s2") and m.donors == (0, 0)
+    assert "DP 2 -> 4" in start.reason
+    # Standbys not in its pool yet are taken into it first; fewer than a replica: none.
+    (refill,) = plan(_shrunk_view(standbys=()), 5.0)
+    assert isinstance(refill, AddStandbys) and refill.assignment.standbys == ("s1", "s2")
+    (start,) = plan(_shrunk_view(standbys=("s1", "s2"), tp=2), 5.0)  # TP 2: one replica more
+    assert isinstance(start, StartMigration) and start.migration.ranks == (2, 3)
+    assert start.migration.donors == (0, 1) and start.migration.replicas == (0, -1)
+    view = _shrunk_view(standbys=("s1",), tp=2)
+    view = dataclasses.replace(view, live={n: r for n, r in view.live.items() if n != "s2"},
+                               registry={n: e for n, e in view.registry.items() if n != "s2"})
+    assert plan(view, 5.0) == []
+    # A job that may not reshape stays as it is.
+    job = _shrunk_view().jobs["j"]
+    fixed = dataclasses.replace(job, spec=dataclasses.replace(job.spec, reshape=False))
+    assert not [x for x in plan(dataclasses.replace(_shrunk_view(), jobs={"j": fixed}), 5.0)
+                if isinstance(x, StartMigration)]
+
+
+def test_a_grow_binds_its_joiners_then_commits_the_larger_shape() -> None:
+    view = _shrunk_view()
+    (start,) = plan(view, 5.0)
+    assert isinstance(start, StartMigration)
+    job = view.jobs["j"]
+
+    def at(progress: set[str]) -> ClusterView:
+        return dataclasses.replace(view, jobs={"j": dataclasses.replace(
+            job, migration=start.migration, progress=frozenset(progress))})
+
+    (bound,) = plan(at({Report.BOUND.of(2), Report.BOUND.of(3)}), 6.0)
+    assert isinstance(bound, AdvanceMigration) and bound.phase == MigrationPhase.PREPARING
+    (done,) = plan(at({Report.RESHAPED.of(0), Report.RESHAPED.of(1)}), 7.0)
+    assert isinstance(done, AdvanceMigration) and done.phase == MigrationPhase.DONE
+    assert done.assignment is not None and done.assignment.ranks == ("a", "b", "s1", "s2")
+    assert done.assignment.standbys == ()
+    # A joiner's node lost before the commit calls it off.
+    gone = dataclasses.replace(at(set()), live={n: r for n, r in view.live.items()
+                                               if n != "s2"})
+    (off,) = [x for x in plan(gone, 6.0) if isinstance(x, AdvanceMigration)]
+    assert off.phase == MigrationPhase.ABORTED and "s2 is gone" in off.reason
+
+
+def test_the_operator_s_resize_shrinks_at_once_and_caps_the_grow() -> None:
+    view = _shrunk_view()  # DP 2 of 4, standbys s1 and s2 free
+    job = view.jobs["j"]
+
+    def resized(dp: int) -> ClusterView:
+        r = ResizeRequest(job="j", dp=dp, requested_at=1.0, requested_by="ops@host")
+        return dataclasses.replace(view, jobs={"j": dataclasses.replace(job, resize=r)})
+
+    (down,) = plan(resized(1), 5.0)
+    assert isinstance(down, StartMigration) and down.migration.replicas == (0,)
+    assert "reshape to the operator's size: DP 2 -> 1" in down.reason
+    assert "resized to DP 1 by ops@host" in down.migration.reason
+    (up,) = plan(resized(3), 5.0)  # two standbys would make two replicas: one is wanted
+    assert isinstance(up, StartMigration) and up.migration.replicas == (0, 1, -1)
+    assert up.migration.ranks == (2,) and up.migration.joiners == ("s1",)
+    assert not [x for x in plan(resized(2), 5.0) if isinstance(x, StartMigration)]
+    (full,) = plan(resized(9), 5.0)  # a foreign value beyond its slots: all of them
+    assert isinstance(full, StartMigration) and full.migration.replicas == (0, 1, -1, -1)
+
+
+def test_a_drain_with_no_standby_free_shrinks_a_job_that_may_reshape() -> None:
+    view, _ = _migrating_view()
+    job = dataclasses.replace(view.jobs["j"], migration=None)
+    live = {n: r for n, r in view.live.items() if n not in ("s1", "s2")}
+    bare = dataclasses.replace(view, live=live, jobs={"j": job},
+                               registry={n: e for n, e in view.registry.items()
+                                         if n in live})
+    assert plan(bare, 5.0) == []  # waits for the drain's deadline
+    may = dataclasses.replace(bare, jobs={"j": dataclasses.replace(
+        job, spec=dataclasses.replace(job.spec, reshape=True))})
+    (start,) = plan(may, 5.0)
+    assert isinstance(start, StartMigration) and start.migration.kind == "reshape"
+    assert start.migration.replicas == (0,) and "drain of b" in start.migration.reason
+
+
 def test_a_reshape_record_names_its_replicas_and_nothing_else_does() -> None:
     base = dict(job="j", id="e2-1", from_epoch=1, to_epoch=2, phase=MigrationPhase.PLANNED,
                 reason="", created_at=0.0, deadline=1.0, updated_at=0.0)
     ok = Migration(**base, ranks=(), leavers=(), joiners=(), kind="reshape", replicas=(2, 0),
                    from_dp=3)
     assert Migration.decode(ok.encode()) == ok and ok.recovery
-    for bad, match in (({"replicas": ()}, "names each replica"),
-                       ({"replicas": (0, 0)}, "names each replica"),
+    grow = Migration(**base, ranks=(3,), leavers=("",), joiners=("s",), kind="reshape",
+                     replicas=(0, -1), from_dp=1, donors=(1,))
+    assert Migration.decode(grow.encode()) == grow
+    for bad, match in (({"replicas": ()}, "names each once"),
+                       ({"replicas": (0, 0)}, "names each once"),
+                       ({"replicas": (-1,)}, "keeps at least one"),
                        ({"replicas": (3,)}, "below its size before"),
-                       ({"ranks": (1,), "leavers": ("a",), "joiners": ("s",)},
-                        "moves no rank")):
+                       ({"ranks": (1,), "leavers": ("a",), "joiners": ("s",), "donors": (0,)},
+                        "with no leaver"),
+                       ({"ranks": (1,), "leavers": ("",), "joiners": ("s",)},
+                        "from a donor")):
         with pytest.raises(ValueError, match=match):
             Migration(**{**base, "ranks": (), "leavers": (), "joiners": (), "kind": "reshape",
                          "replicas": (0,), "from_dp": 3, **bad})
