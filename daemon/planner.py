@@ -535,7 +535,12 @@ def _plan_resize(job: JobView, a: Assignment, view: ClusterView,
     free = _free_standbys(job, a, view)
     if len(free) < per:
         return _refill_standbys(job, a, view, now, want=per * (target - layout.dp))
+    # Only standbys whose worker is up (it reports its warmth once its imports are done): the
+    # ranks stop when the grow is planned, and wait for its joiners.
+    free = [n for n in free if isinstance(view.live[n].warmth.get(a.job), dict)]
     grow = min(target - layout.dp, len(free) // per)
+    if grow < 1:
+        return None
     new = reshaped(layout, layout.dp + grow)
     ranks = sorted(new.rank_of(t, d, s) for s in range(layout.pp)
                    for d in range(layout.dp, new.dp) for t in range(layout.tp))

@@ -491,7 +491,10 @@ def _shrunk_view(standbys: tuple[str, ...] = ("s1", "s2"), tp: int = 1) -> Clust
     assert job.assignment is not None
     shrunk = dataclasses.replace(job.assignment, ranks=("a", "b") if tp == 1 else ("a", "a"),
                                  standbys=standbys)
-    return dataclasses.replace(view, jobs={"j": dataclasses.replace(
+    up = {"j": {"mode": "imports", "roles": [], "detail": "", "since": 0.0}}
+    live = {n: dataclasses.replace(r, warmth=up) if n in ("s1", "s2") else r
+            for n, r in view.live.items()}
+    return dataclasses.replace(view, live=live, jobs={"j": dataclasses.replace(
         job, spec=dataclasses.replace(job.spec, reshape=True), assignment=shrunk)})
 
 
@@ -505,6 +508,11 @@ def test_a_job_that_shrank_grows_back_onto_free_standbys() -> None:
     # Standbys not in its pool yet are taken into it first; fewer than a replica: none.
     (refill,) = plan(_shrunk_view(standbys=()), 5.0)
     assert isinstance(refill, AddStandbys) and refill.assignment.standbys == ("s1", "s2")
+    # Standbys in its pool whose workers are not up yet (no warmth): not yet.
+    cold = _shrunk_view()
+    cold = dataclasses.replace(cold, live={n: dataclasses.replace(r, warmth={})
+                                           for n, r in cold.live.items()})
+    assert plan(cold, 5.0) == []
     (start,) = plan(_shrunk_view(standbys=("s1", "s2"), tp=2), 5.0)  # TP 2: one replica more
     assert isinstance(start, StartMigration) and start.migration.ranks == (2, 3)
     assert start.migration.donors == (0, 1) and start.migration.replicas == (0, -1)
