@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 
 import pytest
 
@@ -448,8 +449,9 @@ def test_a_job_that_may_reshape_drops_a_lost_replica_instead_of_pausing() -> Non
     assert [x.event for x in both if isinstance(x, SetJobState)] == ["job-paused"]
 
 
-def test_a_reshape_commits_once_every_rank_that_stays_holds_the_new_shape() -> None:
-    view = _reshape_view({1: _crash(1)})
+def _planned(view: ClusterView) -> tuple[StartMigration, Callable[[set[str]], ClusterView]]:
+    """The migration the planner starts for ``view``'s job, and ``view`` with it under way and
+    given reports."""
     (start,) = plan(view, 5.0)
     assert isinstance(start, StartMigration)
     job = view.jobs["j"]
@@ -457,6 +459,14 @@ def test_a_reshape_commits_once_every_rank_that_stays_holds_the_new_shape() -> N
     def at(progress: set[str]) -> ClusterView:
         return dataclasses.replace(view, jobs={"j": dataclasses.replace(
             job, migration=start.migration, progress=frozenset(progress))})
+
+    return start, at
+
+
+def test_a_reshape_commits_once_every_rank_that_stays_holds_the_new_shape() -> None:
+    view = _reshape_view({1: _crash(1)})
+    start, at = _planned(view)
+    job = view.jobs["j"]
 
     assert plan(at({Report.RESHAPED.of(0), Report.RESHAPED.of(2)}), 6.0) == []
     (done,) = plan(at({Report.RESHAPED.of(r) for r in (0, 2, 3)}), 6.0)
@@ -529,13 +539,7 @@ def test_a_job_that_shrank_grows_back_onto_free_standbys() -> None:
 
 def test_a_grow_binds_its_joiners_then_commits_the_larger_shape() -> None:
     view = _shrunk_view()
-    (start,) = plan(view, 5.0)
-    assert isinstance(start, StartMigration)
-    job = view.jobs["j"]
-
-    def at(progress: set[str]) -> ClusterView:
-        return dataclasses.replace(view, jobs={"j": dataclasses.replace(
-            job, migration=start.migration, progress=frozenset(progress))})
+    _, at = _planned(view)
 
     (bound,) = plan(at({Report.BOUND.of(2), Report.BOUND.of(3)}), 6.0)
     assert isinstance(bound, AdvanceMigration) and bound.phase == MigrationPhase.PREPARING
