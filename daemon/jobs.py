@@ -31,7 +31,6 @@ from understudy.common.records import (
     RankExit,
     Report,
     ResizeRequest,
-    current_layout,
     decode_job_record,
 )
 from understudy.common.states import NodeState
@@ -499,10 +498,10 @@ class JobRunner:
         return await self.store.get(self.keys.rank_exit(job, epoch, rank)) is not None
 
     async def _spawn(self, spec: JobSpec, assignment: Assignment, rank: int | None) -> None:
-        try:  # a standby of a job that shrank takes ranks of its current shape
-            layout = current_layout(spec, assignment)
-        except ValueError:
-            layout = spec.layout
+        # The job's submitted shape, also for a standby of a job that shrank: its recordings
+        # are of that shape, and a grow takes it back there (a standby chosen for another
+        # shape builds for it then: worker.launch._follow_shape).
+        layout = spec.layout
         worker_env = {
             **spec.env,
             env.CHILD_SOCKET: str(self.agent.cfg.socket_path),

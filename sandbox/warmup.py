@@ -252,7 +252,7 @@ class Warmed:
             return None
         self.discard()
         self.groups.promote(real)
-        self.runtime.ctx = ctx
+        self.runtime.rebind(ctx)
         return self.runtime, what
 
 

@@ -337,6 +337,12 @@ class Runtime:
                        dp_index=ctx.dp_index, slots=list(ctx.held_slots),
                        was_rank=old.rank, was_dp=old.dp)
 
+    def rebind(self, ctx: JobContext) -> None:
+        """Take ``ctx`` as this runtime's context, its log lines naming ``ctx``'s rank: a
+        standby's job retargeted to another rank (``sandbox.warmup``) already took it."""
+        self.ctx = ctx
+        self._log = logs.get("understudy.worker", job=ctx.job, rank=ctx.rank)
+
     def reshape_refusal(self, ctx: JobContext) -> str | None:
         """Why :meth:`reshape` would refuse ``ctx`` (None: it would not), checked before any
         group of the new shape is built."""

@@ -65,14 +65,16 @@ def test_a_slotted_job_shrinks_live_with_no_standby_free_and_grows_back_bit_for_
     # Two standby nodes, cordoned: no standby is free. Rank 0's worker dies; its replica
     # (ranks 0 and 1, on node-a) is dropped, and node-b's replica, ranks 2 and 3, trains on as
     # ranks 0 and 1 holding both slots, in the same processes (without --reshape the job would
-    # pause). Then the standbys are uncordoned: they make up a new replica, ranks 2 and 3,
+    # pause). Then the standbys are uncordoned: warmed in the sandbox as ranks 0 and 1 (the
+    # recordings are of the submitted shape), they are promoted to ranks 2 and 3, a new replica,
     # with the state of ranks 0 and 1, and the job ends on two replicas again.
     c = start(etcd, tmp_path / "cluster", {"node-a": 2, "node-b": 2}, ("node-s1", "node-s2"))
     try:
         for n in ("node-s1", "node-s2"):
             assert c.cli("cordon", n).returncode == 0
         out = tmp_path / "out"
-        _run_job(c, out, step_sleep=0.1, standby=0, extra=SLOTS, options=("--reshape",))
+        _run_job(c, out, step_sleep=0.1, standby=0, extra=SLOTS, options=("--reshape",),
+                 env={"UNDERSTUDY_RECORDINGS": str(tmp_path / "recordings")})
         a, b = c.daemons["node-a"], c.daemons["node-b"]
         stayers = {r: worker_pid(b, f"mig.r{r}") for r in (2, 3)}
         wait_log(b, "50 steps committed on rank 2", timeout=60)
@@ -102,6 +104,8 @@ def test_a_slotted_job_shrinks_live_with_no_standby_free_and_grows_back_bit_for_
         assert "reshape for want of a standby: DP 2 -> 1" in planned[0], planned
         assert "reshape onto free standbys: DP 1 -> 2" in planned[1], planned
         assert [e["kind"] for e in events(c)].count("migration-done") == 2
+        for n in ("node-s1", "node-s2"):
+            assert "Promoting the standby warmed as rank" in c.daemons[n].log_text()
         for rank in range(4):
             assert_rank_equal(one_replica, rank % 2, out, rank, rng=False)
     finally:
