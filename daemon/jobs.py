@@ -498,24 +498,23 @@ class JobRunner:
         return await self.store.get(self.keys.rank_exit(job, epoch, rank)) is not None
 
     async def _spawn(self, spec: JobSpec, assignment: Assignment, rank: int | None) -> None:
-        # The job's submitted shape, also for a standby of a job that shrank: its recordings
-        # are of that shape, and a grow takes it back there (a standby chosen for another
-        # shape builds for it then: worker.launch._follow_shape).
-        layout = spec.layout
         worker_env = {
             **spec.env,
             env.CHILD_SOCKET: str(self.agent.cfg.socket_path),
             env.CHILD_NODE: self.node,
             env.JOB: spec.name,
-            env.WORLD_SIZE: str(layout.world_size),
+            # The submitted shape, also for a standby of a job that shrank: its recordings are
+            # of it, and a grow takes the job back to it (a standby chosen for another shape
+            # builds the job for that one: worker.launch._follow_shape).
+            env.WORLD_SIZE: str(spec.world_size),
             env.TP: str(spec.tp),
-            env.DP: str(layout.dp),
+            env.DP: str(spec.dp),
             env.PP: str(spec.pp),
             env.EPOCH: str(assignment.epoch),
             env.WORKER_ROLE: env.WorkerRole.STANDBY if rank is None else env.WorkerRole.RANK,
         }
         if rank is not None:
-            tp_index, dp_index, pp_index = layout.coordinates(rank)
+            tp_index, dp_index, pp_index = spec.layout.coordinates(rank)
             worker_env.update({env.RANK: str(rank), env.TP_INDEX: str(tp_index),
                                env.DP_INDEX: str(dp_index), env.PP_INDEX: str(pp_index)})
             name = rank_child(spec.name, rank)
