@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -195,6 +196,10 @@ class Scratch:
             return 1
         except KeyboardInterrupt:
             print(f"{what} interrupted; its processes are stopped", file=sys.stderr)
+            # Where it was and what the daemons last said: a run cut short by a test's timeout
+            # in CI leaves nothing else behind.
+            print("".join(traceback.format_exc(limit=-6)), file=sys.stderr)
+            print(log_tails(self.base), file=sys.stderr)
             return 130
         finally:
             # A second Ctrl-C must not cut the clean-up short.
@@ -208,6 +213,21 @@ class Scratch:
         """``run(i, base / "repeat<i>")`` for each repeat, as :meth:`run`."""
         return self.run(what, errors,
                         lambda: [run(i, self.base / f"repeat{i}") for i in range(count)])
+
+
+def log_tails(base: Path, lines: int = 8, width: int = 400) -> str:
+    """The last ``lines`` lines of every log under ``base`` (each cut to ``width`` characters),
+    the most recently written last."""
+    logs = sorted(base.rglob("*.log"), key=lambda f: f.stat().st_mtime)
+    out = []
+    for log in logs:
+        try:
+            tail = log.read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            continue
+        out.append(f"--- {log.relative_to(base)}")
+        out += [line[:width] for line in tail]
+    return "\n".join(out)
 
 
 def machine(torch: bool = False) -> dict[str, Any]:
@@ -571,6 +591,60 @@ def standalone_step(base: Path, label: str, cfg: Mapping[str, Any], ranks: int,
     if not intervals:
         raise BenchmarkError(f"{label}: too few steps logged ({len(times)})")
     return {"step_s": statistics.median(intervals), "intervals": intervals}
+
+
+def reference_run(base: Path, world: int, tp: int, steps: int, smoke: bool,
+                  job_args: tuple[str, ...] = ()) -> Path:
+    """The uninterrupted run a benchmark's final state is held to: the plain example on
+    ``world`` plain processes (no daemons, no step sleep), as the tests' ``standalone_run``
+    (tests/integration/test_migration.py) starts it, ``steps`` steps, ``job_args`` added;
+    returns the directory of every rank's ``--save``.
+
+    Raises:
+        BenchmarkError: a process failed or ran past its time.
+    """
+    base.mkdir(parents=True, exist_ok=True)
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for r in range(world):
+            with open(base / f"r{r}.log", "wb") as log:
+                procs.append(subprocess.Popen(
+                    [sys.executable, str(TRAIN), "--steps", str(steps), "--step-sleep", "0",
+                     "--save", str(base / "out"), "--rank", str(r), "--world-size", str(world),
+                     "--tp", str(tp), "--pp", "1", "--store", str(base / "store"), *job_args,
+                     *example_options(smoke, job_args)],
+                    env={**os.environ, **ONE_THREAD}, stdout=subprocess.DEVNULL,
+                    stderr=log))
+        deadline = time.monotonic() + 120 + 0.1 * steps
+        for r, p in enumerate(procs):
+            code = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            if code != 0:
+                tail = (base / f"r{r}.log").read_text(errors="replace")[-2000:]
+                raise BenchmarkError(f"reference rank {r} exited with {code}: {tail}")
+    except subprocess.TimeoutExpired as exc:
+        raise BenchmarkError(f"the reference run took longer than {exc.timeout:.0f} s") from exc
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return base / "out"
+
+
+def compare_states(expected: Path, actual: Path, world: int) -> dict[str, Any]:
+    """Whether every rank's final state is bitwise the reference's (the tests' comparison):
+    ``equal``, and the first difference said."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from tests.integration.bitwise import assert_bitwise_equal  # imports torch: only here
+
+    try:
+        assert_bitwise_equal(expected, actual, world=world)
+    except AssertionError as exc:
+        return {"equal": False, "difference": str(exc)[:2000]}
+    except (OSError, RuntimeError) as exc:  # a state file missing or unreadable
+        return {"equal": False, "difference": f"{type(exc).__name__}: {exc}"[:2000]}
+    return {"equal": True, "difference": ""}
 
 
 def alternating(repeats: int, base: Path, variants: Mapping[str, T],
