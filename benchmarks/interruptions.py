@@ -143,19 +143,19 @@ def finish_timeout(steps: int) -> float:
     return max(600.0, steps_timeout(steps))
 
 
-def bring_up(cluster: LocalCluster) -> None:
-    """Four daemons on the cluster's etcd (started); node-a first, so that it holds the
-    controller (node-b is the node lost, and losing the controller would add an election to
-    the detection)."""
+def bring_up(cluster: LocalCluster, standbys: tuple[str, ...] = STANDBYS) -> None:
+    """The daemons on the cluster's etcd (started): node-a and node-b, two slots each, and the
+    standby nodes ``standbys``; node-a first, so that it holds the controller (node-b is the
+    node lost, and losing the controller would add an election to the detection)."""
     cluster.add("node-a", "active", extra=["--slots", "2"])
     cluster.wait_state("node-a", "active", timeout=60)
     cluster.wait_for("node-a to hold the controller", lambda s: s.controller == "node-a",
                      timeout=60)
     cluster.add("node-b", "active", extra=["--slots", "2"])
-    for n in STANDBYS:
+    for n in standbys:
         cluster.add(n, "standby")
     cluster.wait_state("node-b", "active", timeout=60)
-    for n in STANDBYS:
+    for n in standbys:
         cluster.wait_state(n, "standby", timeout=60)
 
 

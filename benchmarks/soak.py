@@ -54,7 +54,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -68,7 +67,7 @@ import psutil
 import soak_plan
 import steplog
 import volatile
-from harness import ONE_THREAD, REPO, TRAIN, log_records, read_records
+from harness import ONE_THREAD, TRAIN, log_records, read_records
 from interruptions import JOB, TP, WORLD
 from soak_plan import Hit, Picture, Planned
 
@@ -776,57 +775,6 @@ def attach_events(faults: list[dict[str, Any]], events: list[dict[str, Any]]) ->
                        and e["kind"].startswith(interesting)]
 
 
-def reference_run(base: Path, steps: int, smoke: bool) -> Path:
-    """The uninterrupted run: the same job on four plain processes, no daemons, no step sleep,
-    as the tests' ``standalone_run`` (tests/integration/test_migration.py) starts it; that one
-    runs the tests' fixed 300 steps, the soak's job runs ``steps``.
-
-    Raises:
-        SoakError: a process failed or ran past its time.
-    """
-    base.mkdir(parents=True, exist_ok=True)
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        for r in range(WORLD):
-            with open(base / f"r{r}.log", "wb") as log:
-                procs.append(subprocess.Popen(
-                    [sys.executable, str(TRAIN), "--steps", str(steps), "--step-sleep", "0",
-                     "--save", str(base / "out"), "--rank", str(r), "--world-size", str(WORLD),
-                     "--tp", str(TP), "--pp", "1", "--store", str(base / "store"),
-                     *harness.example_options(smoke)],
-                    env={**os.environ, **ONE_THREAD}, stdout=subprocess.DEVNULL,
-                    stderr=log))
-        deadline = time.monotonic() + 120 + 0.1 * steps
-        for r, p in enumerate(procs):
-            code = p.wait(timeout=max(1.0, deadline - time.monotonic()))
-            if code != 0:
-                tail = (base / f"r{r}.log").read_text(errors="replace")[-2000:]
-                raise SoakError(f"reference rank {r} exited with {code}: {tail}")
-    except subprocess.TimeoutExpired as exc:
-        raise SoakError(f"the reference run took longer than {exc.timeout:.0f} s") from exc
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return base / "out"
-
-
-def compare(expected: Path, actual: Path) -> dict[str, Any]:
-    """Whether every rank's final state is bitwise the reference's (the tests' comparison)."""
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
-    from tests.integration.bitwise import assert_bitwise_equal  # imports torch: only here
-
-    try:
-        assert_bitwise_equal(expected, actual, world=WORLD)
-    except AssertionError as exc:
-        return {"equal": False, "difference": str(exc)[:2000]}
-    except (OSError, RuntimeError) as exc:  # a state file missing or unreadable
-        return {"equal": False, "difference": f"{type(exc).__name__}: {exc}"[:2000]}
-    return {"equal": True, "difference": ""}
-
-
 # -- the command -----------------------------------------------------------------------------
 
 
@@ -877,8 +825,9 @@ def run(cfg: SoakConfig, base: Path) -> dict[str, Any]:
     if job_done_at is not None:
         t1 = time.monotonic()
         try:
-            bitwise = compare(reference_run(base / "reference", cfg.steps, cfg.smoke), soak.out)
-        except SoakError as exc:
+            bitwise = harness.compare_states(harness.reference_run(
+                base / "reference", WORLD, TP, cfg.steps, cfg.smoke), soak.out, WORLD)
+        except harness.BenchmarkError as exc:
             bitwise = {"equal": None, "difference": f"no reference: {exc}"}
         ref_s = time.monotonic() - t1
     kinds: dict[str, int] = {}

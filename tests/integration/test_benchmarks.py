@@ -564,6 +564,36 @@ def test_volatile_goodput_of_a_restart() -> None:
     assert late["useful_steps"] == 90  # steps 0..89: 90..98 are redone after t=15
 
 
+def test_capacity_trace_is_seeded_and_its_figures_count_the_steps_while_short() -> None:
+    """The volatile-capacity benchmark's trace and figures (``benchmarks/capacity.py``; its
+    runs take minutes, too long for the suite: docs/benchmarks.md has a full one)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import capacity
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    dips, length = capacity.trace(3, 3, 20.0, 30.0)
+    assert (dips, length) == capacity.trace(3, 3, 20.0, 30.0) != capacity.trace(4, 3, 20.0, 30.0)
+    ends = [0.0, *(d.up for d in dips)]
+    assert all(10 <= d.down - e <= 30 and 15 <= d.up - d.down <= 45
+               for d, e in zip(dips, ends, strict=False))
+    assert 10 <= length - dips[-1].up <= 30
+    # A step every 0.1 s from t=-5 to 2.9 and from 7.1 on (a pause); capacity short from t=2
+    # to 6, the job at full size again at t=7.5; the window (0, 10].
+    commit = {s: -5 + 0.1 * s for s in range(80)}
+    commit.update({s: 7 + 0.1 * (s - 79) for s in range(80, 200)})
+    served = [{"index": 0, "fired_at": 2.0, "returned_at": 6.0, "full_at": 7.5,
+               "delay_s": 0.0}]
+    f = capacity.analyse(commit, 0.0, 10.0, served)
+    assert f["normal_step_s"] == pytest.approx(0.1)
+    assert f["useful_steps"] == 29 + 30  # steps 51..79 and 80..109
+    assert f["goodput"] == pytest.approx(59 * 0.1 / 10)
+    (dip,) = f["dips"]
+    assert dip["steps_short"] == 10 and dip["return_to_full_s"] == pytest.approx(1.5)
+    with pytest.raises(capacity.BenchmarkError, match="span"):
+        capacity.analyse(commit, 0.0, 30.0, served)
+
+
 @pytest.mark.timeout(420)
 def test_goodput_smoke(tmp_path: Path) -> None:
     if shutil.which("etcd") is None:
