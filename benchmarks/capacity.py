@@ -1,43 +1,50 @@
-"""Volatile-capacity benchmark: a seeded trace of capacity dips, under live reshape and paused.
+"""Volatile-capacity benchmark: a seeded trace of capacity dips, under live reshape, paused, and
+torchft on fewer replica groups.
 
-One command, real processes, both variants on fresh clusters in the same invocation, ``--repeats``
-times each, the order alternating, the same trace for both. The cluster: ``node-a`` (the
-controller) and ``node-b``, two slots each, and no standby. The job: the plain example, TP 2 x
-DP 2 with ``--slots 2`` (a ``SlottedJob``: the same bits on any replica count), ``--standby 0``,
-run
+One command, real processes, every variant in the same invocation (fresh processes each),
+``--repeats`` times, the order rotating, the same trace for all. The job: the plain example, TP 2
+x DP 2. Under understudy the cluster is ``node-a`` (the controller) and ``node-b``, two slots
+each, and no standby; the job runs with ``--slots 2`` (a ``SlottedJob``: the same bits on any
+replica count) and ``--standby 0``:
 
-- **reshape**: with ``understudy run --reshape``: at a reclaim the lost replica is dropped and
-  the other trains on alone, holding both slots; when capacity returns the job grows back onto
-  it;
+- **reshape**: ``understudy run --reshape``: at a reclaim the lost replica is dropped and the
+  other trains on alone, holding both slots; when capacity returns the job grows back onto it;
 - **pause**: without: the job waits, its survivors holding their state, until the new capacity
-  takes the lost ranks (``docs/recovery.md``).
+  takes the lost ranks (``docs/recovery.md``);
+- **torchft**: ``PlainJob`` under torchft (``baseline/torchft_job.py``), one replica group per
+  DP index, the Lighthouse and the job at ``--min-replicas 1``: at a reclaim group 1 (its agent
+  and workers) is killed and group 0 trains on alone on its own micro-batches, the global batch
+  halved (torchft's way); at the return a new group 1 joins the quorum and heals from group 0.
 
 The trace (``trace``, seeded): ``--dips`` times, after a stretch at full capacity (uniform in
 [0.5, 1.5] x ``--mean-up`` seconds), the capacity holding replica 1 is reclaimed in a burst: the
 daemon and workers of every node holding one of its ranks are killed at once (kill -9; the
-first time ``node-b``, later the two standby nodes it grew onto); a stretch later (uniform in
-[0.5, 1.5] x ``--mean-down``) capacity comes back: two fresh standby nodes of one slot each (new
-daemons, as a cloud's autoscaler adds them). A last stretch at full capacity ends the trace. A
+first time ``node-b``, later the two standby nodes it grew onto; torchft: group 1's agent and
+workers); a stretch later (uniform in [0.5, 1.5] x ``--mean-down``) capacity comes back: two
+fresh standby nodes of one slot each (new daemons, as a cloud's autoscaler adds them; torchft: a
+new agent for group 1). A last stretch at full capacity ends the trace. A
 reclaim fires at its offset from the start, or, where the job is not back at full size yet (its
 replica 1 training again), as soon as it is; the delay is recorded.
 
 From the job's per-step lines (``--step-log``; a step's commit time is its first rank's), over
 the window from the trace's start to its end (the last return plus the last stretch):
 
-- **useful steps**: the steps committed in the window (neither variant redoes a step);
+- **useful steps**: the steps committed in the window (no variant redoes a step);
 - **normal step**: the median interval between commits before the first reclaim;
 - **goodput** = useful steps x normal step / window;
 - per dip: the steps committed while capacity was short (the reclaim to the return), and the
   wait from the return to the job's first step at full size again;
-- whether the run's final state equals an uninterrupted run's (the same job on four plain
-  processes, ``harness.reference_run``), bit for bit.
+- whether the run ends equal to an uninterrupted run of its job (on four plain processes,
+  ``harness.reference_run``): understudy's final states bit for bit; for every variant, how many
+  of the losses it logged are identical to the uninterrupted run's, and the first that is not
+  (torchft saves no state).
 
 Prints a summary, writes JSON (machine, command, configuration, the trace, every dip) and a
 timeline PNG (each variant's steps over time, the dips shaded). Every process it starts is
 stopped on exit, Ctrl-C and SIGTERM included.
 
     .venv/bin/python benchmarks/capacity.py [--seed S] [--dips N] [--mean-up S] [--mean-down S]
-                                            [--repeats N] [--smoke]
+                                            [--repeats N] [--variants V,...] [--smoke]
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ import signal
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from itertools import pairwise
 from pathlib import Path
@@ -56,6 +64,9 @@ from typing import Any
 
 import harness
 import psutil
+import steplog
+from baseline.elastic import TorchrunError
+from baseline.torchft_run import TorchftConfig, TorchftRun
 from harness import (
     ONE_THREAD,
     TRAIN,
@@ -73,7 +84,7 @@ from interruptions import JOB, TP, WORLD, add_standbys, bring_up, train_processe
 from understudy.common import config as config_mod
 from understudy.common.errors import UnderstudyError
 
-VARIANTS = ("reshape", "pause")
+VARIANTS = ("reshape", "pause", "torchft")
 SLOTS = WORLD // TP
 #: Steps committed before the trace starts (warm-up, and the intervals the normal step is of).
 LEAD_STEPS = 60
@@ -143,15 +154,62 @@ def reclaim(cluster: Any, nodes: list[str]) -> list[int]:
     return [d.pid for d in daemons] + workers
 
 
-def run_variant(variant: str, args: Any, dips: list[Dip], length: float,
-                base: Path) -> dict[str, Any]:
-    """One run of ``variant`` through the trace on a fresh cluster: its figures, and where its
-    final state is."""
+def through_trace(tail: RecordTail, args: Any, dips: list[Dip], length: float,
+                  take: Callable[[], dict[str, Any]],
+                  give: Callable[[], object]) -> tuple[float, float, list[dict[str, Any]]]:
+    """Drive a running job through the trace: once it has committed :data:`LEAD_STEPS` steps
+    the trace starts; at each dip ``take()`` reclaims replica 1's capacity (what it returns is
+    recorded), ``give()`` brings capacity back, and the next dip waits for the job to be at
+    full size again. Returns the window (the trace's start and end, wall times) and the dips as
+    they were served.
+
+    Raises:
+        BenchmarkError: the job ran out of steps before the trace did. ClusterTimeout or
+            BenchmarkError: something waited for never came.
+    """
+    def newest_step() -> int:
+        tail.poll()
+        return max((s for _, s in tail.newest.values()), default=-1)
+
+    wait(f"the job's first {LEAD_STEPS} steps", lambda: newest_step() >= LEAD_STEPS,
+         timeout=300, interval=0.2)
+    start = time.time()
+    served: list[dict[str, Any]] = []
+    returned_at = start
+    for i, dip in enumerate(dips):
+        time.sleep(max(0.0, start + dip.down - time.time()))
+        fired_at = time.time()
+        taken = take()
+        time.sleep(max(0.0, fired_at + (dip.up - dip.down) - time.time()))
+        returned_at = time.time()
+        give()
+
+        def back(since: float = returned_at) -> bool:
+            tail.poll()
+            return first_full(tail.records, since) is not None
+
+        wait(f"the job back at full size after dip {i + 1}", back,
+             timeout=args.serve_timeout, interval=0.2)
+        served.append({"index": i, "planned_down": start + dip.down, "fired_at": fired_at,
+                       "delay_s": fired_at - (start + dip.down), **taken,
+                       "returned_at": returned_at,
+                       "full_at": first_full(tail.records, returned_at)})
+    # The last stretch at full capacity, from the last return as it happened.
+    end = returned_at + (length - dips[-1].up)
+    time.sleep(max(0.0, end - time.time()))
+    if newest_step() >= args.steps - 1:
+        raise BenchmarkError("the job ran out of steps before the trace did: raise --steps")
+    return start, end, served
+
+
+def run_understudy(variant: str, args: Any, dips: list[Dip], length: float,
+                   base: Path) -> dict[str, Any]:
+    """One run of ``variant`` (reshape, pause) through the trace on a fresh cluster: its
+    figures, and where its final state is."""
     out, steps_dir = base / "out", base / "steps"
     tail = RecordTail(steps_dir)
     load_before = os.getloadavg()[0]
     t0 = time.monotonic()
-    served: list[dict[str, Any]] = []
     joined: list[str] = []
     with local_cluster(base, args.ttl) as (_, cluster):
         bring_up(cluster, standbys=())
@@ -165,38 +223,12 @@ def run_variant(variant: str, args: Any, dips: list[Dip], length: float,
         if run.returncode != 0:
             raise BenchmarkError(f"understudy run failed: {run.stderr.strip()}")
 
-        def newest_step() -> int:
-            tail.poll()
-            return max((s for _, s in tail.newest.values()), default=-1)
-
-        wait(f"the job's first {LEAD_STEPS} steps", lambda: newest_step() >= LEAD_STEPS,
-             timeout=300, interval=0.2)
-        start = time.time()
-        for i, dip in enumerate(dips):
-            time.sleep(max(0.0, start + dip.down - time.time()))
+        def take() -> dict[str, Any]:
             nodes = replica1_nodes(cluster)
-            fired_at = time.time()
-            pids = reclaim(cluster, nodes)
-            time.sleep(max(0.0, fired_at + (dip.up - dip.down) - time.time()))
-            returned_at = time.time()
-            add_standbys(cluster, TP, joined)
+            return {"reclaimed": nodes, "killed_pids": reclaim(cluster, nodes)}
 
-            def back(since: float = returned_at) -> bool:
-                tail.poll()
-                return first_full(tail.records, since) is not None
-
-            wait(f"the job back at full size after dip {i + 1}", back,
-                 timeout=args.serve_timeout, interval=0.2)
-            full_at = first_full(tail.records, returned_at)
-            served.append({"index": i, "planned_down": start + dip.down,
-                           "fired_at": fired_at, "delay_s": fired_at - (start + dip.down),
-                           "reclaimed": nodes, "killed_pids": pids, "returned_at": returned_at,
-                           "full_at": full_at})
-        # The last stretch at full capacity, from the last return as it happened.
-        end = returned_at + (length - dips[-1].up) if dips else start + length
-        time.sleep(max(0.0, end - time.time()))
-        if newest_step() >= args.steps - 1:
-            raise BenchmarkError("the job ran out of steps before the trace did: raise --steps")
+        start, end, served = through_trace(tail, args, dips, length, take,
+                                           lambda: add_standbys(cluster, TP, joined))
         job = wait_done(cluster, JOB, timeout=args.serve_timeout + 10 * args.steps)
         seen = snapshot(cluster)
     tail.poll()
@@ -207,7 +239,44 @@ def run_variant(variant: str, args: Any, dips: list[Dip], length: float,
             "paused_events": kinds.count("job-paused"),
             "plans": [e["message"] for e in seen["events"] if e["kind"] == "migration-planned"],
             "loadavg_1m_before_after": [load_before, os.getloadavg()[0]],
-            "daemon_log_tracebacks": seen["tracebacks"], "out": str(out)}
+            "daemon_log_tracebacks": seen["tracebacks"], "out": str(out),
+            "losses": steplog.losses(tail.records)}
+
+
+def run_torchft(args: Any, dips: list[Dip], length: float, base: Path) -> dict[str, Any]:
+    """The job under torchft, continuing on fewer replica groups (``--min-replicas 1``): at a
+    dip replica group 1 (its agent and workers) is killed, at the return a new group for it
+    starts, joins the quorum and heals from group 0 (``baseline/torchft_run.py``)."""
+    cfg = TorchftConfig(steps=args.steps, step_sleep=args.step_sleep, min_replicas=1)
+    load_before = os.getloadavg()[0]
+    t0 = time.monotonic()
+    run = TorchftRun(cfg, base)
+    try:
+        run.start()
+        assert run.tail is not None
+        start, end, served = through_trace(
+            run.tail, args, dips, length,
+            lambda: {"reclaimed": ["replica group 1"], "killed_at": run.kill_group(1)},
+            lambda: run.add_group(1))
+        codes = run.wait_finished(timeout=args.serve_timeout + 10 * args.steps)
+        run.tail.poll()
+        records = run.tail.records
+    except TorchrunError as exc:
+        raise BenchmarkError(f"torchft: {exc}\n{run.log_tail()}") from exc
+    finally:
+        run.stop()
+    figures = analyse(commits(records), start, end, served)
+    return {"variant": "torchft", "wall_s": time.monotonic() - t0, "start": start, "end": end,
+            **figures, "agent_exit_codes": codes,
+            "loadavg_1m_before_after": [load_before, os.getloadavg()[0]],
+            "losses": steplog.losses(records)}
+
+
+def run_variant(variant: str, args: Any, dips: list[Dip], length: float,
+                base: Path) -> dict[str, Any]:
+    if variant == "torchft":
+        return run_torchft(args, dips, length, base)
+    return run_understudy(variant, args, dips, length, base)
 
 
 def analyse(commit: dict[int, float], start: float, end: float,
@@ -236,23 +305,32 @@ def analyse(commit: dict[int, float], start: float, end: float,
             "timeline": [(round(t - start, 3), s) for s, t in sorted(commit.items())]}
 
 
-def run_repeat(i: int, args: Any, dips: list[Dip], length: float, reference: Path,
+def run_repeat(i: int, args: Any, dips: list[Dip], length: float, references: dict[str, Path],
                base: Path) -> dict[str, Any]:
-    order = VARIANTS if i % 2 == 0 else VARIANTS[::-1]
-    runs = {v: run_variant(v, args, dips, length, base / v) for v in order}
+    """Every variant once, in an order that rotates from repeat to repeat, each held to its
+    uninterrupted run (``references``: the ``--save`` directory of each)."""
+    order = args.variants[i % len(args.variants):] + args.variants[:i % len(args.variants)]
+    runs = {}
     for v in order:
-        runs[v]["bitwise"] = harness.compare_states(reference, Path(runs[v]["out"]), WORLD)
-    r, p = runs["reshape"], runs["pause"]
-    print(f"  repeat {i + 1}/{args.repeats}: goodput reshape {r['goodput']:.3f}, pause "
-          f"{p['goodput']:.3f}; steps while short {r['steps_short']} vs {p['steps_short']}; "
-          f"equal to the uninterrupted run: {r['bitwise']['equal']}, {p['bitwise']['equal']}",
-          file=sys.stderr, flush=True)
+        run = run_variant(v, args, dips, length, base / v)
+        reference = references["plain" if v == "torchft" else "slotted"]
+        run["losses_vs_reference"] = steplog.compare_losses(
+            steplog.losses(harness.read_records(reference.parent / "steps")), run.pop("losses"))
+        # torchft saves no state: its losses say whether it trained the same model.
+        run["bitwise"] = (harness.compare_states(reference, Path(run["out"]), WORLD)
+                          if "out" in run else {"equal": None, "difference": "no state saved"})
+        runs[v] = run
+    print(f"  repeat {i + 1}/{args.repeats}: " + "; ".join(
+        f"{v} goodput {r['goodput']:.3f}, {r['steps_short']} steps while short, equal: "
+        f"{r['bitwise']['equal']}, losses {r['losses_vs_reference']['identical']}/"
+        f"{r['losses_vs_reference']['compared']}" for v, r in runs.items()),
+        file=sys.stderr, flush=True)
     return {"repeat": i, "order": list(order), **runs}
 
 
-def collect(repeats: list[dict[str, Any]]) -> dict[str, Any]:
+def collect(repeats: list[dict[str, Any]], variants: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for v in VARIANTS:
+    for v in variants:
         runs = [r[v] for r in repeats]
         dips = [d for x in runs for d in x["dips"]]
         out[v] = {
@@ -261,10 +339,18 @@ def collect(repeats: list[dict[str, Any]]) -> dict[str, Any]:
                          "short_s")},
             "return_to_full_s": summarize([d["return_to_full_s"] for d in dips]),
             "reclaim_delay_s": summarize([d["delay_s"] for d in dips]),
-            "equal_every_repeat": all(x["bitwise"]["equal"] for x in runs),
+            "state_equal_every_repeat": (None if any(x["bitwise"]["equal"] is None
+                                                     for x in runs)
+                                         else all(x["bitwise"]["equal"] for x in runs)),
+            "losses_identical_every_repeat": all(
+                x["losses_vs_reference"]["identical"] == x["losses_vs_reference"]["compared"]
+                for x in runs),
+            "first_loss_difference": [x["losses_vs_reference"]["first_difference"]
+                                      for x in runs],
         }
-    out["goodput_gained"] = summarize([r["reshape"]["goodput"] - r["pause"]["goodput"]
-                                       for r in repeats])
+    if "reshape" in variants and "pause" in variants:
+        out["goodput_gained"] = summarize([r["reshape"]["goodput"] - r["pause"]["goodput"]
+                                           for r in repeats])
     return out
 
 
@@ -275,7 +361,7 @@ def print_summary(result: dict[str, Any]) -> None:
           f"short of replica 1); {cfg['repeats']} repeat(s)")
     table = Table(46, missing=f"{'(none)':>20}", repeats=cfg["repeats"])
     table.header()
-    for v in VARIANTS:
+    for v in cfg["variants"]:
         x = s[v]
         table.row(f"{v}: goodput", x["goodput"], "")
         table.row("  useful steps in the window", x["useful_steps"], "steps", fmt=".0f")
@@ -284,30 +370,36 @@ def print_summary(result: dict[str, Any]) -> None:
         table.row("  steps committed while short", x["steps_short"], "steps", fmt=".0f")
         table.row("  capacity back -> full size (per dip)", x["return_to_full_s"], "s")
         table.row("  reclaim delayed (per dip)", x["reclaim_delay_s"], "s")
-        print(f"  {v}: ends equal to the uninterrupted run, bit for bit, every repeat: "
-              f"{x['equal_every_repeat']}")
-    table.row("goodput gained by reshaping", s["goodput_gained"], "")
+        state = x["state_equal_every_repeat"]
+        print(f"  {v}: final state equal to the uninterrupted run's, bit for bit, every repeat: "
+              f"{'(not saved)' if state is None else state}; every loss identical: "
+              f"{x['losses_identical_every_repeat']} (first difference at "
+              f"{x['first_loss_difference']})")
+    if "goodput_gained" in s:
+        table.row("goodput gained by reshaping over pausing", s["goodput_gained"], "")
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
     """Each variant's committed steps over time in the first repeat, the dips shaded."""
     plt = harness.pyplot()
     rep = result["repeats"][0]
-    fig, ax = plt.subplots(figsize=(9, 4))
-    for v, colour in zip(VARIANTS, ("tab:blue", "tab:orange"), strict=True):
-        run = rep[v]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    colours = {"reshape": "tab:blue", "pause": "tab:orange", "torchft": "tab:green"}
+    for v in result["config"]["variants"]:
+        run, colour = rep[v], colours[v]
         t = [x for x, _ in run["timeline"]]
-        s = [y for _, y in run["timeline"]]
-        ax.plot(t, s, color=colour, lw=1.2, label=f"{v} (goodput {run['goodput']:.2f})")
+        steps = [y for _, y in run["timeline"]]
+        ax.plot(t, steps, color=colour, lw=1.2, label=f"{v} (goodput {run['goodput']:.2f})")
         for d in run["dips"]:
             ax.axvspan(d["fired_at"] - run["start"], d["returned_at"] - run["start"],
-                       color=colour, alpha=0.12)
+                       color=colour, alpha=0.10)
         ax.axvline(run["end"] - run["start"], color=colour, ls=":", lw=0.8)
     ax.set_xlim(left=-5)
-    ax.set_xlabel("seconds from the trace's start (shaded: replica 1's capacity reclaimed)")
+    ax.set_xlabel("seconds from the trace's start (shaded: replica 1's capacity reclaimed; "
+                  "dotted: the window's end)")
     ax.set_ylabel("step committed")
-    ax.set_title(f"TP {TP} x DP {SLOTS}, seed {result['config']['seed']}: live reshape vs "
-                 "pause")
+    ax.set_title(f"TP {TP} x DP {SLOTS}, seed {result['config']['seed']}: live reshape, pause, "
+                 "torchft on fewer replica groups")
     ax.legend(loc="upper left")
     harness.save_chart(fig, path)
 
@@ -321,6 +413,8 @@ def parse_args(argv: list[str] | None = None) -> Any:
     p.add_argument("--mean-down", type=float,
                    help="mean seconds short of replica 1's capacity (default 30; smoke 6)")
     p.add_argument("--repeats", type=int, help="repeats of each variant (default 1; smoke 1)")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"which to run, comma-separated (default {','.join(VARIANTS)})")
     p.add_argument("--steps", type=int, help="steps of the job (default: enough to outlast "
                    "the trace at --step-sleep a step)")
     p.add_argument("--step-sleep", type=float, default=0.04,
@@ -337,6 +431,9 @@ def parse_args(argv: list[str] | None = None) -> Any:
                           "mean_down": (30.0, 6.0)})
     if args.repeats < 1 or args.dips < 1:
         p.error("--repeats and --dips must be at least 1")
+    args.variants = [v for v in args.variants.split(",") if v]
+    if not args.variants or set(args.variants) - set(VARIANTS):
+        p.error(f"--variants takes some of {', '.join(VARIANTS)}, got {args.variants}")
     if args.mean_up <= 0 or args.mean_down <= 0 or args.step_sleep <= 0:
         p.error("--mean-up, --mean-down and --step-sleep must be positive")
     _, length = trace(args.seed, args.dips, args.mean_up, args.mean_down)
@@ -356,9 +453,17 @@ def main(argv: list[str] | None = None) -> int:
     scratch = harness.Scratch(args.keep_dir, "understudy-bench-capacity-")
 
     def work() -> list[dict[str, Any]]:
-        reference = harness.reference_run(scratch.base / "reference", WORLD, TP, args.steps,
-                                          args.smoke, ("--slots", str(SLOTS)))
-        return [run_repeat(i, args, dips, length, reference, scratch.base / f"repeat{i}")
+        # The uninterrupted runs: the slotted job (understudy's variants), and the plain one
+        # (torchft runs PlainJob: its losses are held to that one's).
+        references = {}
+        for name, job_args in (("slotted", ("--slots", str(SLOTS))), ("plain", ())):
+            if name == "plain" and "torchft" not in args.variants:
+                continue
+            ref = scratch.base / f"reference-{name}"
+            references[name] = harness.reference_run(
+                ref, WORLD, TP, args.steps, args.smoke,
+                (*job_args, "--step-log", str(ref / "steps")))
+        return [run_repeat(i, args, dips, length, references, scratch.base / f"repeat{i}")
                 for i in range(args.repeats)]
 
     repeats = scratch.run("capacity benchmark", (OSError, UnderstudyError, psutil.Error), work)
@@ -367,12 +472,13 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         **harness.header("capacity", scratch.started, torch=True),
         "config": {"seed": args.seed, "dips": args.dips, "mean_up": args.mean_up,
-                   "mean_down": args.mean_down, "repeats": args.repeats, "steps": args.steps,
+                   "mean_down": args.mean_down, "repeats": args.repeats,
+                   "variants": args.variants, "steps": args.steps,
                    "step_sleep": args.step_sleep, "ttl": args.ttl, "smoke": args.smoke,
                    "trace_s": length, "short_s": sum(d.up - d.down for d in dips),
                    "trace": [asdict(d) for d in dips], "tp": TP, "slots": SLOTS,
                    "job": "examples/plain_torch/train.py --slots 2", "threads_per_process": 1},
-        "summary": collect(repeats),
+        "summary": collect(repeats, args.variants),
         "repeats": repeats,
         "chart": str(args.png),
     }

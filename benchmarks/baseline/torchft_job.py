@@ -68,14 +68,17 @@ class ManagedDP:
     """The DP group as ``PlainJob`` calls it (``allreduce([flat], opts)``), answered by the
     torchft manager: a fault-tolerant all-reduce across the replica groups of the quorum."""
 
-    def __init__(self, manager: Manager, dp: int) -> None:
-        self.manager, self.dp = manager, dp
+    def __init__(self, manager: Manager, dp: int, shrinks: bool = False) -> None:
+        #: ``shrinks``: the quorum may hold fewer replica groups than ``dp`` (``--min-replicas``)
+        self.manager, self.dp, self.shrinks = manager, dp, shrinks
 
     def rank(self) -> int:
         return self.manager.participating_rank() or 0
 
     def size(self) -> int:
-        return self.dp
+        # On fewer replica groups the gradient is the mean over those in the quorum, torchft's
+        # own averaging: the global batch shrinks with the quorum.
+        return self.manager.num_participants() if self.shrinks else self.dp
 
     def allreduce(self, tensors: list[torch.Tensor], opts: dist.AllreduceOptions) -> Any:
         if len(tensors) != 1 or opts.reduceOp != dist.ReduceOp.SUM:
@@ -112,12 +115,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="on SIGTERM, both ranks of the group stop at an agreed step")
     p.add_argument("--timeout", type=float, default=60.0,
                    help="gloo's and the manager's timeout for collectives, seconds")
+    p.add_argument("--min-replicas", type=int,
+                   help="replica groups a quorum needs (default --dp: a survivor waits for the "
+                        "lost group's replacement); fewer: the job trains on in a smaller "
+                        "quorum, its global batch shrunk (torchft's own way)")
     p.add_argument("--quorum-timeout", type=float, default=300.0,
                    help="how long a replica waits in a quorum for its peers (a replacement "
                         "group starting cold), seconds")
     args = p.parse_args(argv)
     if not 0 <= args.replica < args.dp:
         p.error(f"--replica must be in [0, {args.dp}), got {args.replica}")
+    if args.min_replicas is None:
+        args.min_replicas = args.dp
+    if not 1 <= args.min_replicas <= args.dp:
+        p.error(f"--min-replicas must be in [1, {args.dp}], got {args.min_replicas}")
     return args
 
 
@@ -140,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("gloo", timeout=timeout)
     job = PlainJob(step_sleep=args.step_sleep, state_bytes=args.state_size)
     manager = Manager(
-        pg=ProcessGroupGloo(timeout=timeout), min_replica_size=args.dp,
+        pg=ProcessGroupGloo(timeout=timeout), min_replica_size=args.min_replicas,
         load_state_dict=job.load_state, state_dict=job.state,
         use_async_quorum=False, init_sync=False,  # every replica builds the model from the seed
         timeout=timeout, quorum_timeout=timedelta(seconds=args.quorum_timeout),
@@ -148,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         lighthouse_addr=args.lighthouse, hostname="127.0.0.1",
         store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]))
     ctx = PlainContext(job="torchft", rank=rank, world_size=tp * args.dp, tp=tp,
-                       groups=Groups(dist.group.WORLD, ManagedDP(manager, args.dp)),
+                       groups=Groups(dist.group.WORLD,
+                                     ManagedDP(manager, args.dp, args.min_replicas < args.dp)),
                        seed=args.seed, collective_timeout=args.timeout)
     job.build(ctx)
     store = dist.distributed_c10d._get_default_store() if args.drain_notice else None

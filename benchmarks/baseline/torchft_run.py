@@ -61,6 +61,9 @@ class TorchftConfig:
     seed: int = 0
     #: state per rank in bytes (None: the example's own size)
     state_bytes: int | None = None
+    #: replica groups a quorum needs (the Lighthouse's and the job's): fewer than DP, the job
+    #: trains on in a smaller quorum when a group is lost
+    min_replicas: int = DP
 
     def job_args(self, base: Path, replica: int, lighthouse: str) -> list[str]:
         args = ["--replica", str(replica), "--dp", str(DP), "--lighthouse", lighthouse,
@@ -70,6 +73,8 @@ class TorchftConfig:
             args.append("--drain-notice")
         if self.state_bytes is not None:
             args += ["--state-size", str(self.state_bytes)]
+        if self.min_replicas != DP:
+            args += ["--min-replicas", str(self.min_replicas)]
         return args
 
 
@@ -98,7 +103,8 @@ class TorchftRun(BaselineRun):
         binary = Path(sys.executable).parent / "torchft_lighthouse"
         with open(self.base / "lighthouse.log", "wb") as log:
             self.lighthouse = subprocess.Popen(
-                [str(binary), "--bind", f"127.0.0.1:{port}", "--min_replicas", str(DP),
+                [str(binary), "--bind", f"127.0.0.1:{port}",
+                 "--min_replicas", str(self.cfg.min_replicas),
                  "--heartbeat_timeout_ms", str(self.cfg.heartbeat_timeout_ms),
                  "--join_timeout_ms", str(self.cfg.join_timeout_ms)],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -138,6 +144,11 @@ class TorchftRun(BaselineRun):
         """kill -9 of the group's agent and workers at once (``freeze``: SIGSTOP, a node gone
         silent: nothing dies, no connection closes; killed at the end), then a replacement."""
         return self.hit_node(self.groups[replica], freeze), self.add_group(replica)
+
+    def kill_group(self, replica: int) -> float:
+        """kill -9 of the group's agent and workers at once, no replacement (capacity
+        reclaimed: :meth:`add_group` when it returns); returns when."""
+        return self.hit_node(self.groups.pop(replica), freeze=False)
 
     # -- the end ----------------------------------------------------------------------------
 
