@@ -137,7 +137,10 @@ def interruption(done: list[Completion], event_t: float, normal: float,
     if before[-1] == len(done) - 1:
         raise ValueError("no step was completed after the interruption")
     last, first = done[before[-1]], done[before[-1] + 1]
-    full = next((c for c in done[before[-1] + 1:] if c.step == last.step + 1), None)
+    # Full strength: the first completion past the last step before, wherever it falls (the
+    # step right after may never complete job-wide: a rank killed with it in flight whose
+    # replacement resumed past it; seen once in the goodput smoke's crash under load).
+    full = next((c for c in done[before[-1] + 1:] if c.step > last.step), None)
     if full is None:
         raise ValueError(f"the job never got past step {last.step} after the interruption")
     return {
