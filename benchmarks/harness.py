@@ -358,7 +358,7 @@ def start_etcd(etcd: EmbeddedEtcd, cluster: LocalCluster) -> None:
 
 def stop_cluster(etcd: EmbeddedEtcd, cluster: LocalCluster) -> None:
     """Stop the daemons, any worker they left behind (workers run in sessions of their own, out
-    of reach of the daemon's process group), then etcd."""
+    of reach of the daemon's process group), then etcd (its data freed, its log kept)."""
     workers: list[psutil.Process] = []
     for d in cluster.daemons.values():
         if d.alive():
@@ -370,7 +370,7 @@ def stop_cluster(etcd: EmbeddedEtcd, cluster: LocalCluster) -> None:
             if p.is_running():
                 p.kill()
     psutil.wait_procs(workers, timeout=10)
-    etcd.stop()
+    etcd.cleanup()
 
 
 @contextlib.contextmanager
