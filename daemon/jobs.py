@@ -259,11 +259,16 @@ class JobRunner:
 
     async def _back_to_the_pool(self, jobs: dict[str, _Job],
                                 promotions: dict[str, tuple[_Job, int, int, str]]) -> None:
-        """A node configured as a standby that was promoted goes back to the standby pool once
-        it holds no rank of any job and runs no rank's process (its job ended, or its ranks
-        moved on): spare capacity returns by itself instead of idling as an active node."""
-        if self.agent.cfg.role != "standby" or self.agent.state != NodeState.ACTIVE:
+        """An active node that holds no rank of any job and runs no rank's process goes to the
+        standby pool when it is configured as a standby (it was promoted; its job ended, or its
+        ranks moved on), or when a job names it a standby (a reshape dropped its ranks: it
+        stands by to grow the job back, ``docs/reshape.md``); spare capacity returns by itself
+        instead of idling as an active node. A node configured as active that stands by for no
+        job any more (the job ended) is active again."""
+        state = self.agent.state
+        if state not in (NodeState.ACTIVE, NodeState.STANDBY):
             return
+
         def live(job: _Job) -> bool:
             return job.status is not None and job.status.state in (JobState.PENDING,
                                                                    JobState.RUNNING)
@@ -275,9 +280,17 @@ class JobRunner:
                and child.state == ChildState.RUNNING
                for name, child in self.supervisor.children.items()):
             return
-        await self.agent.set_state(NodeState.STANDBY, "holds no rank: back in the standby pool")
-        await self.agent.events.emit(
-            "node-back-in-pool", f"Node {self.node} holds no rank and is a standby again.")
+        standing = sorted(name for name, job in jobs.items() if live(job) and
+                          job.assignment is not None and self.node in job.assignment.standbys)
+        if state == NodeState.ACTIVE and (self.agent.cfg.role == "standby" or standing):
+            why = ("holds no rank: back in the standby pool" if not standing else
+                   f"holds no rank and stands by for job {', '.join(standing)}")
+            await self.agent.set_state(NodeState.STANDBY, why)
+            await self.agent.events.emit(
+                "node-back-in-pool", f"Node {self.node} holds no rank and is a standby again"
+                + (f" of job {', '.join(standing)}." if standing else "."))
+        elif state == NodeState.STANDBY and self.agent.cfg.role == "active" and not standing:
+            await self.agent.set_state(NodeState.ACTIVE, "stands by for no job: active again")
 
     # -- standby workers' warmth and liveness -----------------------------------------------
 

@@ -486,13 +486,17 @@ def _advance_reshape(job: JobView, m: Migration, view: ClusterView,
     layout = current_layout(job.spec, a)
     stay = m.renumbering(layout.tp, layout.pp)
     if all(Report.RESHAPED.of(r) in job.progress for r in stay):
-        after = Assignment(job=a.job, epoch=m.to_epoch,
-                           ranks=reshaped_nodes(layout, a.ranks, m.replicas, m.ranks, m.joiners),
-                           standbys=tuple(n for n in a.standbys if n not in m.joiners),
+        ranks = reshaped_nodes(layout, a.ranks, m.replicas, m.ranks, m.joiners)
+        kept = tuple(n for n in a.standbys if n not in m.joiners)
+        spare = _freed_by_reshape(a, ranks, view)
+        after = Assignment(job=a.job, epoch=m.to_epoch, ranks=ranks,
+                           standbys=(*kept, *(n for n in spare if n not in kept)),
                            reason=f"reshape {m.id}: {m.reason}", updated_at=now)
+        also = f"; {', '.join(spare)} stand by for it now" if spare else ""
         return [AdvanceMigration(m.job, m.id, MigrationPhase.DONE,
                                  f"every rank that stays holds the new shape "
-                                 f"(DP {layout.dp} -> {len(m.replicas)})", assignment=after)]
+                                 f"(DP {layout.dp} -> {len(m.replicas)}){also}",
+                                 assignment=after)]
     gone = [n for n in m.joiners if lost(view, n, now)]
     if gone:
         return [AdvanceMigration(m.job, m.id, MigrationPhase.ABORTED,
@@ -512,6 +516,23 @@ def _advance_reshape(job: JobView, m: Migration, view: ClusterView,
             all(Report.BOUND.of(r) in job.progress for r in m.ranks):
         return [AdvanceMigration(m.job, m.id, MigrationPhase.PREPARING, "joiners are bound")]
     return []
+
+
+def _freed_by_reshape(a: Assignment, ranks: tuple[str, ...], view: ClusterView) -> list[str]:
+    """The nodes a shrink leaves without work that become standbys of the job, in the same
+    write: the surviving nodes of a dropped replica (its lost rank's node gone or its process
+    dead, the others alive), online, placeable (not cordoned) and active (not draining: a
+    drained node leaves), holding no rank of the new shape or of another job, and no other
+    job's standby. The job grows back onto them, with more, when capacity returns
+    (``docs/reshape.md``)."""
+    others = {n for other, j in view.jobs.items() if other != a.job
+              and j.assignment is not None and not (j.status and j.status.state in (
+                  JobState.DONE, JobState.FAILED))
+              for n in (*j.assignment.ranks, *j.assignment.standbys)}
+    placeable = {rec.name for rec in placeable_nodes(view)}
+    return [n for n in dict.fromkeys(a.ranks)
+            if n not in ranks and n not in others and n in placeable
+            and view.live[n].state == NodeState.ACTIVE]
 
 
 def _plan_resize(job: JobView, a: Assignment, view: ClusterView,

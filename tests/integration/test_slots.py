@@ -65,9 +65,10 @@ def test_a_slotted_job_shrinks_live_with_no_standby_free_and_grows_back_bit_for_
     # Two standby nodes, cordoned: no standby is free. Rank 0's worker dies; its replica
     # (ranks 0 and 1, on node-a) is dropped, and node-b's replica, ranks 2 and 3, trains on as
     # ranks 0 and 1 holding both slots, in the same processes (without --reshape the job would
-    # pause). Then the standbys are uncordoned: warmed in the sandbox as ranks 0 and 1 (the
-    # recordings are of the submitted shape), they are promoted to ranks 2 and 3, a new replica,
-    # with the state of ranks 0 and 1, and the job ends on two replicas again.
+    # pause). node-a, alive and holding nothing now, stands by for the job: one standby, half
+    # a replica. Then node-s1 is uncordoned: with node-a (both warmed in the sandbox as ranks
+    # of the submitted shape) it is promoted to ranks 2 and 3, a new replica, with the state of
+    # ranks 0 and 1, and the job ends on two replicas again.
     c = start(etcd, tmp_path / "cluster", {"node-a": 2, "node-b": 2}, ("node-s1", "node-s2"))
     try:
         for n in ("node-s1", "node-s2"):
@@ -94,17 +95,21 @@ def test_a_slotted_job_shrinks_live_with_no_standby_free_and_grows_back_bit_for_
                        if f"Worker mig.r{old}-renumbering is now mig.r{new}." in line]
             assert [x["pid"] for x in renamed] == [stayers[old]], renamed
         wait_log(a, "was in a replica the reshape", timeout=30)  # rank 1 stopped, not failed
-        for n in ("node-s1", "node-s2"):
-            assert c.cli("uncordon", n).returncode == 0
+        assert job.assignment.standbys == ("node-a",)
+        c.wait_for("node-a in the standby pool", lambda s: any(
+            n.name == "node-a" and n.state == "standby" for n in s.nodes), timeout=30)
+        wait_log(a, "Standby is warm", timeout=120)
+        assert c.cli("uncordon", "node-s1").returncode == 0
         c.wait_for("the grow", epoch(3), timeout=120)
         job = _finish(c)
         assert job.assignment is not None and job.assignment.epoch == 3
-        assert job.assignment.ranks == ("node-b", "node-b", "node-s1", "node-s2")
+        assert job.assignment.ranks[:2] == ("node-b", "node-b")
+        assert sorted(job.assignment.ranks[2:]) == ["node-a", "node-s1"]
         planned = [e["message"] for e in events(c) if e["kind"] == "migration-planned"]
         assert "reshape for want of a standby: DP 2 -> 1" in planned[0], planned
         assert "reshape onto free standbys: DP 1 -> 2" in planned[1], planned
         assert [e["kind"] for e in events(c)].count("migration-done") == 2
-        for n in ("node-s1", "node-s2"):
+        for n in ("node-a", "node-s1"):
             assert "Promoting the standby warmed as rank" in c.daemons[n].log_text()
         for rank in range(4):
             assert_rank_equal(one_replica, rank % 2, out, rank, rng=False)

@@ -481,6 +481,31 @@ def test_a_reshape_commits_once_every_rank_that_stays_holds_the_new_shape() -> N
     assert "rank 3 failed" in off.reason
 
 
+def test_the_surviving_nodes_of_a_dropped_replica_stand_by_for_the_job() -> None:
+    # TP 2 on a, a, b, b: rank 1's process died, node a lives on. Replica 0 is dropped; at the
+    # commit node a, holding nothing now, becomes a standby of the job in the same write.
+    view = _reshape_view({1: _crash(1)}, tp=2)
+    _, at = _planned(view)
+    (done,) = plan(at({Report.RESHAPED.of(r) for r in (2, 3)}), 6.0)
+    assert isinstance(done, AdvanceMigration) and done.assignment is not None
+    assert done.assignment.ranks == ("b", "b") and done.assignment.standbys == ("a",)
+    assert "a stand by for it now" in done.reason
+    # Not a draining node (it leaves), a cordoned one, or one that holds another job's rank.
+    for state in (NodeState.DRAINING,):
+        live = {**view.live, "a": dataclasses.replace(view.live["a"], state=state)}
+        _, at = _planned(dataclasses.replace(view, live=live))
+        (done,) = plan(at({Report.RESHAPED.of(r) for r in (2, 3)}), 6.0)
+        assert isinstance(done, AdvanceMigration) and done.assignment is not None
+        assert done.assignment.standbys == ()
+    entry, rev = view.registry["a"]
+    cordoned = dataclasses.replace(view, registry={
+        **view.registry, "a": (dataclasses.replace(entry, cordoned=True), rev)})
+    _, at = _planned(cordoned)
+    (done,) = plan(at({Report.RESHAPED.of(r) for r in (2, 3)}), 6.0)
+    assert isinstance(done, AdvanceMigration) and done.assignment is not None
+    assert done.assignment.standbys == ()
+
+
 def test_a_job_whose_ranks_cannot_reshape_pauses_after_the_refusal() -> None:
     view = _reshape_view({1: _crash(1)})
     (start,) = plan(view, 5.0)
