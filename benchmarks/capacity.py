@@ -1,5 +1,5 @@
-"""Volatile-capacity benchmark: a seeded trace of capacity dips, under live reshape, paused, and
-torchft on fewer replica groups.
+"""Volatile-capacity benchmark: a seeded trace of capacity dips, under live reshape, paused,
+torchft on fewer replica groups, and torchrun elastic restarting at the new size.
 
 One command, real processes, every variant in the same invocation (fresh processes each),
 ``--repeats`` times, the order rotating, the same trace for all. The job: the plain example, TP 2
@@ -14,22 +14,32 @@ replica count) and ``--standby 0``:
 - **torchft**: ``PlainJob`` under torchft (``baseline/torchft_job.py``), one replica group per
   DP index, the Lighthouse and the job at ``--min-replicas 1``: at a reclaim group 1 (its agent
   and workers) is killed and group 0 trains on alone on its own micro-batches, the global batch
-  halved (torchft's way); at the return a new group 1 joins the quorum and heals from group 0.
+  halved (torchft's way); at the return a new group 1 joins the quorum and heals from group 0;
+- **torchrun**: ``PlainJob`` under torchrun elastic agents (``baseline/torchrun_job.py``), two
+  agents of two workers, ``--nnodes 1:2``, a DCP checkpoint every ``--ckpt-every`` steps: at a
+  reclaim agent 1 and its workers are killed; agent 0's workers fail on the broken connections,
+  and once the rendezvous has declared agent 1 dead (torchrun's keep-alive: 5 s x 3) it starts
+  them again alone, TP 2 x DP 1 (the global batch halved), from the newest checkpoint, redoing
+  the steps since; at the return a new agent joins, and all four restart from the newest
+  checkpoint at DP 2. The rendezvous' ``last_call_timeout`` is 1 s (torchrun's default, 30 s,
+  would add 30 s to every shrink).
 
 The trace (``trace``, seeded): ``--dips`` times, after a stretch at full capacity (uniform in
 [0.5, 1.5] x ``--mean-up`` seconds), the capacity holding replica 1 is reclaimed in a burst: the
 daemon and workers of every node holding one of its ranks are killed at once (kill -9; the
 first time ``node-b``, later the two standby nodes it grew onto; torchft: group 1's agent and
-workers); a stretch later (uniform in [0.5, 1.5] x ``--mean-down``) capacity comes back: two
-fresh standby nodes of one slot each (new daemons, as a cloud's autoscaler adds them; torchft: a
-new agent for group 1). A last stretch at full capacity ends the trace. A
-reclaim fires at its offset from the start, or, where the job is not back at full size yet (its
-replica 1 training again), as soon as it is; the delay is recorded.
+workers; torchrun: agent 1 and its workers); a stretch later (uniform in [0.5, 1.5] x
+``--mean-down``) capacity comes back: two fresh standby nodes of one slot each (new daemons, as a
+cloud's autoscaler adds them; torchft: a new agent for group 1; torchrun: a new agent). A last
+stretch at full capacity ends the trace. A reclaim fires at its offset from the start, or, where
+the job is not back at full size yet (its replica 1 training again), as soon as it is; the delay
+is recorded.
 
 From the job's per-step lines (``--step-log``; a step's commit time is its first rank's), over
 the window from the trace's start to its end (the last return plus the last stretch):
 
-- **useful steps**: the steps committed in the window (no variant redoes a step);
+- **useful steps**: the steps first committed in the window (a step torchrun redoes after a
+  restart counts once, when it was first committed);
 - **normal step**: the median interval between commits before the first reclaim;
 - **goodput** = useful steps x normal step / window;
 - per dip: the steps committed while capacity was short (the reclaim to the return), and the
@@ -37,7 +47,7 @@ the window from the trace's start to its end (the last return plus the last stre
 - whether the run ends equal to an uninterrupted run of its job (on four plain processes,
   ``harness.reference_run``): understudy's final states bit for bit; for every variant, how many
   of the losses it logged are identical to the uninterrupted run's, and the first that is not
-  (torchft saves no state).
+  (torchft and torchrun save no state of the example's kind).
 
 Prints a summary, writes JSON (machine, command, configuration, the trace, every dip) and a
 timeline PNG (each variant's steps over time, the dips shaded). Every process it starts is
@@ -65,7 +75,7 @@ from typing import Any
 import harness
 import psutil
 import steplog
-from baseline.elastic import TorchrunError
+from baseline.elastic import ElasticRun, TorchrunConfig, TorchrunError, torchrun_setup
 from baseline.torchft_run import TorchftConfig, TorchftRun
 from harness import (
     ONE_THREAD,
@@ -84,7 +94,11 @@ from interruptions import JOB, TP, WORLD, add_standbys, bring_up, train_processe
 from understudy.common import config as config_mod
 from understudy.common.errors import UnderstudyError
 
-VARIANTS = ("reshape", "pause", "torchft")
+VARIANTS = ("reshape", "pause", "torchft", "torchrun")
+#: The variants that run ``PlainJob`` (their losses are held to its uninterrupted run's).
+PLAIN = {"torchft", "torchrun"}
+#: The torchrun rendezvous' ``last_call_timeout``, seconds (see the module docstring).
+LAST_CALL_S = 1.0
 SLOTS = WORLD // TP
 #: Steps committed before the trace starts (warm-up, and the intervals the normal step is of).
 LEAD_STEPS = 60
@@ -272,10 +286,52 @@ def run_torchft(args: Any, dips: list[Dip], length: float, base: Path) -> dict[s
             "losses": steplog.losses(records)}
 
 
+def run_torchrun(args: Any, dips: list[Dip], length: float, base: Path) -> dict[str, Any]:
+    """The job under torchrun elastic (``--nnodes 1:2``): at a dip agent 1 and its workers are
+    killed and agent 0 restarts alone from the newest checkpoint; at the return a new agent
+    joins and both restart from the newest checkpoint (``baseline/elastic.py``)."""
+    cfg = TorchrunConfig(steps=args.steps, step_sleep=args.step_sleep,
+                         ckpt_every=args.ckpt_every, min_nodes=1, last_call_s=LAST_CALL_S)
+    load_before = os.getloadavg()[0]
+    t0 = time.monotonic()
+    run = ElasticRun(cfg, base)
+    try:
+        run.start()
+        assert run.tail is not None
+        start, end, served = through_trace(
+            run.tail, args, dips, length,
+            lambda: {"reclaimed": ["agent 1"], "killed_at": run.reclaim_node()},
+            run.add_agent)
+        codes = run.wait_finished(timeout=args.serve_timeout + 10 * args.steps)
+        records = run.records()
+    except TorchrunError as exc:
+        raise BenchmarkError(f"torchrun: {exc}\n{run.agent_log_tail()}") from exc
+    finally:
+        run.stop()
+    figures = analyse(commits(records), start, end, served)
+    return {"variant": "torchrun", "wall_s": time.monotonic() - t0, "start": start, "end": end,
+            **figures, "agent_exit_codes": codes,
+            "restores": sum(1 for r in records if r.get("kind") == "restored"),
+            "steps_redone": steps_redone(records),
+            "loadavg_1m_before_after": [load_before, os.getloadavg()[0]],
+            "losses": steplog.losses(records)}
+
+
+def steps_redone(records: list[dict[str, Any]]) -> int:
+    """Steps committed more than once (rank 0's lines): the work a restart threw away."""
+    seen: dict[int, int] = {}
+    for r in records:
+        if r.get("kind", "step") == "step" and r["rank"] == 0:
+            seen[r["step"]] = seen.get(r["step"], 0) + 1
+    return sum(n - 1 for n in seen.values())
+
+
 def run_variant(variant: str, args: Any, dips: list[Dip], length: float,
                 base: Path) -> dict[str, Any]:
     if variant == "torchft":
         return run_torchft(args, dips, length, base)
+    if variant == "torchrun":
+        return run_torchrun(args, dips, length, base)
     return run_understudy(variant, args, dips, length, base)
 
 
@@ -313,10 +369,11 @@ def run_repeat(i: int, args: Any, dips: list[Dip], length: float, references: di
     runs = {}
     for v in order:
         run = run_variant(v, args, dips, length, base / v)
-        reference = references["plain" if v == "torchft" else "slotted"]
+        reference = references["plain" if v in PLAIN else "slotted"]
         run["losses_vs_reference"] = steplog.compare_losses(
             steplog.losses(harness.read_records(reference.parent / "steps")), run.pop("losses"))
-        # torchft saves no state: its losses say whether it trained the same model.
+        # torchft and torchrun save no --save state: their losses say whether they trained
+        # the same model.
         run["bitwise"] = (harness.compare_states(reference, Path(run["out"]), WORLD)
                           if "out" in run else {"equal": None, "difference": "no state saved"})
         runs[v] = run
@@ -348,6 +405,8 @@ def collect(repeats: list[dict[str, Any]], variants: list[str]) -> dict[str, Any
             "first_loss_difference": [x["losses_vs_reference"]["first_difference"]
                                       for x in runs],
         }
+        if v == "torchrun":
+            out[v]["steps_redone"] = summarize([x["steps_redone"] for x in runs])
     if "reshape" in variants and "pause" in variants:
         out["goodput_gained"] = summarize([r["reshape"]["goodput"] - r["pause"]["goodput"]
                                            for r in repeats])
@@ -370,6 +429,8 @@ def print_summary(result: dict[str, Any]) -> None:
         table.row("  steps committed while short", x["steps_short"], "steps", fmt=".0f")
         table.row("  capacity back -> full size (per dip)", x["return_to_full_s"], "s")
         table.row("  reclaim delayed (per dip)", x["reclaim_delay_s"], "s")
+        if "steps_redone" in x:
+            table.row("  steps redone after restarts", x["steps_redone"], "steps", fmt=".0f")
         state = x["state_equal_every_repeat"]
         print(f"  {v}: final state equal to the uninterrupted run's, bit for bit, every repeat: "
               f"{'(not saved)' if state is None else state}; every loss identical: "
@@ -384,7 +445,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     plt = harness.pyplot()
     rep = result["repeats"][0]
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    colours = {"reshape": "tab:blue", "pause": "tab:orange", "torchft": "tab:green"}
+    colours = {"reshape": "tab:blue", "pause": "tab:orange", "torchft": "tab:green",
+               "torchrun": "tab:red"}
     for v in result["config"]["variants"]:
         run, colour = rep[v], colours[v]
         t = [x for x, _ in run["timeline"]]
@@ -399,7 +461,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
                   "dotted: the window's end)")
     ax.set_ylabel("step committed")
     ax.set_title(f"TP {TP} x DP {SLOTS}, seed {result['config']['seed']}: live reshape, pause, "
-                 "torchft on fewer replica groups")
+                 "torchft, torchrun elastic")
     ax.legend(loc="upper left")
     harness.save_chart(fig, path)
 
@@ -417,6 +479,8 @@ def parse_args(argv: list[str] | None = None) -> Any:
                    help=f"which to run, comma-separated (default {','.join(VARIANTS)})")
     p.add_argument("--steps", type=int, help="steps of the job (default: enough to outlast "
                    "the trace at --step-sleep a step)")
+    p.add_argument("--ckpt-every", type=int, default=20,
+                   help="torchrun: a DCP checkpoint every N steps (default 20)")
     p.add_argument("--step-sleep", type=float, default=0.04,
                    help="seconds of stand-in work per step (default 0.04, as the e2e tests)")
     p.add_argument("--ttl", type=int, default=config_mod.LeaseConfig().ttl,
@@ -434,8 +498,8 @@ def parse_args(argv: list[str] | None = None) -> Any:
     args.variants = [v for v in args.variants.split(",") if v]
     if not args.variants or set(args.variants) - set(VARIANTS):
         p.error(f"--variants takes some of {', '.join(VARIANTS)}, got {args.variants}")
-    if args.mean_up <= 0 or args.mean_down <= 0 or args.step_sleep <= 0:
-        p.error("--mean-up, --mean-down and --step-sleep must be positive")
+    if args.mean_up <= 0 or args.mean_down <= 0 or args.step_sleep <= 0 or args.ckpt_every < 1:
+        p.error("--mean-up, --mean-down, --step-sleep and --ckpt-every must be positive")
     _, length = trace(args.seed, args.dips, args.mean_up, args.mean_down)
     least = LEAD_STEPS + int(length / args.step_sleep) + 100
     if args.steps is None:
@@ -454,10 +518,10 @@ def main(argv: list[str] | None = None) -> int:
 
     def work() -> list[dict[str, Any]]:
         # The uninterrupted runs: the slotted job (understudy's variants), and the plain one
-        # (torchft runs PlainJob: its losses are held to that one's).
+        # (torchft and torchrun run PlainJob: their losses are held to that one's).
         references = {}
         for name, job_args in (("slotted", ("--slots", str(SLOTS))), ("plain", ())):
-            if name == "plain" and "torchft" not in args.variants:
+            if name == "plain" and not PLAIN & set(args.variants):
                 continue
             ref = scratch.base / f"reference-{name}"
             references[name] = harness.reference_run(
@@ -475,6 +539,9 @@ def main(argv: list[str] | None = None) -> int:
                    "mean_down": args.mean_down, "repeats": args.repeats,
                    "variants": args.variants, "steps": args.steps,
                    "step_sleep": args.step_sleep, "ttl": args.ttl, "smoke": args.smoke,
+                   "torchrun": {**torchrun_setup(10), "nnodes": "1:2",
+                                "last_call_timeout_s": LAST_CALL_S,
+                                "ckpt_every": args.ckpt_every, "drain_notice": False},
                    "trace_s": length, "short_s": sum(d.up - d.down for d in dips),
                    "trace": [asdict(d) for d in dips], "tp": TP, "slots": SLOTS,
                    "job": "examples/plain_torch/train.py --slots 2", "threads_per_process": 1},

@@ -77,6 +77,12 @@ class TorchrunConfig:
     #: defaults: 5 s, 3)
     keepalive_interval_s: int = 5
     keepalive_attempts: int = 3
+    #: the fewest agents a round starts with (``--nnodes MIN:2``): below 2, a job that lost a
+    #: node restarts on the one left, at half the data-parallel size
+    min_nodes: int = NODES
+    #: the rendezvous' ``last_call_timeout``: how long a round that has its minimum waits for
+    #: more agents (torchrun's default: 30 s; None leaves it)
+    last_call_s: float | None = None
     tp: int = 2
     seed: int = 0
     #: state per rank in bytes (None: the example's own size)
@@ -266,7 +272,11 @@ class ElasticRun(BaselineRun):
     def argv(self) -> list[str]:
         conf = (f"keep_alive_interval={self.cfg.keepalive_interval_s},"
                 f"keep_alive_max_attempt={self.cfg.keepalive_attempts}")
-        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NODES),
+        if self.cfg.last_call_s is not None:
+            conf += f",last_call_timeout={self.cfg.last_call_s:g}"
+        nnodes = (str(NODES) if self.cfg.min_nodes >= NODES
+                  else f"{self.cfg.min_nodes}:{NODES}")
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes,
                 "--nproc-per-node", str(NPROC), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", self.run_id,
                 "--rdzv-conf", conf, "--max-restarts", str(self.cfg.max_restarts),
@@ -301,6 +311,15 @@ class ElasticRun(BaselineRun):
         if freeze:
             self.frozen.add(agent.index)
         return self.hit_node(agent, freeze), self.add_agent()
+
+    def reclaim_node(self) -> float:
+        """kill -9 of the newest running agent other than agent 0 (which hosts the rendezvous)
+        and its workers, no replacement (capacity reclaimed: :meth:`add_agent` when it comes
+        back); returns when. With ``min_nodes`` 1 the survivor restarts its workers alone."""
+        live = [a for a in self.agents[1:] if a.proc.poll() is None]
+        if not live:
+            raise TorchrunError("no running agent but agent 0 to reclaim")
+        return self.hit_node(live[-1], freeze=False)
 
     # -- the end ----------------------------------------------------------------------------
 
