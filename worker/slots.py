@@ -16,12 +16,20 @@ its share. Small gradients (up to :data:`GATHER_ALL_BYTES` over all slots) take 
 of every slot's whole gradient instead, and every replica makes the same additions. A job's own
 all-reduce (gloo's ring) adds in an order that depends on the ring, which is why a job cannot
 keep its results across a change of replica count with it.
+
+A job may also shard state by slot (the optimizer state of ZeRO-1, cut at the slots' chunks of
+the flat parameters: ``examples/plain_torch/train.py``, ``SlottedShardedJob``): a replica keeps
+the state of the slots it holds, and a copy of others'. The slots' states then move with the
+slots: :func:`redistribute`, called by every replica at the start of a step, gives each the
+states it wants from a replica that has them (after a reshape re-dealt the slots, or a recovery
+rebuilt a replica from a neighbour's state), and :func:`gather_slots` assembles a flat tensor
+from every replica's slot chunks (the parameters, after each replica updated its own).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,6 +43,8 @@ if TYPE_CHECKING:
 #: ``SCATTER_TAG + i`` for the sender's ``i``-th slot, the all-gather's ``GATHER_TAG`` (nothing
 #: else in understudy sends point to point on a DP group).
 SCATTER_TAG, GATHER_TAG = 0x51A70000, 0x51A80000
+#: The tag of a slot's state sent by :func:`redistribute`: ``STATE_TAG + slot``.
+STATE_TAG = 0x51A90000
 #: Up to this many bytes of gradients over all slots, the sum gathers every slot's whole
 #: gradient in one collective and each replica adds them all (:func:`_gathered_sum`): at 27 KB
 #: of state the two rounds of point-to-point messages cost more than the data.
@@ -240,6 +250,94 @@ def _rows_in_slot_order(flats: dict[int, torch.Tensor], own: slice,
         for i, slot in enumerate(block):
             rows.append(flats[slot][own] if q == me else received[q][i])
     return rows
+
+
+def redistribute(ctx: JobContext, states: dict[int, torch.Tensor], want: Sequence[int],
+                 empty: Callable[[int], torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Slot-sharded state moved where it is wanted: every replica of the DP group calls it at
+    the same point with the 1-D state tensors of the slots it has (``states``) and the slots
+    it wants; one all-gather tells each what the others have and want, then each slot a replica
+    wants and lacks comes from the first replica that has it (point to point), into
+    ``empty(slot)``. Returns exactly the wanted slots' states (those not wanted are dropped).
+    Every replica computes the same plan, so a slot nobody has fails on every one alike.
+
+    Raises:
+        ValueError: a wanted slot's state is held by no replica (it is lost: two neighbours
+            holding a slot and its copy went at once), or a slot number is out of range.
+        CollectiveAborted: a collective, send or receive failed, timed out or was aborted.
+    """
+    slots = ctx.data_slots
+    wanted = sorted(set(want))
+    if any(not 0 <= x < slots for x in (*states, *wanted)):
+        raise ValueError(f"slots are 0 to {slots - 1}: got states of {sorted(states)}, "
+                         f"wanted {wanted}")
+    group: Any = ctx.group("dp")  # a ProcessGroup: the all-gather is not in Communicator
+    dp, me = group.size(), group.rank()
+    census = torch.zeros(2 * slots, dtype=torch.int64)
+    census[list(states)] = 1
+    census[[slots + x for x in wanted]] = 1
+    rows = [census]
+    if dp > 1:
+        rows = [torch.empty_like(census) for _ in range(dp)]
+        ctx.wait(group.allgather([rows], [census]), "the slot states' census")
+    has = [{x for x in range(slots) if row[x]} for row in rows]
+    works: list[tuple[Any, str]] = []
+    received: dict[int, torch.Tensor] = {}
+    for q, row in enumerate(rows):
+        for x in range(slots):
+            if not row[slots + x] or x in has[q]:
+                continue
+            source = next((p for p in range(dp) if x in has[p]), None)
+            if source is None:
+                raise ValueError(f"slot {x}'s state is held by no replica of the "
+                                 f"data-parallel group of {dp}: it is lost")
+            if source == me:
+                works.append((group.send([states[x]], q, STATE_TAG + x),
+                              f"slot {x}'s state to {q}"))
+            if q == me:
+                received[x] = empty(x)
+                works.append((group.recv([received[x]], source, STATE_TAG + x),
+                              f"slot {x}'s state from {source}"))
+    _wait_all(ctx, works, "the slot states' exchange")
+    return {x: received[x] if x in received else states[x] for x in wanted}
+
+
+def gather_slots(ctx: JobContext, chunks: dict[int, torch.Tensor], out: torch.Tensor) -> None:
+    """Every slot's chunk of a flat tensor into ``out``, from the replica that holds the slot:
+    ``chunks`` holds this replica's (:attr:`JobContext.held_slots`), slot ``x``'s being
+    ``out[chunk(out.numel(), slots, x)]`` as this replica has it. Every replica of the DP group
+    calls it; one all-gather (each replica's chunks padded to the largest block).
+
+    Raises:
+        ValueError: ``chunks`` is not exactly this replica's slots.
+        CollectiveAborted: the all-gather failed, timed out or was aborted.
+    """
+    slots, mine = ctx.data_slots, ctx.held_slots
+    if sorted(chunks) != list(mine):
+        raise ValueError(f"replica {ctx.dp_index} holds slots {list(mine)}, got chunks of "
+                         f"{sorted(chunks)}")
+    numel = out.numel()
+    parts = [chunk(numel, slots, x) for x in range(slots)]
+    group: Any = ctx.group("dp")
+    dp = group.size()
+    if dp == 1:
+        for x in mine:
+            out[parts[x]] = chunks[x]
+        return
+    holders = [held(slots, dp, q) for q in range(dp)]
+    longest = max(p.stop - p.start for p in parts)
+    width = max(len(b) for b in holders) * longest
+    block = _buffer(("slots-in",), (width,), out)
+    block.zero_()
+    for i, x in enumerate(mine):
+        n = parts[x].stop - parts[x].start
+        block[i * longest:i * longest + n] = chunks[x]
+    blocks = [_buffer(("slots-out", q), (width,), out) for q in range(dp)]
+    ctx.wait(group.allgather([blocks], [block]), "the slots' chunks all-gather")
+    for q, held_by in enumerate(holders):
+        for i, x in enumerate(held_by):
+            n = parts[x].stop - parts[x].start
+            out[parts[x]] = blocks[q][i * longest:i * longest + n]
 
 
 def _wait_all(ctx: JobContext, works: list[tuple[Any, str]], what: str) -> None:

@@ -63,6 +63,7 @@ from understudy.worker.api import JobContext, SlottedJob, TrainingJob, allreduce
 from understudy.worker.errors import record
 from understudy.worker.pipeline import run_schedule
 from understudy.worker.runtime import Runtime, StaticGroups
+from understudy.worker.slots import chunk, gather_slots, held, redistribute
 
 
 class FunctionalAdam:
@@ -508,7 +509,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="also save the state once this many steps are committed, under "
                         "SAVE/snapshot")
     p.add_argument("--step-sleep", type=float, default=0.0,
-                   help="seconds of extra work per step (to stand in for a bigger model)")
+                   help="seconds of extra work per step (to stand in for a bigger model); with "
+                   "--slots, per slot a replica holds")
     p.add_argument("--step-sleep-off", type=Path, help="no more step sleep once this file "
                    "exists (a test lets the job run out at full speed once its faults are "
                    "over; the sleep never changes the state)")
@@ -537,15 +539,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.no_shard_copy and not args.shard_optimizer:
         p.error("--no-shard-copy goes with --shard-optimizer")
-    if args.adam == "functional" and args.shard_optimizer:
+    if args.adam == "functional" and args.shard_optimizer and not args.slots:
         p.error("--adam functional does not go with --shard-optimizer (ShardedJob steps its "
                 "shards with torch.optim.Adam)")
     if args.slots is not None:
         if args.slots < 1:
             p.error(f"--slots must be at least 1, got {args.slots}")
-        if args.shard_optimizer:
-            p.error("--slots does not go with --shard-optimizer yet (ShardedJob reduces its "
-                    "own gradients)")
         if args.fail_at is not None or args.freeze_at is not None:
             p.error("--fail-at and --freeze-at are not available with --slots (the faults sit "
                     "after the job's own DP all-reduce, which a slotted job does not have)")
@@ -787,7 +786,9 @@ class SlottedPlainJob(SlottedJob, PlainJob):
     def compute_slot(self, step: int, slot: int) -> float | None:
         if slot == self.ctx.held_slots.start:
             self._slot_losses = []
-            self._sleep()  # once a step, as the unslotted job
+        # The stand-in work is a slot's: a replica holding two slots (after a shrink) does
+        # twice the work of one, as it would on real hardware.
+        self._sleep()
         losses = self._forward_backward(step, slot)
         loss = float(sum(losses)) if self.ctx.last_stage else None
         if loss is not None:
@@ -802,6 +803,120 @@ class SlottedPlainJob(SlottedJob, PlainJob):
         return grads  # type: ignore[return-value]
 
 
+class SlottedShardedJob(SlottedPlainJob):
+    """The slotted job with its optimizer state sharded by slot (ZeRO-1 over slots: ``--slots
+    N --shard-optimizer``), which keeps its results bit for bit across a reshape as the
+    replicated one does.
+
+    The flat parameters are cut into one chunk per slot (:func:`understudy.worker.slots.chunk`);
+    a rank keeps, for each slot its replica holds, the chunk's fp32 values and Adam moments in
+    one flat tensor (``values | exp_avg | exp_avg_sq | step``), and (unless ``copy=False``) the
+    same for the previous replica's slots: a copy, kept current at every step, so that a lost
+    replica's chunks live on. A step:
+
+    - first, the slot states go where the current shape wants them
+      (:func:`~understudy.worker.slots.redistribute`: one all-gather of who has and wants what;
+      after a reshape re-dealt the slots, or a recovery rebuilt a rank from its successor's
+      state, the missing ones come from a replica that has them), and the parameters are
+      gathered from the holders' chunks (:func:`~understudy.worker.slots.gather_slots`);
+    - the slots' forward and backward, and the runtime's canonical sum, as for any slotted job;
+    - ``apply``: Adam on every chunk kept here, from the summed gradient every replica has (no
+      message for the copies).
+
+    A chunk's update is the same computation whichever replica makes it, so the run is the
+    same bit for bit on any number of replicas. The update is Adam's single-tensor functional
+    form (``torch.optim.adam.adam``) on views of the flat state, whatever ``--adam`` says."""
+
+    def __init__(self, *, copy: bool = True, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.copy = copy
+
+    def _optimizer(self) -> None:
+        ctx = self.ctx
+        # The gathered parameters, flat: the all-gather's output, copied into the model's.
+        self.flat = torch.cat([q.detach().flatten() for q in self.params.values()])
+        self.kept: dict[int, torch.Tensor] = {}
+        for x in self._wanted(ctx):
+            values = self.flat[self._part(x)]
+            self.kept[x] = torch.cat([values, torch.zeros(2 * values.numel() + 1)])
+
+    def _part(self, slot: int) -> slice:
+        return chunk(self.flat.numel(), self.ctx.data_slots, slot)
+
+    def _wanted(self, ctx: JobContext) -> list[int]:
+        """The slots whose state this rank keeps: its replica's, and the previous replica's
+        (their copies)."""
+        wanted = list(ctx.held_slots)
+        if self.copy and ctx.dp > 1:
+            wanted += held(ctx.data_slots, ctx.dp, (ctx.dp_index - 1) % ctx.dp)
+        return sorted(set(wanted))
+
+    def _empty(self, slot: int) -> torch.Tensor:
+        part = self._part(slot)
+        return torch.empty(3 * (part.stop - part.start) + 1)
+
+    def _zero_grad(self) -> None:
+        for q in self.params.values():
+            if q.grad is not None:
+                q.grad.zero_()
+
+    def compute_slot(self, step: int, slot: int) -> float | None:
+        if slot == self.ctx.held_slots.start:
+            self._take_slots()
+        return super().compute_slot(step, slot)
+
+    def _take_slots(self) -> None:
+        """The slot states this shape wants, then the parameters from the holders' chunks."""
+        ctx = self.ctx
+        self.kept = redistribute(ctx, self.kept, self._wanted(ctx), self._empty)
+        gather_slots(ctx, {x: self._values(x) for x in ctx.held_slots}, self.flat)
+        offset = 0
+        with torch.no_grad():
+            for q in self.params.values():
+                q.copy_(self.flat[offset:offset + q.numel()].view_as(q))
+                offset += q.numel()
+
+    def _values(self, slot: int) -> torch.Tensor:
+        n = self._part(slot).stop - self._part(slot).start
+        return self.kept[slot][:n]
+
+    @torch.no_grad()
+    def apply(self, step: int) -> None:
+        grads = torch.cat([q.grad.flatten() for q in self.params.values()  # type: ignore[union-attr]
+                           ])
+        lr = self.lr * self._lr_factor(self.committed)
+        for x, buf in sorted(self.kept.items()):
+            part = self._part(x)
+            n = part.stop - part.start
+            adam([buf[:n]], [grads[part]], [buf[n:2 * n]], [buf[2 * n:3 * n]], [],  # type: ignore[arg-type]
+                 [buf[3 * n:].view(())], foreach=False, capturable=False, differentiable=False,
+                 fused=None, grad_scale=None, found_inf=None, has_complex=False, amsgrad=False,
+                 beta1=0.9, beta2=0.999, lr=lr, weight_decay=0.0, eps=1e-8, maximize=False)
+        self.committed = step + 1
+        replayed, self._replaying = self._replaying, False
+        if self.step_log is not None and not replayed:
+            self.step_log.committed(self.ctx.rank, step, self._loss)
+
+    def discard(self, step: int) -> None:
+        self._zero_grad()
+
+    def state(self) -> dict[str, Any]:
+        return {"slots": {str(x): buf for x, buf in sorted(self.kept.items())},
+                "data": {"position": self.committed}, "step": self.committed}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        # Whatever slots the state holds (a recovery's donor gives its own): the next step's
+        # redistribute brings the ones this rank wants and drops the others.
+        kept = {}
+        for key, buf in state["slots"].items():
+            x = int(key)
+            if not 0 <= x < self.ctx.data_slots or buf.shape != self._empty(x).shape:
+                raise ValueError(f"slot {key}'s state does not fit this job's slot chunks")
+            kept[x] = buf.clone()
+        self.kept = kept
+        self.committed = int(state["step"])
+
+
 def whole_hand_off(cls: type[PlainJob]) -> type[PlainJob]:
     """``cls`` without ``apply_inputs``: its state crosses whole at the switch."""
     return type(f"WholeHandOff{cls.__name__}", (cls,),
@@ -813,7 +928,8 @@ WholeHandOffJob = whole_hand_off(PlainJob)
 
 
 def make_job(args: argparse.Namespace) -> PlainJob:
-    cls: type[PlainJob] = (ShardedJob if args.shard_optimizer else
+    cls: type[PlainJob] = (SlottedShardedJob if args.shard_optimizer and args.slots else
+                           ShardedJob if args.shard_optimizer else
                            SlottedPlainJob if args.slots else PlainJob)
     if args.hand_off == "whole":
         cls = whole_hand_off(cls)

@@ -39,8 +39,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.parametrize("sharded", [False, True], ids=["replicated", "sharded-optimizer"])
 def test_a_job_shrunk_from_four_replicas_to_two_and_grown_back_keeps_every_bit(
-        tmp_path: Path) -> None:
+        tmp_path: Path, sharded: bool) -> None:
+    # Sharded: the optimizer state cut by slot, each replica keeping its slots' and a copy of
+    # the previous replica's (SlottedShardedJob); the slots' states move with the slots at each
+    # reshape, a dropped replica's from their copies, a new replica's from their holders.
+    job = (*JOB, "--shard-optimizer") if sharded else JOB
     port = _free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=60))
@@ -53,7 +58,7 @@ def test_a_job_shrunk_from_four_replicas_to_two_and_grown_back_keeps_every_bit(
             procs[replica, t] = (log, subprocess.Popen(
                 [sys.executable, RUN, "--replica", str(replica), "--tp-index", str(t),
                  "--port", str(port), "--phases", json.dumps(PHASES), "--", "--save", str(out),
-                 *JOB],
+                 *job],
                 env={**os.environ, **ONE_THREAD}, stdout=subprocess.DEVNULL, stderr=log))
     try:
         for (replica, t), (_, proc) in procs.items():
@@ -68,6 +73,7 @@ def test_a_job_shrunk_from_four_replicas_to_two_and_grown_back_keeps_every_bit(
     assert text.count("Took a new place in the job.") == 3, text[-3000:]
     # The uninterrupted run: four TP=2 replicas, one slot each, the same job and steps.
     reference = standalone_run(tmp_path / "reference", world=8, tp=TP,
-                               extra=("--slots", str(SLOTS), "--steps", str(STEPS)))
+                               extra=("--slots", str(SLOTS), "--steps", str(STEPS),
+                                      *(("--shard-optimizer",) if sharded else ())))
     for rank in range(8):
         assert_rank_equal(reference, rank, out, rank, rng=False)

@@ -60,21 +60,34 @@ def test_a_slotted_job_drained_live_keeps_the_bits_of_one_replica(
         c.stop_all(timeout=5, drain=False)
 
 
+@pytest.fixture(scope="session")
+def one_sharded_replica(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The slotted job with its optimizer sharded by slot, on one TP=2 replica."""
+    return build_once(tmp_path_factory, "slotted-sharded-dp1",
+                      lambda base: standalone_run(base, world=2, tp=2,
+                                                  extra=(*SLOTS, "--shard-optimizer")))
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["replicated", "sharded-optimizer"])
 def test_a_slotted_job_shrinks_live_with_no_standby_free_and_grows_back_bit_for_bit(
-        etcd: EmbeddedEtcd, one_replica: Path, tmp_path: Path) -> None:
+        etcd: EmbeddedEtcd, request: pytest.FixtureRequest, tmp_path: Path,
+        sharded: bool) -> None:
     # Two standby nodes, cordoned: no standby is free. Rank 0's worker dies; its replica
     # (ranks 0 and 1, on node-a) is dropped, and node-b's replica, ranks 2 and 3, trains on as
     # ranks 0 and 1 holding both slots, in the same processes (without --reshape the job would
-    # pause). node-a, alive and holding nothing now, stands by for the job: one standby, half
-    # a replica. Then node-s1 is uncordoned: with node-a (both warmed in the sandbox as ranks
-    # of the submitted shape) it is promoted to ranks 2 and 3, a new replica, with the state of
-    # ranks 0 and 1, and the job ends on two replicas again.
+    # pause); with its optimizer sharded by slot, the dropped replica's slot state comes from
+    # the copies node-b's ranks keep. node-a, alive and holding nothing now, stands by for the
+    # job: one standby, half a replica. Then node-s1 is uncordoned: with node-a (both warmed in
+    # the sandbox as ranks of the submitted shape) it is promoted to ranks 2 and 3, a new
+    # replica, with the state of ranks 0 and 1, and the job ends on two replicas again.
     c = start(etcd, tmp_path / "cluster", {"node-a": 2, "node-b": 2}, ("node-s1", "node-s2"))
     try:
         for n in ("node-s1", "node-s2"):
             assert c.cli("cordon", n).returncode == 0
         out = tmp_path / "out"
-        _run_job(c, out, step_sleep=0.1, standby=0, extra=SLOTS, options=("--reshape",),
+        extra = (*SLOTS, "--shard-optimizer") if sharded else SLOTS
+        one_replica = request.getfixturevalue("one_sharded_replica" if sharded else "one_replica")
+        _run_job(c, out, step_sleep=0.1, standby=0, extra=extra, options=("--reshape",),
                  env={"UNDERSTUDY_RECORDINGS": str(tmp_path / "recordings")})
         a, b = c.daemons["node-a"], c.daemons["node-b"]
         stayers = {r: worker_pid(b, f"mig.r{r}") for r in (2, 3)}

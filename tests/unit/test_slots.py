@@ -213,3 +213,74 @@ def test_a_reshape_keeps_the_slot_count_a_context_left_to_the_replica_count() ->
     assert list(runtime.ctx.held_slots) == [0, 1]
     assert runtime.ctx.group("dp").size() == 1
     new.close()
+
+
+def _on_replicas(dp: int, slots: int, work: Any) -> dict[int, Any]:
+    """``work(ctx)`` on each of ``dp`` replicas (TP 1) of a job of ``slots`` slots."""
+    store = dist.HashStore()
+
+    def rank(r: int) -> Any:
+        groups = StaticGroups(store, rank=r, world_size=dp, tp=1, timeout=10)
+        ctx = JobContext(job="j", rank=r, world_size=dp, tp=1, groups=groups, slots=slots,
+                         collective_timeout=10)
+        return work(ctx)
+
+    out = run_ranks({str(r): (lambda r=r: rank(r)) for r in range(dp)}, timeout=30)
+    return {r: out[str(r)] for r in range(dp)}
+
+
+def _state(slot: int) -> torch.Tensor:
+    return torch.arange(3.0) + 10 * slot
+
+
+def test_slot_states_go_where_they_are_wanted_from_a_replica_that_has_them() -> None:
+    # Four slots on DP 2 after a shrink from DP 4: replica 0 kept slot 0 and the copy of slot 3,
+    # replica 1 slot 2 and the copy of slot 1. Each now wants its two slots and the other's
+    # (its copies): what it lacks comes from the other; what it does not want is dropped.
+    had = {0: {0: _state(0), 3: _state(3)}, 1: {2: _state(2), 1: _state(1)}}
+
+    def work(ctx: JobContext) -> dict[int, torch.Tensor]:
+        return slots_mod.redistribute(ctx, had[ctx.dp_index], [0, 1, 2, 3],
+                                      lambda x: torch.empty(3))
+
+    out = _on_replicas(2, 4, work)
+    for d in (0, 1):
+        assert sorted(out[d]) == [0, 1, 2, 3]
+        for x, t in out[d].items():
+            assert torch.equal(t, _state(x))
+    assert out[0][0] is had[0][0]  # kept, not copied
+
+    def dropping(ctx: JobContext) -> dict[int, torch.Tensor]:
+        return slots_mod.redistribute(ctx, had[ctx.dp_index], [ctx.dp_index],
+                                      lambda x: torch.empty(3))
+
+    out = _on_replicas(2, 4, dropping)
+    assert sorted(out[0]) == [0] and sorted(out[1]) == [1]
+    assert torch.equal(out[1][1], _state(1))
+
+
+def test_a_slot_state_nobody_has_fails_on_every_replica_alike() -> None:
+    def work(ctx: JobContext) -> str:
+        try:
+            slots_mod.redistribute(ctx, {ctx.dp_index: _state(ctx.dp_index)}, [0, 1, 2],
+                                   lambda x: torch.empty(3))
+        except ValueError as exc:
+            return str(exc)
+        return "no error"
+
+    out = _on_replicas(2, 3, work)
+    assert out[0] == out[1] and "slot 2's state is held by no replica" in out[0]
+
+
+@pytest.mark.parametrize("dp", [1, 2, 3])
+def test_the_slots_chunks_are_gathered_from_their_holders(dp: int) -> None:
+    whole = torch.arange(23.0)  # 5 slots: chunks of 4 or 5 elements
+
+    def work(ctx: JobContext) -> torch.Tensor:
+        mine = {x: whole[chunk(23, 5, x)].clone() for x in ctx.held_slots}
+        out = torch.full((23,), -1.0)
+        slots_mod.gather_slots(ctx, mine, out)
+        return out
+
+    for got in _on_replicas(dp, 5, work).values():
+        assert torch.equal(got, whole)
