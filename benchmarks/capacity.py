@@ -42,6 +42,11 @@ the window from the trace's start to its end (the last return plus the last stre
   restart counts once, when it was first committed);
 - **normal step**: the median interval between commits before the first reclaim;
 - **goodput** = useful steps x normal step / window;
+- **batch goodput**: the same with each step weighted by the share of the global batch it
+  trained: 1 under understudy (a replica holding two slots computes both: with ``--step-sleep``
+  per slot, at twice the time), the replicas that committed it over 2 for torchft and torchrun
+  (a step on one replica group trains half the batch). Capacity short of half bounds it to
+  about ``1 - short / 2 x window`` for every system;
 - per dip: the steps committed while capacity was short (the reclaim to the return), and the
   wait from the return to the job's first step at full size again;
 - whether the run ends equal to an uninterrupted run of its job (on four plain processes,
@@ -279,7 +284,7 @@ def run_torchft(args: Any, dips: list[Dip], length: float, base: Path) -> dict[s
         raise BenchmarkError(f"torchft: {exc}\n{run.log_tail()}") from exc
     finally:
         run.stop()
-    figures = analyse(commits(records), start, end, served)
+    figures = analyse(commits(records), start, end, served, batch_shares(records))
     return {"variant": "torchft", "wall_s": time.monotonic() - t0, "start": start, "end": end,
             **figures, "agent_exit_codes": codes,
             "loadavg_1m_before_after": [load_before, os.getloadavg()[0]],
@@ -308,7 +313,7 @@ def run_torchrun(args: Any, dips: list[Dip], length: float, base: Path) -> dict[
         raise BenchmarkError(f"torchrun: {exc}\n{run.agent_log_tail()}") from exc
     finally:
         run.stop()
-    figures = analyse(commits(records), start, end, served)
+    figures = analyse(commits(records), start, end, served, batch_shares(records))
     return {"variant": "torchrun", "wall_s": time.monotonic() - t0, "start": start, "end": end,
             **figures, "agent_exit_codes": codes,
             "restores": sum(1 for r in records if r.get("kind") == "restored"),
@@ -335,9 +340,24 @@ def run_variant(variant: str, args: Any, dips: list[Dip], length: float,
     return run_understudy(variant, args, dips, length, base)
 
 
+def batch_shares(records: list[dict[str, Any]]) -> dict[int, float]:
+    """Per step, the share of the global batch its first commit trained: the replicas with a
+    line for it within 0.5 s of its first (a step redone after a restart, seconds later, is
+    not counted twice), over the job's replica count. For the plain job (torchft, torchrun),
+    whose replicas each train their own micro-batch."""
+    first = commits(records)
+    replicas: dict[int, set[int]] = {}
+    for r in records:
+        if r.get("kind", "step") == "step" and r["t"] <= first[r["step"]] + 0.5:
+            replicas.setdefault(r["step"], set()).add(r["rank"] // TP)
+    return {step: len(reps) / SLOTS for step, reps in replicas.items()}
+
+
 def analyse(commit: dict[int, float], start: float, end: float,
-            served: list[dict[str, Any]]) -> dict[str, Any]:
-    """The figures of one run (see the module docstring)."""
+            served: list[dict[str, Any]], shares: dict[int, float] | None = None
+            ) -> dict[str, Any]:
+    """The figures of one run (see the module docstring); ``shares``: each step's share of the
+    global batch (None: every step trains it whole, as a slotted job's does)."""
     times = sorted(commit.values())
     if not times or times[0] >= start or times[-1] < end:
         raise BenchmarkError("the job's step lines do not span the trace")
@@ -346,6 +366,8 @@ def analyse(commit: dict[int, float], start: float, end: float,
         raise BenchmarkError("too few steps before the trace for a normal step")
     normal = statistics.median(before)
     useful = sum(1 for t in times if start < t <= end)
+    batches = sum(1.0 if shares is None else shares.get(step, 1.0)
+                  for step, t in commit.items() if start < t <= end)
     dips = []
     for d in served:
         short = [t for t in times if d["fired_at"] <= t < d["returned_at"]]
@@ -354,7 +376,8 @@ def analyse(commit: dict[int, float], start: float, end: float,
                      "return_to_full_s": d["full_at"] - d["returned_at"]})
     window = end - start
     return {"window_s": window, "normal_step_s": normal, "useful_steps": useful,
-            "goodput": useful * normal / window,
+            "goodput": useful * normal / window, "batch_goodput": batches * normal / window,
+            "useful_batches": batches,
             "steps_short": sum(d["steps_short"] for d in dips),
             "short_s": sum(d["short_s"] for d in dips), "dips": dips,
             # The timeline: (seconds from the trace's start, step) of every commit.
@@ -378,7 +401,8 @@ def run_repeat(i: int, args: Any, dips: list[Dip], length: float, references: di
                           if "out" in run else {"equal": None, "difference": "no state saved"})
         runs[v] = run
     print(f"  repeat {i + 1}/{args.repeats}: " + "; ".join(
-        f"{v} goodput {r['goodput']:.3f}, {r['steps_short']} steps while short, equal: "
+        f"{v} goodput {r['goodput']:.3f} (batches {r['batch_goodput']:.3f}), "
+        f"{r['steps_short']} steps while short, equal: "
         f"{r['bitwise']['equal']}, losses {r['losses_vs_reference']['identical']}/"
         f"{r['losses_vs_reference']['compared']}" for v, r in runs.items()),
         file=sys.stderr, flush=True)
@@ -392,8 +416,8 @@ def collect(repeats: list[dict[str, Any]], variants: list[str]) -> dict[str, Any
         dips = [d for x in runs for d in x["dips"]]
         out[v] = {
             **{k: summarize([x[k] for x in runs])
-               for k in ("goodput", "useful_steps", "normal_step_s", "window_s", "steps_short",
-                         "short_s")},
+               for k in ("goodput", "batch_goodput", "useful_steps", "useful_batches",
+                         "normal_step_s", "window_s", "steps_short", "short_s")},
             "return_to_full_s": summarize([d["return_to_full_s"] for d in dips]),
             "reclaim_delay_s": summarize([d["delay_s"] for d in dips]),
             "state_equal_every_repeat": (None if any(x["bitwise"]["equal"] is None
@@ -423,6 +447,7 @@ def print_summary(result: dict[str, Any]) -> None:
     for v in cfg["variants"]:
         x = s[v]
         table.row(f"{v}: goodput", x["goodput"], "")
+        table.row("  goodput in global batches", x["batch_goodput"], "")
         table.row("  useful steps in the window", x["useful_steps"], "steps", fmt=".0f")
         table.row("  window", x["window_s"], "s")
         table.row("  normal step (DP 2)", x["normal_step_s"], "s")
@@ -451,7 +476,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
         run, colour = rep[v], colours[v]
         t = [x for x, _ in run["timeline"]]
         steps = [y for _, y in run["timeline"]]
-        ax.plot(t, steps, color=colour, lw=1.2, label=f"{v} (goodput {run['goodput']:.2f})")
+        ax.plot(t, steps, color=colour, lw=1.2,
+                label=f"{v} (goodput {run['goodput']:.2f}, in batches "
+                      f"{run['batch_goodput']:.2f})")
         for d in run["dips"]:
             ax.axvspan(d["fired_at"] - run["start"], d["returned_at"] - run["start"],
                        color=colour, alpha=0.10)

@@ -592,6 +592,17 @@ def test_capacity_trace_is_seeded_and_its_figures_count_the_steps_while_short() 
     assert dip["steps_short"] == 10 and dip["return_to_full_s"] == pytest.approx(1.5)
     with pytest.raises(capacity.BenchmarkError, match="span"):
         capacity.analyse(commit, 0.0, 30.0, served)
+    # A baseline's step on one replica group (ranks 0 and 1) trains half the global batch; a
+    # step redone seconds later, on both, still counts as its first commit trained it.
+    records = [{"kind": "step", "step": s, "rank": r, "t": commit[s] + 0.01 * r}
+               for s in range(200) for r in ((0, 1) if 10 <= s < 20 else range(4))]
+    records += [{"kind": "step", "step": 15, "rank": r, "t": 20.0} for r in range(4)]
+    shares = capacity.batch_shares(records)
+    assert shares[15] == shares[10] == 0.5 and shares[9] == shares[20] == 1.0
+    b = capacity.analyse(commit, 0.0, 10.0, served,
+                         {s: 0.5 if 60 <= s < 70 else 1.0 for s in commit})
+    assert b["useful_batches"] == 59 - 5 and b["batch_goodput"] == pytest.approx(54 * 0.1 / 10)
+    assert b["goodput"] == f["goodput"]
 
 
 @pytest.mark.timeout(420)
