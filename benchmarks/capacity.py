@@ -380,8 +380,21 @@ def analyse(commit: dict[int, float], start: float, end: float,
             "useful_batches": batches,
             "steps_short": sum(d["steps_short"] for d in dips),
             "short_s": sum(d["short_s"] for d in dips), "dips": dips,
-            # The timeline: (seconds from the trace's start, step) of every commit.
-            "timeline": [(round(t - start, 3), s) for s, t in sorted(commit.items())]}
+            # The timeline: (seconds from the trace's start, step) of every commit, and the
+            # global batches trained by then.
+            "timeline": [(round(t - start, 3), s) for s, t in sorted(commit.items())],
+            "batch_timeline": batch_timeline(commit, start, shares)}
+
+
+def batch_timeline(commit: dict[int, float], start: float,
+                   shares: dict[int, float] | None) -> list[tuple[float, float]]:
+    """(seconds from ``start``, global batches trained by then) at every commit, in time
+    order."""
+    out, total = [], 0.0
+    for t, step in sorted((t, s) for s, t in commit.items()):
+        total += 1.0 if shares is None else shares.get(step, 1.0)
+        out.append((round(t - start, 3), total))
+    return out
 
 
 def run_repeat(i: int, args: Any, dips: list[Dip], length: float, references: dict[str, Path],
@@ -466,7 +479,8 @@ def print_summary(result: dict[str, Any]) -> None:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    """Each variant's committed steps over time in the first repeat, the dips shaded."""
+    """Each variant's global batches trained over time in the first repeat (a baseline's step
+    on one replica group counts half), the dips shaded."""
     plt = harness.pyplot()
     rep = result["repeats"][0]
     fig, ax = plt.subplots(figsize=(9, 4.5))
@@ -474,8 +488,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
                "torchrun": "tab:red"}
     for v in result["config"]["variants"]:
         run, colour = rep[v], colours[v]
-        t = [x for x, _ in run["timeline"]]
-        steps = [y for _, y in run["timeline"]]
+        t = [x for x, _ in run["batch_timeline"]]
+        steps = [y for _, y in run["batch_timeline"]]
         ax.plot(t, steps, color=colour, lw=1.2,
                 label=f"{v} (goodput {run['goodput']:.2f}, in batches "
                       f"{run['batch_goodput']:.2f})")
@@ -486,7 +500,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_xlim(left=-5)
     ax.set_xlabel("seconds from the trace's start (shaded: replica 1's capacity reclaimed; "
                   "dotted: the window's end)")
-    ax.set_ylabel("step committed")
+    ax.set_ylabel("global batches trained (a half-batch step: 1/2)")
     ax.set_title(f"TP {TP} x DP {SLOTS}, seed {result['config']['seed']}: live reshape, pause, "
                  "torchft, torchrun elastic")
     ax.legend(loc="upper left")
