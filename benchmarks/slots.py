@@ -11,8 +11,14 @@ between committed steps, the first ``--warmup`` left out; the overhead is taken 
 ``slots / all-reduce - 1``, and summarised over the repeats, with the pooled overhead of
 every interval beside it.
 
+With ``--sharded``, both shard the optimizer state: ``--slots DP --shard-optimizer``
+(``SlottedShardedJob``: cut by slot, a copy of the previous replica's slots, the canonical sum,
+the slot-state census and the parameters' all-gather each step) against ``--shard-optimizer``
+(``ShardedJob``: ZeRO-1 by DP rank, its own reduce-scatter, the buddy copy's gradient sent to
+the next rank), both keeping a redundant copy of every shard.
+
     .venv/bin/python benchmarks/slots.py [--state-size 256MiB] [--dp 2] [--repeats 3]
-                                         [--steps 14] [--warmup 4] [--smoke]
+                                         [--steps 14] [--warmup 4] [--sharded] [--smoke]
 """
 
 from __future__ import annotations
@@ -28,16 +34,18 @@ import harness
 TARGET_OVERHEAD = 0.03
 
 
-def measure(cfg: dict[str, Any], base: Path) -> list[dict[str, Any]]:
-    variants = {"slots": ("--slots", str(cfg["dp"])), "all-reduce": ()}
+def measure(cfg: dict[str, Any], base: Path, sharded: bool = False) -> list[dict[str, Any]]:
+    shard = ("--shard-optimizer",) if sharded else ()
+    variants = {"slots": ("--slots", str(cfg["dp"]), *shard), "all-reduce": shard}
+    own = "ShardedJob's reduce-scatter" if sharded else "the job's all-reduce"
 
     def run(directory: Path, variant: str, job_args: tuple[str, ...]) -> dict[str, Any]:
         return harness.standalone_step(directory, variant, cfg, cfg["dp"],
                                        ("--tp", "1", *job_args))
 
     def says(i: int, runs: dict[str, Any]) -> str:
-        return (f"  repeat {i}: step {runs['all-reduce']['step_s']:.3f} s with the job's "
-                f"all-reduce, {runs['slots']['step_s']:.3f} s with slots: "
+        return (f"  repeat {i}: step {runs['all-reduce']['step_s']:.3f} s with {own}, "
+                f"{runs['slots']['step_s']:.3f} s with slots: "
                 f"{100 * runs['overhead']:+.1f} %")
 
     return harness.alternating(cfg["repeats"], base, variants, run, "slots", "all-reduce",
@@ -45,8 +53,11 @@ def measure(cfg: dict[str, Any], base: Path) -> list[dict[str, Any]]:
 
 
 def print_summary(result: dict[str, Any]) -> None:
-    harness.overhead_summary(result, (("step, the job's all-reduce", "all-reduce"),
-                                      ("step, slots (canonical sum)", "slots")),
+    rows = ((("step, ShardedJob (by DP rank)", "all-reduce"),
+             ("step, slots, sharded by slot", "slots")) if result["config"]["sharded"] else
+            (("step, the job's all-reduce", "all-reduce"),
+             ("step, slots (canonical sum)", "slots")))
+    harness.overhead_summary(result, rows,
                              "overhead of the slots",
                              f"<= {100 * TARGET_OVERHEAD:.0f} % of the step")
 
@@ -54,12 +65,17 @@ def print_summary(result: dict[str, Any]) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = harness.overhead_parser("slots", __doc__.splitlines()[0],
                                 "data-parallel ranks, one slot each (default 2)")
+    p.add_argument("--sharded", action="store_true",
+                   help="both variants shard the optimizer state (see above)")
     return harness.overhead_args(p, argv, "a sum needs peers")
 
 
 def main(argv: list[str] | None = None) -> int:
-    return harness.overhead_run(parse_args(argv), "slots", "slots", ("slots", "all-reduce"),
-                                measure, {"target_overhead": TARGET_OVERHEAD}, print_summary)
+    args = parse_args(argv)
+    return harness.overhead_run(args, "slots", "slots", ("slots", "all-reduce"),
+                                lambda cfg, base: measure(cfg, base, args.sharded),
+                                {"target_overhead": TARGET_OVERHEAD, "sharded": args.sharded},
+                                print_summary)
 
 
 if __name__ == "__main__":
