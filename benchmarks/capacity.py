@@ -266,55 +266,45 @@ def run_torchft(args: Any, dips: list[Dip], length: float, base: Path) -> dict[s
     """The job under torchft, continuing on fewer replica groups (``--min-replicas 1``): at a
     dip replica group 1 (its agent and workers) is killed, at the return a new group for it
     starts, joins the quorum and heals from group 0 (``baseline/torchft_run.py``)."""
-    cfg = TorchftConfig(steps=args.steps, step_sleep=args.step_sleep, min_replicas=1)
-    load_before = os.getloadavg()[0]
-    t0 = time.monotonic()
-    run = TorchftRun(cfg, base)
-    try:
-        run.start()
-        assert run.tail is not None
-        start, end, served = through_trace(
-            run.tail, args, dips, length,
-            lambda: {"reclaimed": ["replica group 1"], "killed_at": run.kill_group(1)},
-            lambda: run.add_group(1))
-        codes = run.wait_finished(timeout=args.serve_timeout + 10 * args.steps)
-        run.tail.poll()
-        records = run.tail.records
-    except TorchrunError as exc:
-        raise BenchmarkError(f"torchft: {exc}\n{run.log_tail()}") from exc
-    finally:
-        run.stop()
-    figures = analyse(commits(records), start, end, served, batch_shares(records))
-    return {"variant": "torchft", "wall_s": time.monotonic() - t0, "start": start, "end": end,
-            **figures, "agent_exit_codes": codes,
-            "loadavg_1m_before_after": [load_before, os.getloadavg()[0]],
-            "losses": steplog.losses(records)}
+    run = TorchftRun(TorchftConfig(steps=args.steps, step_sleep=args.step_sleep,
+                                   min_replicas=1), base)
+    return run_baseline("torchft", run, args, dips, length,
+                        lambda: {"reclaimed": ["replica group 1"],
+                                 "killed_at": run.kill_group(1)},
+                        lambda: run.add_group(1), run.log_tail)
 
 
 def run_torchrun(args: Any, dips: list[Dip], length: float, base: Path) -> dict[str, Any]:
     """The job under torchrun elastic (``--nnodes 1:2``): at a dip agent 1 and its workers are
     killed and agent 0 restarts alone from the newest checkpoint; at the return a new agent
     joins and both restart from the newest checkpoint (``baseline/elastic.py``)."""
-    cfg = TorchrunConfig(steps=args.steps, step_sleep=args.step_sleep,
-                         ckpt_every=args.ckpt_every, min_nodes=1, last_call_s=LAST_CALL_S)
+    run = ElasticRun(TorchrunConfig(steps=args.steps, step_sleep=args.step_sleep,
+                                    ckpt_every=args.ckpt_every, min_nodes=1,
+                                    last_call_s=LAST_CALL_S), base)
+    return run_baseline("torchrun", run, args, dips, length,
+                        lambda: {"reclaimed": ["agent 1"], "killed_at": run.reclaim_node()},
+                        run.add_agent, run.agent_log_tail)
+
+
+def run_baseline(variant: str, run: Any, args: Any, dips: list[Dip], length: float,
+                 take: Callable[[], dict[str, Any]], give: Callable[[], object],
+                 log_tail: Callable[[], str]) -> dict[str, Any]:
+    """One run of a baseline (``run``: a ``TorchftRun`` or an ``ElasticRun``, not started)
+    through the trace, ``take`` reclaiming and ``give`` returning its capacity; its figures,
+    each step weighted by the share of the batch it trained."""
     load_before = os.getloadavg()[0]
     t0 = time.monotonic()
-    run = ElasticRun(cfg, base)
     try:
         run.start()
-        assert run.tail is not None
-        start, end, served = through_trace(
-            run.tail, args, dips, length,
-            lambda: {"reclaimed": ["agent 1"], "killed_at": run.reclaim_node()},
-            run.add_agent)
+        start, end, served = through_trace(run.tail, args, dips, length, take, give)
         codes = run.wait_finished(timeout=args.serve_timeout + 10 * args.steps)
         records = run.records()
     except TorchrunError as exc:
-        raise BenchmarkError(f"torchrun: {exc}\n{run.agent_log_tail()}") from exc
+        raise BenchmarkError(f"{variant}: {exc}\n{log_tail()}") from exc
     finally:
         run.stop()
     figures = analyse(commits(records), start, end, served, batch_shares(records))
-    return {"variant": "torchrun", "wall_s": time.monotonic() - t0, "start": start, "end": end,
+    return {"variant": variant, "wall_s": time.monotonic() - t0, "start": start, "end": end,
             **figures, "agent_exit_codes": codes,
             "restores": sum(1 for r in records if r.get("kind") == "restored"),
             "steps_redone": steps_redone(records),
