@@ -86,7 +86,7 @@ from __future__ import annotations
 
 import abc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeGuard
 
@@ -438,6 +438,15 @@ class SlottedJob(TrainingJob):
 
     def reseed(self, step: int) -> None:
         return None  # the runtime seeds the generators for each slot (slots.slot_seed)
+
+    def summed_slots(self, dp: int, replica: int) -> Sequence[int] | None:
+        """The slots whose chunks of the summed gradient (``slots.chunk(numel, slots, x)`` of
+        the flat gradients) replica ``replica`` of ``dp`` reads in :meth:`apply`; None (the
+        default): the whole sum, on every replica. A job that shards its state by slot (it
+        updates only the chunks of the slots it keeps) names them: the sum then stops at those
+        chunks, each sent only to the replicas that want it, and the rest of
+        :meth:`gradients` is left stale. The same answer on every replica."""
+        return None
 
 
 def slotted(job: TrainingJob) -> TypeGuard[SlottedJob]:

@@ -40,8 +40,9 @@ if TYPE_CHECKING:
     from understudy.worker.api import JobContext, SlottedJob
 
 #: The tags of the sum's two rounds on the DP group: the all-to-all's messages are
-#: ``SCATTER_TAG + i`` for the sender's ``i``-th slot, the all-gather's ``GATHER_TAG`` (nothing
-#: else in understudy sends point to point on a DP group).
+#: ``SCATTER_TAG + i`` for the sender's ``i``-th slot, the all-gather's ``GATHER_TAG``, a summed
+#: slot chunk sent to a replica that wants it ``GATHER_TAG + slot`` (nothing else in understudy
+#: sends point to point on a DP group but :func:`redistribute`).
 SCATTER_TAG, GATHER_TAG = 0x51A70000, 0x51A80000
 #: The tag of a slot's state sent by :func:`redistribute`: ``STATE_TAG + slot``.
 STATE_TAG = 0x51A90000
@@ -105,7 +106,10 @@ def compute_step(job: SlottedJob, ctx: JobContext, step: int) -> None:
                              f"{next(iter(flats.values())).numel()}): gradients() must return "
                              "the same tensors for every slot")
         flats[slot] = torch.cat(parts, out=_buffer(("slot", i), (numel,), parts[0]))
-    total = canonical_sum(ctx, flats)
+    dp = ctx.dp
+    wanted = job.summed_slots(dp, 0) if dp > 1 else None
+    total = canonical_sum(ctx, flats, None if wanted is None else
+                          lambda q: job.summed_slots(dp, q) or ())
     offset = 0
     with torch.no_grad():
         for g in grads:
@@ -155,12 +159,19 @@ def _raise_mmap_threshold() -> None:
         del block
 
 
-def canonical_sum(ctx: JobContext, flats: dict[int, torch.Tensor]) -> torch.Tensor:
+def canonical_sum(ctx: JobContext, flats: dict[int, torch.Tensor],
+                  wanted: Callable[[int], Sequence[int]] | None = None) -> torch.Tensor:
     """The sum over every slot of the job of its flat gradient, added in slot order: ``flats``
     holds this replica's slots (:attr:`JobContext.held_slots`), each a 1-D tensor of the same
     size, dtype and device. Every replica of the DP group calls it with its own; each gets the
     same sum, bit for bit whatever the number of replicas. The result is a buffer this module
     reuses at the next call: the caller copies it out before then.
+
+    With ``wanted`` (replica -> the slots whose chunks of the sum it reads, the same function on
+    every replica: a job that shards its state by slot, :meth:`SlottedJob.summed_slots`), each
+    replica sums the chunks of the slots it holds (``chunk(numel, slots, x)``) and sends each
+    summed chunk only to the replicas that want it, instead of the all-gather: the rest of the
+    result is left stale.
 
     Raises:
         CollectiveAborted: a send or receive failed, timed out or was aborted.
@@ -178,7 +189,11 @@ def canonical_sum(ctx: JobContext, flats: dict[int, torch.Tensor]) -> torch.Tens
     total = _buffer(("total",), (numel,), first)
     if dp > 1 and numel * first.element_size() * slots <= GATHER_ALL_BYTES:
         return _gathered_sum(ctx, group, flats, holders, total)
-    own = chunk(numel, dp, me)
+    # What each replica sums: a dp-th of the tensor, or (``wanted``) its slots' chunks.
+    parts = [chunk(numel, dp, q) if wanted is None else
+             slice(b.start * numel // slots, b.stop * numel // slots)
+             for q, b in enumerate(holders)]
+    own = parts[me]
     own_len = own.stop - own.start
     # Round 1, all-to-all: to each peer its chunk of every slot held here (views: nothing is
     # copied), one message a slot; from each peer this replica's chunk of each slot it holds,
@@ -188,7 +203,7 @@ def canonical_sum(ctx: JobContext, flats: dict[int, torch.Tensor]) -> torch.Tens
     for q in range(dp):
         if q == me:
             continue
-        part = chunk(numel, dp, q)
+        part = parts[q]
         if part.stop > part.start:
             for i, slot in enumerate(mine):
                 works.append((group.send([flats[slot][part]], q, SCATTER_TAG + i),
@@ -206,6 +221,9 @@ def canonical_sum(ctx: JobContext, flats: dict[int, torch.Tensor]) -> torch.Tens
         acc.copy_(rows[0])
         for row in rows[1:]:
             acc.add_(row)  # one rounding per slot, in slot order: the canonical sum
+    if wanted is not None:
+        _send_wanted(ctx, group, total, holders, wanted)
+        return total
     # Round 2, all-gather: this replica's summed chunk to each peer, theirs into place.
     works = []
     for q in range(dp):
@@ -213,12 +231,35 @@ def canonical_sum(ctx: JobContext, flats: dict[int, torch.Tensor]) -> torch.Tens
             continue
         if own_len:
             works.append((group.send([total[own]], q, GATHER_TAG), f"the summed chunk to {q}"))
-        part = chunk(numel, dp, q)
+        part = parts[q]
         if part.stop > part.start:
             works.append((group.recv([total[part]], q, GATHER_TAG),
                           f"the summed chunk from {q}"))
     _wait_all(ctx, works, "the slots' gradient all-gather")
     return total
+
+
+def _send_wanted(ctx: JobContext, group: Any, total: torch.Tensor, holders: Sequence[range],
+                 wanted: Callable[[int], Sequence[int]]) -> None:
+    """Round 2 of a sum that stops at the slots' chunks: each summed chunk of a slot held here
+    to every other replica that wants it, one message a slot; those this replica wants from
+    others into place."""
+    numel, slots = total.numel(), ctx.data_slots
+    dp, me = len(holders), group.rank()
+    holder = {x: q for q, block in enumerate(holders) for x in block}
+    works: list[tuple[Any, str]] = []
+    for q in range(dp):
+        for x in sorted(set(wanted(q))):
+            part = chunk(numel, slots, x)
+            if part.stop == part.start or holder[x] == q:
+                continue
+            if holder[x] == me:
+                works.append((group.send([total[part]], q, GATHER_TAG + x),
+                              f"slot {x}'s summed chunk to {q}"))
+            elif q == me:
+                works.append((group.recv([total[part]], holder[x], GATHER_TAG + x),
+                              f"slot {x}'s summed chunk from {holder[x]}"))
+    _wait_all(ctx, works, "the slots' summed chunks")
 
 
 def _gathered_sum(ctx: JobContext, group: Any, flats: dict[int, torch.Tensor],

@@ -820,12 +820,14 @@ class SlottedShardedJob(SlottedPlainJob):
       state, the missing ones come from a replica that has them), and the parameters are
       gathered from the holders' chunks (:func:`~understudy.worker.slots.gather_slots`);
     - the slots' forward and backward, and the runtime's canonical sum, as for any slotted job;
-    - ``apply``: Adam on every chunk kept here, from the summed gradient every replica has (no
-      message for the copies).
+    - ``apply``: Adam on every chunk kept here. The runtime's sum stops at those chunks
+      (:meth:`summed_slots`): each replica sums its slots' chunks and sends each to the replica
+      keeping its copy, with no all-gather of the whole gradient.
 
     A chunk's update is the same computation whichever replica makes it, so the run is the
-    same bit for bit on any number of replicas. The update is Adam's single-tensor functional
-    form (``torch.optim.adam.adam``) on views of the flat state, whatever ``--adam`` says."""
+    same bit for bit on any number of replicas. The update is Adam's functional form
+    (``torch.optim.adam.adam``, the fused kernel) on views of the flat state, whatever
+    ``--adam`` says."""
 
     def __init__(self, *, copy: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -835,6 +837,7 @@ class SlottedShardedJob(SlottedPlainJob):
         ctx = self.ctx
         # The gathered parameters, flat: the all-gather's output, copied into the model's.
         self.flat = torch.cat([q.detach().flatten() for q in self.params.values()])
+        self._grads = torch.empty_like(self.flat)  # apply's flat copy of the summed gradients
         self.kept: dict[int, torch.Tensor] = {}
         for x in self._wanted(ctx):
             values = self.flat[self._part(x)]
@@ -846,9 +849,15 @@ class SlottedShardedJob(SlottedPlainJob):
     def _wanted(self, ctx: JobContext) -> list[int]:
         """The slots whose state this rank keeps: its replica's, and the previous replica's
         (their copies)."""
-        wanted = list(ctx.held_slots)
-        if self.copy and ctx.dp > 1:
-            wanted += held(ctx.data_slots, ctx.dp, (ctx.dp_index - 1) % ctx.dp)
+        return self.summed_slots(ctx.dp, ctx.dp_index)
+
+    def summed_slots(self, dp: int, replica: int) -> list[int]:
+        # Apply reads the summed gradient of the slots whose state it keeps, no other: the
+        # runtime's sum stops there (no all-gather of the whole gradient).
+        slots = self.ctx.data_slots
+        wanted = list(held(slots, dp, replica))
+        if self.copy and dp > 1:
+            wanted += held(slots, dp, (replica - 1) % dp)
         return sorted(set(wanted))
 
     def _empty(self, slot: int) -> torch.Tensor:
@@ -882,15 +891,17 @@ class SlottedShardedJob(SlottedPlainJob):
 
     @torch.no_grad()
     def apply(self, step: int) -> None:
-        grads = torch.cat([q.grad.flatten() for q in self.params.values()  # type: ignore[union-attr]
-                           ])
+        grads = torch.cat([q.grad.flatten() for q in self.params.values()],  # type: ignore[union-attr]
+                          out=self._grads)
         lr = self.lr * self._lr_factor(self.committed)
         for x, buf in sorted(self.kept.items()):
             part = self._part(x)
             n = part.stop - part.start
+            # Torch's fused kernel (6x the loop's speed on one CPU thread, ShardedJob's note):
+            # the same chunk, whichever replica updates it, gives the same bits.
             adam([buf[:n]], [grads[part]], [buf[n:2 * n]], [buf[2 * n:3 * n]], [],  # type: ignore[arg-type]
                  [buf[3 * n:].view(())], foreach=False, capturable=False, differentiable=False,
-                 fused=None, grad_scale=None, found_inf=None, has_complex=False, amsgrad=False,
+                 fused=True, grad_scale=None, found_inf=None, has_complex=False, amsgrad=False,
                  beta1=0.9, beta2=0.999, lr=lr, weight_decay=0.0, eps=1e-8, maximize=False)
         self.committed = step + 1
         replayed, self._replaying = self._replaying, False

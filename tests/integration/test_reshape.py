@@ -44,8 +44,11 @@ def test_a_job_shrunk_from_four_replicas_to_two_and_grown_back_keeps_every_bit(
         tmp_path: Path, sharded: bool) -> None:
     # Sharded: the optimizer state cut by slot, each replica keeping its slots' and a copy of
     # the previous replica's (SlottedShardedJob); the slots' states move with the slots at each
-    # reshape, a dropped replica's from their copies, a new replica's from their holders.
-    job = (*JOB, "--shard-optimizer") if sharded else JOB
+    # reshape, a dropped replica's from their copies, a new replica's from their holders. At
+    # 2 MiB a rank the gradients are past the sum's all-gather path (1 MiB over all slots):
+    # the sum stops at each replica's slots' chunks (summed_slots).
+    sharding = ("--shard-optimizer", "--state-size", "2MiB") if sharded else ()
+    job = (*JOB, *sharding)
     port = _free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=60))
@@ -74,6 +77,6 @@ def test_a_job_shrunk_from_four_replicas_to_two_and_grown_back_keeps_every_bit(
     # The uninterrupted run: four TP=2 replicas, one slot each, the same job and steps.
     reference = standalone_run(tmp_path / "reference", world=8, tp=TP,
                                extra=("--slots", str(SLOTS), "--steps", str(STEPS),
-                                      *(("--shard-optimizer",) if sharded else ())))
+                                      *sharding))
     for rank in range(8):
         assert_rank_equal(reference, rank, out, rank, rng=False)

@@ -87,6 +87,38 @@ def test_the_sum_is_the_slot_order_sum_bit_for_bit_on_any_number_of_replicas(
         assert not torch.equal(other, expected)
 
 
+@pytest.mark.parametrize("numel", [1000, 3])
+def test_a_sum_that_stops_at_the_wanted_slots_chunks_has_their_bits(
+        numel: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A job sharded by slot reads the chunks of its replica's slots and the previous
+    # replica's (their copies): only those are summed and sent, in slot order all the same.
+    # (Small gradients take the all-gather path whatever is wanted: off here.)
+    monkeypatch.setattr(slots_mod, "GATHER_ALL_BYTES", 0)
+    slots = 5
+    grads = _slot_gradients(slots, numel)
+    expected = grads[0].clone()
+    for g in grads[1:]:
+        expected = expected + g
+    for dp in (2, 3, 5):
+        def wanted(q: int, dp: int = dp) -> list[int]:
+            return sorted({*held(slots, dp, q), *held(slots, dp, (q - 1) % dp)})
+
+        store = dist.HashStore()
+
+        def rank(r: int, dp: int = dp, store: Any = store, wanted: Any = wanted) -> Any:
+            groups = StaticGroups(store, rank=r, world_size=dp, tp=1, timeout=10)
+            ctx = JobContext(job="j", rank=r, world_size=dp, tp=1, groups=groups,
+                             slots=slots, collective_timeout=10)
+            return canonical_sum(ctx, {s: grads[s].clone() for s in ctx.held_slots},
+                                 wanted).clone()
+
+        out = run_ranks({str(r): (lambda r=r: rank(r)) for r in range(dp)}, timeout=30)
+        for q in range(dp):
+            for x in wanted(q):
+                part = chunk(numel, slots, x)
+                assert torch.equal(out[str(q)][part], expected[part]), (dp, q, x)
+
+
 def test_the_sum_runs_on_each_tensor_parallel_rank_s_own_dp_group(path: str) -> None:
     grads = _slot_gradients(3, 64)
     expected = grads[0] + grads[1] + grads[2]
