@@ -107,9 +107,9 @@ def compute_step(job: SlottedJob, ctx: JobContext, step: int) -> None:
                              "the same tensors for every slot")
         flats[slot] = torch.cat(parts, out=_buffer(("slot", i), (numel,), parts[0]))
     dp = ctx.dp
-    wanted = job.summed_slots(dp, 0) if dp > 1 else None
-    total = canonical_sum(ctx, flats, None if wanted is None else
-                          lambda q: job.summed_slots(dp, q) or ())
+    stops = dp > 1 and job.summed_slots(dp, 0) is not None
+    total = canonical_sum(ctx, flats, (lambda q: job.summed_slots(dp, q) or ()) if stops
+                          else None)
     offset = 0
     with torch.no_grad():
         for g in grads:
@@ -321,10 +321,11 @@ def redistribute(ctx: JobContext, states: dict[int, torch.Tensor], want: Sequenc
     if dp > 1:
         rows = [torch.empty_like(census) for _ in range(dp)]
         ctx.wait(group.allgather([rows], [census]), "the slot states' census")
-    has = [{x for x in range(slots) if row[x]} for row in rows]
+    flags = [row.tolist() for row in rows]  # every step: no per-element tensor indexing
+    has = [{x for x in range(slots) if row[x]} for row in flags]
     works: list[tuple[Any, str]] = []
     received: dict[int, torch.Tensor] = {}
-    for q, row in enumerate(rows):
+    for q, row in enumerate(flags):
         for x in range(slots):
             if not row[slots + x] or x in has[q]:
                 continue
