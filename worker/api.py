@@ -448,10 +448,51 @@ class SlottedJob(TrainingJob):
         :meth:`gradients` is left stale. The same answer on every replica."""
         return None
 
+    # A job whose layers can move between pipeline stages (opt-in; worker/restage.py).
+
+    def stage_units(self, ctx: JobContext) -> Sequence[int] | None:
+        """The units of state (whole layers, with their optimizer state) that the rank
+        ``ctx`` describes holds, numbered by the job from 0 in model order; None (the
+        default): the job's layers cannot move between stages. A job that answers can change
+        its number of pipeline stages at a step boundary (:mod:`understudy.worker.restage`):
+        the runtime moves each unit whose stage changes, whole, from the rank that held it to
+        the one that will (:meth:`unit_state`, :meth:`empty_unit`), then calls
+        :meth:`restage`. Its arithmetic must not depend on the stage a layer runs on: its
+        random streams keyed by the layer, not the stage; the micro-batch count kept.
+
+        Raises:
+            ValueError: the job cannot be laid out on ``ctx`` (its layers do not split over
+                ``ctx.pp`` stages, its streams are keyed by the stage): a reshape to it is
+                refused before anything moves.
+        """
+        return None
+
+    def unit_state(self, unit: int) -> torch.Tensor:
+        """Unit ``unit``'s state on this rank, which holds it, as one 1-D tensor (its values
+        and optimizer state), the size and dtype of :meth:`empty_unit`'s."""
+        raise NotImplementedError(f"{type(self).__name__} does not move units between stages")
+
+    def empty_unit(self, unit: int) -> torch.Tensor:
+        """A tensor to receive unit ``unit``'s :meth:`unit_state` into."""
+        raise NotImplementedError(f"{type(self).__name__} does not move units between stages")
+
+    def restage(self, ctx: JobContext, units: dict[int, torch.Tensor], step: int) -> None:
+        """Become the rank ``ctx`` describes, ``step`` steps committed: keep the units this
+        rank holds that ``stage_units(ctx)`` names, take ``units`` (the others it names, as
+        :meth:`unit_state` gave them on the ranks that held them), drop the rest. On a rank
+        new to the job (built for ``ctx``, nothing trained) every unit comes in ``units``."""
+        raise NotImplementedError(f"{type(self).__name__} does not move units between stages")
+
 
 def slotted(job: TrainingJob) -> TypeGuard[SlottedJob]:
     """Whether the runtime computes ``job``'s steps slot by slot (:class:`SlottedJob`)."""
     return isinstance(job, SlottedJob)
+
+
+def restages(job: TrainingJob) -> TypeGuard[SlottedJob]:
+    """Whether ``job``'s layers can move between pipeline stages (a :class:`SlottedJob` that
+    implements :meth:`SlottedJob.stage_units`)."""
+    return slotted(job) and type(job).stage_units is not SlottedJob.stage_units
 
 
 def reseeds(job: TrainingJob) -> bool:

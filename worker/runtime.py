@@ -56,6 +56,7 @@ from understudy.worker.api import (
     TrainingJob,
     allreduce_options,
     reseeds,
+    restages,
     slotted,
 )
 
@@ -326,16 +327,64 @@ class Runtime:
         refusal = self.reshape_refusal(ctx)
         if refusal is not None:
             raise ValueError(refusal)
-        old = self.ctx
         if self.pending is not None:
             raise RuntimeError(f"step {self.pending[0]} is pending: settle it before a reshape")
+        self._take(ctx)
+
+    def _take(self, ctx: JobContext) -> None:
+        old = self.ctx
         self.ctx = ctx
         if getattr(self.job, "ctx", None) is old:
             self.job.ctx = ctx  # type: ignore[attr-defined]
         self._log = logs.get("understudy.worker", job=ctx.job, rank=ctx.rank)
         self._log.info("Took a new place in the job.", step=self.step, dp=ctx.dp,
-                       dp_index=ctx.dp_index, slots=list(ctx.held_slots),
-                       was_rank=old.rank, was_dp=old.dp)
+                       dp_index=ctx.dp_index, slots=list(ctx.held_slots), pp=ctx.pp,
+                       stage=ctx.pp_index, was_rank=old.rank, was_dp=old.dp, was_pp=old.pp)
+
+    def restage(self, ctx: JobContext, units: dict[int, Any], step: int) -> None:
+        """Take ``ctx``, this rank's place after its job's number of pipeline stages changed
+        (:mod:`understudy.worker.restage`), at a step boundary, ``step`` steps committed: the
+        job keeps the units of state it still holds, takes ``units`` (those that came from
+        other ranks) and drops the rest (:meth:`SlottedJob.restage`). A rank new to the job
+        (built for ``ctx``, nothing committed) takes the step count too.
+
+        Raises:
+            ValueError: as :meth:`restage_refusal`: nothing changed.
+            RuntimeError: a step is pending, the job is not built, or this rank has committed
+                another number of steps than ``step``.
+        """
+        self._require_built()
+        refusal = self.restage_refusal(ctx)
+        if refusal is not None:
+            raise ValueError(refusal)
+        if self.pending is not None:
+            raise RuntimeError(f"step {self.pending[0]} is pending: settle it before a reshape")
+        if self.step not in (0, step):
+            raise RuntimeError(f"this rank has committed {self.step} steps, the reshape is at "
+                               f"{step}")
+        assert restages(self.job)
+        self.job.restage(ctx, units, step)
+        self.step = step
+        self._take(ctx)
+
+    def restage_refusal(self, ctx: JobContext) -> str | None:
+        """Why :meth:`restage` would refuse ``ctx`` (None: it would not), checked before any
+        unit moves or any group of the new shape is built: the job cannot move its layers
+        between stages, ``ctx`` changes more than the pipeline (the job, seed, TP degree or
+        index, slot count, data-parallel size or place), or the job cannot be laid out on it."""
+        if not restages(self.job):
+            return (f"{type(self.job).__name__} cannot move its layers between pipeline stages "
+                    "(a SlottedJob that implements stage_units can)")
+        kept = ("job", "seed", "tp", "data_slots", "tp_index", "dp", "dp_index")
+        changed = [k for k in kept if getattr(ctx, k) != getattr(self.ctx, k)]
+        if changed:
+            return (f"a pipeline reshape changes the number of stages only; this one also "
+                    f"changes {', '.join(changed)}")
+        try:
+            self.job.stage_units(ctx)
+        except ValueError as exc:
+            return str(exc)
+        return None
 
     def rebind(self, ctx: JobContext) -> None:
         """Take ``ctx`` as this runtime's context, its log lines naming ``ctx``'s rank: a

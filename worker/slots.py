@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from understudy.worker import rng
+from understudy.worker.exchange import exchange
 
 if TYPE_CHECKING:
     from understudy.worker.api import JobContext, SlottedJob
@@ -307,41 +308,9 @@ def redistribute(ctx: JobContext, states: dict[int, torch.Tensor], want: Sequenc
             holding a slot and its copy went at once), or a slot number is out of range.
         CollectiveAborted: a collective, send or receive failed, timed out or was aborted.
     """
-    slots = ctx.data_slots
-    wanted = sorted(set(want))
-    if any(not 0 <= x < slots for x in (*states, *wanted)):
-        raise ValueError(f"slots are 0 to {slots - 1}: got states of {sorted(states)}, "
-                         f"wanted {wanted}")
-    group: Any = ctx.group("dp")  # a ProcessGroup: the all-gather is not in Communicator
-    dp, me = group.size(), group.rank()
-    census = torch.zeros(2 * slots, dtype=torch.int64)
-    census[list(states)] = 1
-    census[[slots + x for x in wanted]] = 1
-    rows = [census]
-    if dp > 1:
-        rows = [torch.empty_like(census) for _ in range(dp)]
-        ctx.wait(group.allgather([rows], [census]), "the slot states' census")
-    flags = [row.tolist() for row in rows]  # every step: no per-element tensor indexing
-    has = [{x for x in range(slots) if row[x]} for row in flags]
-    works: list[tuple[Any, str]] = []
-    received: dict[int, torch.Tensor] = {}
-    for q, row in enumerate(flags):
-        for x in range(slots):
-            if not row[slots + x] or x in has[q]:
-                continue
-            source = next((p for p in range(dp) if x in has[p]), None)
-            if source is None:
-                raise ValueError(f"slot {x}'s state is held by no replica of the "
-                                 f"data-parallel group of {dp}: it is lost")
-            if source == me:
-                works.append((group.send([states[x]], q, STATE_TAG + x),
-                              f"slot {x}'s state to {q}"))
-            if q == me:
-                received[x] = empty(x)
-                works.append((group.recv([received[x]], source, STATE_TAG + x),
-                              f"slot {x}'s state from {source}"))
-    _wait_all(ctx, works, "the slot states' exchange")
-    return {x: received[x] if x in received else states[x] for x in wanted}
+    # A ProcessGroup: the census all-gather is not in Communicator.
+    return exchange(ctx, ctx.group("dp"), states, want, ctx.data_slots, empty, tag=STATE_TAG,
+                    piece="slot", where="data-parallel group")
 
 
 def gather_slots(ctx: JobContext, chunks: dict[int, torch.Tensor], out: torch.Tensor) -> None:

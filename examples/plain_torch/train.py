@@ -47,6 +47,7 @@ import os
 import signal
 import sys
 import time
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -175,8 +176,14 @@ class PlainJob(TrainingJob):
                  dropout: float = 0.1, fail_at: int | None = None,
                  freeze_at: int | None = None, marker_dir: Path | None = None,
                  step_sleep: float = 0.0, step_log: Path | None = None,
-                 step_sleep_off: Path | None = None, adam: str = "class") -> None:
+                 step_sleep_off: Path | None = None, adam: str = "class",
+                 rng_by_layer: bool = False) -> None:
         self.features, self.hidden, self.batch = features, hidden, batch
+        #: draw each block's dropout mask from (seed, TP index, slot or DP index, step, layer,
+        #: micro-batch) rather than the rank's stream: the masks then do not depend on which
+        #: stage runs a block, which a job whose stages change needs (``restage``)
+        self.rng_by_layer = rng_by_layer
+        self._draw = (0, 0)  # the step and the slot (or DP index) being computed
         #: "class": torch.optim.Adam and LambdaLR; "functional": FunctionalAdam (same bits)
         self.adam = adam
         #: the state a rank should hold, in bytes (None: ``hidden`` as given); the hidden width
@@ -316,8 +323,13 @@ class PlainJob(TrainingJob):
         x = torch.randn(self.batch, self.features, generator=g)
         return x, torch.sin(x) + 0.1 * torch.randn(x.shape, generator=g)
 
-    def _block(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+    def _block(self, layer: int, h: torch.Tensor, mb: int) -> torch.Tensor:
         p, ctx = self.params, self.ctx
+        if self.rng_by_layer:
+            step, index = self._draw
+            key = (self.ctx.seed * 1_000_003 + ctx.tp_index) * 1_000_033 + index
+            torch.manual_seed((((key * 1_000_037 + step) * 1_000_039 + layer) * 1_009 + mb)
+                              % 2**63)
         x = _CopyToTP.apply(h, ctx) if h.requires_grad else h
         inner = F.dropout(F.gelu(x @ p[f"block{layer}_w1"].T + p[f"block{layer}_b1"]),
                           self.dropout, training=True)
@@ -331,7 +343,7 @@ class PlainJob(TrainingJob):
         h = x[rows] @ p["embed_w"].T + p["embed_b"] if ctx.first_stage else received
         assert h is not None
         for layer in self._stage_blocks(ctx):
-            h = self._block(layer, h)
+            h = self._block(layer, h, mb)
         if not ctx.last_stage:
             return h
         loss = F.mse_loss(h @ p["head_w"].T + p["head_b"], y[rows]) / self.microbatches
@@ -346,6 +358,7 @@ class PlainJob(TrainingJob):
         """Zero the gradients, then forward and backward of the batch of ``step`` for position
         ``index`` (:meth:`_batch`) through the stages; the micro-batches' losses (last stage)."""
         x, y = self._batch(step, index)
+        self._draw = (step, self.ctx.dp_index if index is None else index)
         self._zero_grad()
         return run_schedule(self.ctx, microbatches=self.microbatches,
                             stage=lambda mb, h: self._stage(x, y, mb, h),
@@ -534,6 +547,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "layout's replicas, each replica computing its share (SlottedPlainJob): "
                    "the same result bit for bit whatever the DP size (default: no slots, "
                    "the job's own DP all-reduce)")
+    p.add_argument("--rng-by-layer", action="store_true",
+                   help="draw each block's dropout mask from its layer, the step and the slot "
+                   "(or DP index), not from the rank's stream: the run is then the same on any "
+                   "number of pipeline stages, which a job whose stages change needs")
     p.add_argument("--fail-at", type=int, help="fault: fail this step's compute once")
     p.add_argument("--freeze-at", type=int, help="fault: SIGSTOP this rank in this step")
     args = p.parse_args(argv)
@@ -802,6 +819,86 @@ class SlottedPlainJob(SlottedJob, PlainJob):
         assert all(g is not None for g in grads), "every parameter takes part in the loss"
         return grads  # type: ignore[return-value]
 
+    # Pipeline reshape (worker/restage.py): unit 0 is the embedding, unit 1 + l block l, the
+    # last unit the head; a unit's state is its parameters' values, then their Adam moments.
+
+    def _unit_names(self, unit: int) -> list[str]:
+        if unit == 0:
+            return ["embed_w", "embed_b"]
+        if unit == self.layers + 1:
+            return ["head_w", "head_b"]
+        return [f"block{unit - 1}_{p}" for p in ("w1", "b1", "w2", "b2")]
+
+    def stage_units(self, ctx: JobContext) -> list[int]:
+        if not self.rng_by_layer:
+            raise ValueError("the job draws its dropout masks from each rank's stream, which "
+                             "its stage keys: run it with --rng-by-layer to change its stages")
+        if self.layers % ctx.pp:
+            raise ValueError(f"layers={self.layers} do not split over pp={ctx.pp} stages")
+        return ([0] if ctx.first_stage else []) + [1 + b for b in self._stage_blocks(ctx)] + \
+            ([self.layers + 1] if ctx.last_stage else [])
+
+    def _moments(self, q: torch.nn.Parameter) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(self.optimizer, FunctionalAdam):
+            i = next(i for i, p in enumerate(self.optimizer.params) if p is q)
+            return self.optimizer.exp_avg[i], self.optimizer.exp_avg_sq[i]
+        state = self.optimizer.state.get(q)
+        if not state:  # no step yet: the moments the first would start from
+            return torch.zeros_like(q), torch.zeros_like(q)
+        return state["exp_avg"], state["exp_avg_sq"]
+
+    def unit_state(self, unit: int) -> torch.Tensor:
+        values = [self.params[n].detach() for n in self._unit_names(unit)]
+        moments = [self._moments(self.params[n]) for n in self._unit_names(unit)]
+        return torch.cat([t.flatten() for t in values] + [m.flatten() for m, _ in moments] +
+                         [v.flatten() for _, v in moments])
+
+    def empty_unit(self, unit: int) -> torch.Tensor:
+        numel = sum(math.prod(self._unit_shape(n)) for n in self._unit_names(unit))
+        return torch.empty(3 * numel)
+
+    def _unit_shape(self, name: str) -> tuple[int, ...]:
+        f, h = self.features, self.hidden // self.ctx.tp
+        if name.startswith(("embed_w", "head_w")):
+            return (f, f)
+        if name.endswith("_w1"):
+            return (h, f)
+        if name.endswith("_w2"):
+            return (f, h)
+        return (h,) if name.endswith("_b1") else (f,)
+
+    def restage(self, ctx: JobContext, units: dict[int, torch.Tensor], step: int) -> None:
+        kept: dict[str, tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor]] = {
+            n: (q, *self._moments(q)) for n, q in self.params.items()}
+        self.ctx = ctx
+        for unit, flat in units.items():
+            names = self._unit_names(unit)
+            sizes = [math.prod(self._unit_shape(n)) for n in names]
+            parts = flat.split(sizes * 3)
+            for i, n in enumerate(names):
+                shape = self._unit_shape(n)
+                kept[n] = (torch.nn.Parameter(parts[i].view(shape).clone()),
+                           parts[len(names) + i].view(shape).clone(),
+                           parts[2 * len(names) + i].view(shape).clone())
+        self.params = torch.nn.ParameterDict({n: kept[n][0] for n in self._names(ctx)})
+        self._optimizer()
+        for n, q in self.params.items():
+            _, m, v = kept[n]
+            if step == 0:
+                continue  # no step yet: the optimizer's state starts at the first
+            if isinstance(self.optimizer, FunctionalAdam):
+                i = list(self.params).index(n)
+                self.optimizer.exp_avg[i], self.optimizer.exp_avg_sq[i] = m, v
+                self.optimizer.steps[i] = torch.tensor(float(step))
+            else:
+                self.optimizer.state[q] = {"step": torch.tensor(float(step)), "exp_avg": m,
+                                           "exp_avg_sq": v}
+        with warnings.catch_warnings():  # the schedule replayed without optimizer steps
+            warnings.simplefilter("ignore", UserWarning)
+            for _ in range(step):
+                self.schedule.step()
+        self.committed = step
+
 
 class SlottedShardedJob(SlottedPlainJob):
     """The slotted job with its optimizer state sharded by slot (ZeRO-1 over slots: ``--slots
@@ -842,6 +939,11 @@ class SlottedShardedJob(SlottedPlainJob):
         for x in self._wanted(ctx):
             values = self.flat[self._part(x)]
             self.kept[x] = torch.cat([values, torch.zeros(2 * values.numel() + 1)])
+
+    def stage_units(self, ctx: JobContext) -> list[int]:
+        raise ValueError("the optimizer state is sharded by slot over each stage's flat "
+                         "parameters, which a pipeline reshape re-cuts: a job with "
+                         "--shard-optimizer keeps its stages")
 
     def _part(self, slot: int) -> slice:
         return chunk(self.flat.numel(), self.ctx.data_slots, slot)
@@ -949,7 +1051,7 @@ def make_job(args: argparse.Namespace) -> PlainJob:
                layers=args.layers, microbatches=args.microbatches, fail_at=args.fail_at,
                freeze_at=args.freeze_at, marker_dir=args.save, step_sleep=args.step_sleep,
                step_log=args.step_log, step_sleep_off=args.step_sleep_off, adam=args.adam,
-               **extra)
+               rng_by_layer=args.rng_by_layer, **extra)
 
 
 @record

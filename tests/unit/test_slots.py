@@ -301,7 +301,7 @@ def test_a_slot_state_nobody_has_fails_on_every_replica_alike() -> None:
         return "no error"
 
     out = _on_replicas(2, 3, work)
-    assert out[0] == out[1] and "slot 2's state is held by no replica" in out[0]
+    assert out[0] == out[1] and "slot 2's state is held by no member" in out[0]
 
 
 @pytest.mark.parametrize("dp", [1, 2, 3])
