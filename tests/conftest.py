@@ -43,6 +43,8 @@ LONGEST = {
     33,
     "integration/test_pipeline.py::test_a_drained_first_stage_moves_to_standbys_warmed_per_"
     "stage_type": 32,
+    "integration/test_restage.py::test_a_job_whose_stages_go_from_one_to_four_and_back_keeps_"
+    "every_bit": 30,
     "integration/test_slots.py::test_a_slotted_job_shrinks_live_with_no_standby_free_and_grows_"
     "back_bit_for_bit": 30,
     "integration/test_jobs.py::test_a_standby_reports_its_warmth_and_a_silent_one_is_replaced":
