@@ -394,7 +394,8 @@ def wait_done(cluster: LocalCluster, job: str, timeout: float,
         BenchmarkError: it failed or is gone. ClusterTimeout: it ran past ``timeout``.
     """
     cluster.wait_for("the job to finish", lambda s: (j := s.job(job)) is not None
-                     and j.state in ("done", "failed"), timeout=timeout, interval=interval)
+                     and j.state in ("done", "failed", "stopped"), timeout=timeout,
+                     interval=interval)
     view = cluster.status().job(job)
     if view is None or view.state != "done":
         raise BenchmarkError(f"the job did not finish: {view.status if view else 'gone'}")

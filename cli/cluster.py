@@ -19,6 +19,7 @@ from understudy.common.records import (
     NodeRecord,
     RegistryEntry,
     ResizeRequest,
+    StopRequest,
     decode_job_record,
 )
 from understudy.common.store import EtcdStore
@@ -64,6 +65,7 @@ class JobView:
     assignment: Assignment | None
     migration: Migration | None = None
     resize: ResizeRequest | None = None
+    stop: StopRequest | None = None
 
     @property
     def state(self) -> str:
@@ -84,6 +86,9 @@ class JobView:
             "tp": self.spec.tp, "dp": self.spec.dp, "pp": self.spec.pp,
             "dp_now": self.dp_now, "reshape": self.spec.reshape,
             "resize_dp": self.resize.dp if self.resize is not None else None,
+            "stop": None if self.stop is None else {
+                "requested_at": self.stop.requested_at, "grace": self.stop.grace,
+                "requested_by": self.stop.requested_by},
             "standby": self.spec.standby,
             "argv": list(self.spec.argv), "epoch": a.epoch if a else 0,
             "ranks": list(a.ranks) if a else [], "standbys": list(a.standbys) if a else [],
@@ -177,7 +182,8 @@ async def _read_jobs(store: EtcdStore, keys: Keys, ignored: list[str]) -> list[J
             job, name, record = decoded
             tables[name][job] = record
     return [JobView(spec, tables["status"].get(name), tables["assignment"].get(name),
-                    tables["migration"].get(name), tables["resize"].get(name))
+                    tables["migration"].get(name), tables["resize"].get(name),
+                    tables["stop"].get(name))
             for name, spec in sorted(tables["spec"].items())]
 
 

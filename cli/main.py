@@ -1,8 +1,9 @@
 """``understudy``: the operator's CLI. Talks to etcd like the daemons do.
 
-Exit codes: 0 done; 1 the request could not be carried out (etcd unreachable, unknown node, a
-drain that did not finish in time); 2 usage error. Errors are one sentence on stderr and leave
-etcd unchanged.
+Exit codes: 0 done; 1 the request could not be carried out (etcd unreachable, unknown node or
+job, a drain that did not finish in time, a stop of a job that has ended, a stop in which a
+rank did not finish its step within the grace, a delete of a job that has not ended); 2 usage
+error. Errors are one sentence on stderr and leave etcd unchanged.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import sys
 import time
 from typing import Any
 
+from understudy.cli import jobs
 from understudy.cli.cluster import ClusterStatus, read_cluster, read_events
 from understudy.common import config as config_mod
 from understudy.common.errors import ConfigError, UnderstudyError
@@ -27,6 +29,7 @@ from understudy.common.records import (
     DrainRequest,
     Event,
     JobSpec,
+    JobState,
     RegistryEntry,
     ResizeRequest,
     warmth_line,
@@ -35,6 +38,8 @@ from understudy.common.store import EtcdStore, WatchEvent
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+#: the states of a job that has ended (it holds no node)
+ENDED = tuple(str(s) for s in JobState if s.ended)
 
 
 class CliError(UnderstudyError):
@@ -93,11 +98,35 @@ def build_parser() -> argparse.ArgumentParser:
     z.add_argument("--dp", type=int, required=True,
                    help="data-parallel replicas to train on, 1 to the job's --dp (its slots)")
 
+    j = sub.add_parser("jobs", parents=[common], help="list the jobs: state, epoch, layout, "
+                       "nodes, standbys, steps committed, age")
+    _output_option(j)
+
+    t = sub.add_parser("stop", parents=[common],
+                       help="stop a job: every rank finishes its step, the job's on_finish "
+                            "runs, its nodes go back to the pool")
+    t.add_argument("job")
+    t.add_argument("--grace", type=float, default=60.0,
+                   help="seconds the ranks have to finish (default 60); a rank still running "
+                        "then is stopped as it is, and the exit code is 1")
+    t.add_argument("--no-wait", action="store_true", help="do not wait for the job to stop")
+    _output_option(t)
+
+    x = sub.add_parser("delete", parents=[common],
+                       help="remove a finished (done, failed or stopped) job's records")
+    x.add_argument("job")
+    _output_option(x)
+
     e = sub.add_parser("events", parents=[common], help="show the cluster's events")
     e.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
     e.add_argument("--json", action="store_true", help="one JSON object per line")
     e.add_argument("--limit", type=int, default=50, help="show the newest N (default 50)")
     return p
+
+
+def _output_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-o", "--output", choices=("text", "json"), default="text",
+                   help="text (default) or json")
 
 
 def _connection_options(p: argparse.ArgumentParser, suppress: bool) -> None:
@@ -358,7 +387,7 @@ async def _run_job(store: EtcdStore, keys: Keys, args: argparse.Namespace) -> in
 
 def _ranks_on(status: ClusterStatus, node: str) -> int:
     return sum(1 for j in status.jobs if j.assignment is not None
-               and j.state not in ("done", "failed") for n in j.assignment.ranks if n == node)
+               and j.state not in ENDED for n in j.assignment.ranks if n == node)
 
 
 async def _events(store: EtcdStore, keys: Keys, args: argparse.Namespace) -> int:
@@ -401,6 +430,13 @@ async def _run(args: argparse.Namespace) -> int:
         if args.command == "resize":
             print(await _resize(store, keys, args.job, args.dp))
             return 0
+        if args.command == "jobs":
+            return await jobs.list_jobs(store, keys, args.output)
+        if args.command == "stop":
+            return await jobs.stop(store, keys, args.job, args.grace, not args.no_wait,
+                                   args.output)
+        if args.command == "delete":
+            return await jobs.delete(store, keys, args.job, args.output)
         raise AssertionError(args.command)
     finally:
         await store.close()
@@ -411,6 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "deadline", 1.0) <= 0:
         parser.error("--deadline must be positive")
+    if not 0 < getattr(args, "grace", 1.0) <= 1e6:
+        parser.error("--grace must be positive seconds, at most 1e6")
     if args.command == "run" and not [a for a in args.argv if a != "--"]:
         parser.error("run needs the training command after --")
     try:

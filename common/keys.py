@@ -7,7 +7,9 @@
     <prefix>/events/<id>         events, oldest pruned by the controller
     <prefix>/jobs/<job>/spec     what `understudy run` asked for
     <prefix>/jobs/<job>/assignment   rank -> node, standbys, epoch (controller, CAS)
-    <prefix>/jobs/<job>/status   pending | running | done | failed (controller)
+    <prefix>/jobs/<job>/status   pending | running | done | failed | stopped (controller)
+    <prefix>/jobs/<job>/resize   the operator's resize request (`understudy resize`)
+    <prefix>/jobs/<job>/stop     the operator's stop request (`understudy stop`)
     <prefix>/jobs/<job>/migration    the job's current or last migration (controller)
     <prefix>/jobs/<job>/exits/<epoch>/<rank>   how a rank's process ended (its daemon)
     <prefix>/kv/<namespace>/...  workers' key-value service (process-group bootstrap)
@@ -70,6 +72,14 @@ class Keys:
     def job_resize(self, job: str) -> str:
         """The operator's resize request for the job (``understudy resize``)."""
         return f"{self.jobs}{job}/resize"
+
+    def job_stop(self, job: str) -> str:
+        """The operator's stop request for the job (``understudy stop``)."""
+        return f"{self.jobs}{job}/stop"
+
+    def job(self, job: str) -> str:
+        """Everything the job keeps under ``jobs/`` (``understudy delete`` removes it)."""
+        return f"{self.jobs}{job}/"
 
     def job_migration(self, job: str) -> str:
         """The job's current (or last) migration; one at a time per job."""

@@ -207,14 +207,22 @@ class Event(Record):
 class JobState(enum.StrEnum):
     """A job's lifecycle, changed only by the controller::
 
-        pending -> running -> done | failed
+        pending -> running -> done | failed | stopped
         pending -> failed      (cannot be placed)
+        pending -> stopped     (``understudy stop`` before it was placed)
+
+    ``done``, ``failed`` and ``stopped`` are final (:attr:`ended`): the job holds no node.
     """
 
     PENDING = "pending"
     RUNNING = "running"
     DONE = "done"
     FAILED = "failed"
+    STOPPED = "stopped"
+
+    @property
+    def ended(self) -> bool:
+        return self in (JobState.DONE, JobState.FAILED, JobState.STOPPED)
 
 
 JOB_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$")
@@ -298,6 +306,16 @@ class JobStatus(Record):
 
 #: how a paused job's status reason begins
 PAUSED = "paused: "
+
+
+#: how the reason of a job stopped cleanly ends: every rank ended at the step they agreed on,
+#: ``on_finish`` run (``understudy stop`` exits 0 on it), or it was never placed
+STOPPED_CLEANLY = ("every rank finished its last step", "before it was placed")
+
+
+def stopped_cleanly(status: JobStatus) -> bool:
+    """Whether ``status`` says a job stopped with nothing cut short."""
+    return status.state == JobState.STOPPED and status.reason.endswith(STOPPED_CLEANLY)
 
 
 def is_paused(reason: object) -> bool:
@@ -569,6 +587,47 @@ class ResizeRequest(Record):
             raise ValueError(f"dp ({self.dp}) must be >= 1")
 
 
+@dataclass(frozen=True)
+class StopRequest(Record):
+    """``understudy stop JOB``: every rank finishes the step it is in, the ranks agree on the
+    last step (the step vote), the job's ``on_finish`` runs and the ranks end; the controller
+    then marks the job stopped and its nodes go back to the pool. A rank that has not ended
+    ``grace`` seconds after ``requested_at`` is stopped as it is (the job's status names it).
+    Written once (a second stop finds it there)."""
+
+    KIND: ClassVar[str] = "stop"
+    job: str
+    requested_at: float
+    grace: float
+    requested_by: str = ""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.grace <= 1e6:
+            raise ValueError(f"grace ({self.grace}) must be positive seconds, at most 1e6")
+
+
+@dataclass(frozen=True)
+class ProgressReport(Record):
+    """How far a job has got: the steps committed, as the process holding rank 0 said at
+    ``at`` under ``epoch`` (``worker/progress.py``). Written by a worker through its daemon to
+    the workers' key-value service (:data:`PROGRESS_NAMESPACE`, key ``0``); ``understudy jobs``
+    reads it. Untrusted: a value that does not decode is shown as no report."""
+
+    KIND: ClassVar[str] = "progress"
+    job: str
+    step: int
+    epoch: int
+    at: float
+
+    def __post_init__(self) -> None:
+        if self.step < 0 or self.epoch < 0:
+            raise ValueError(f"step ({self.step}) and epoch ({self.epoch}) must be >= 0")
+
+
+#: the workers' key-value namespace of a job's progress reports
+PROGRESS_NAMESPACE = "{job}/progress"
+
+
 #: what a job keeps under ``jobs/<job>/``: key name -> record (``exits/<epoch>/<rank>`` hold
 #: :class:`RankExit` records, read by the controller alone)
 JOB_RECORDS: dict[str, type[Record]] = {
@@ -577,6 +636,7 @@ JOB_RECORDS: dict[str, type[Record]] = {
     "status": JobStatus,
     "migration": Migration,
     "resize": ResizeRequest,
+    "stop": StopRequest,
 }
 
 

@@ -31,6 +31,7 @@ import aetcd.exceptions as aexc
 import aetcd.watcher
 import grpc
 from aetcd import rpc
+from aetcd.utils import prefix_range_end
 
 from understudy.common.config import EtcdConfig
 from understudy.common.errors import StoreError
@@ -295,8 +296,8 @@ class EtcdStore:
     async def txn(self, compare: list[tuple[Any, ...]], success: list[tuple[Any, ...]],
                   failure: list[tuple[Any, ...]] | None = None) -> bool:
         """One etcd transaction. Compares: ``("mod"|"create"|"version", key, n)`` or
-        ``("value", key, bytes)``; ops: ``("put", key, value, lease)`` or ``("delete", key)``.
-        Returns whether the compares held."""
+        ``("value", key, bytes)``; ops: ``("put", key, value, lease)``, ``("delete", key)`` or
+        ``("delete-prefix", prefix)``. Returns whether the compares held."""
 
         def build(c: _Client) -> Any:
             t = c.transactions
@@ -313,6 +314,9 @@ class EtcdStore:
                         out.append(t.put(item[1].encode(), item[2], lease=item[3]))
                     elif item[0] == "delete":
                         out.append(t.delete(item[1].encode()))
+                    elif item[0] == "delete-prefix":
+                        prefix = item[1].encode()
+                        out.append(t.delete(prefix, range_end=prefix_range_end(prefix)))
                     else:
                         raise ValueError(f"unknown transaction op {item[0]!r}")
                 return out

@@ -35,6 +35,7 @@ from understudy.common.records import (
     RegistryEntry,
     Report,
     ResizeRequest,
+    StopRequest,
     decode_job_record,
 )
 from understudy.common.snapshot_tiers import MemoryCopies, SnapshotReport, counted_copies
@@ -507,6 +508,7 @@ class _JobTables:
         self.exits: dict[str, dict[tuple[int, int], RankExit]] = {}
         self.migrations: dict[str, tuple[Migration, int]] = {}
         self.resizes: dict[str, tuple[ResizeRequest, int]] = {}
+        self.stops: dict[str, tuple[StopRequest, int]] = {}
         #: job -> migration id -> progress keys ("prepared/3", ...)
         self.progress: dict[str, dict[str, set[str]]] = {}
         self.abort_reasons: dict[tuple[str, str], str] = {}
@@ -583,7 +585,8 @@ class _JobTables:
             tables: dict[str, dict[str, Any]] = {"spec": self.specs, "assignment": self.assignments,
                                                  "status": self.statuses,
                                                  "migration": self.migrations,
-                                                 "resize": self.resizes}
+                                                 "resize": self.resizes,
+                                                 "stop": self.stops}
             if deleted:
                 tables[rest].pop(job, None)
                 return
@@ -632,7 +635,8 @@ class _JobTables:
                                 abort_reason=self.abort_reasons.get((name, m[0].id), "")
                                 if m else "", snapshots=storage, memory_snapshots=memory,
                                 storage_epochs=storage_epochs,
-                                resize=r[0] if (r := self.resizes.get(name)) else None)
+                                resize=r[0] if (r := self.resizes.get(name)) else None,
+                                stop=q[0] if (q := self.stops.get(name)) else None)
         return out
 
     def _counted_snapshots(self, job: str, epoch: int | None

@@ -31,6 +31,7 @@ from understudy.common.records import (
     RankExit,
     Report,
     ResizeRequest,
+    StopRequest,
     decode_job_record,
 )
 from understudy.common.states import NodeState
@@ -65,6 +66,7 @@ class _Job:
     status: JobStatus | None = None
     migration: Migration | None = None
     resize: ResizeRequest | None = None
+    stop: StopRequest | None = None
 
     @property
     def complete(self) -> bool:
@@ -486,7 +488,7 @@ class JobRunner:
         info: dict[str, Any] = {
             name: json.loads(rec.encode()) if rec is not None else None
             for name, rec in (("assignment", j.assignment), ("status", j.status),
-                              ("migration", j.migration))}
+                              ("migration", j.migration), ("stop", j.stop))}
         if self.agent.outage_since is not None:
             info["etcd"] = "unreachable"
         return info

@@ -17,6 +17,7 @@ from understudy.common.records import (
     NEW_REPLICA,
     NO_REPLICA_COPY,
     PAUSED,
+    STOPPED_CLEANLY,
     Assignment,
     JobSpec,
     JobState,
@@ -28,6 +29,7 @@ from understudy.common.records import (
     RegistryEntry,
     Report,
     ResizeRequest,
+    StopRequest,
     current_layout,
     reshaped,
     reshaped_nodes,
@@ -132,6 +134,8 @@ class JobView:
     storage_epochs: Mapping[int, Mapping[int, int | None]] = field(default_factory=dict)
     #: the operator's resize request (``understudy resize``), if any
     resize: ResizeRequest | None = None
+    #: the operator's stop request (``understudy stop``), if any
+    stop: StopRequest | None = None
 
     @property
     def target_dp(self) -> int:
@@ -213,8 +217,7 @@ def placeable_nodes(view: ClusterView) -> list[NodeRecord]:
 def used_slots(view: ClusterView) -> dict[str, int]:
     used: dict[str, int] = {}
     for job in view.jobs.values():
-        if job.assignment is None or (job.status and job.status.state in (JobState.DONE,
-                                                                          JobState.FAILED)):
+        if job.assignment is None or (job.status and job.status.state.ended):
             continue
         for node in job.assignment.ranks:
             used[node] = used.get(node, 0) + 1
@@ -223,7 +226,7 @@ def used_slots(view: ClusterView) -> dict[str, int]:
 
 def reserved_standbys(view: ClusterView) -> set[str]:
     return {n for job in view.jobs.values() if job.assignment is not None
-            and not (job.status and job.status.state in (JobState.DONE, JobState.FAILED))
+            and not (job.status and job.status.state.ended)
             for n in job.assignment.standbys}
 
 
@@ -267,6 +270,8 @@ def _plan_jobs(view: ClusterView, now: float) -> list[Action]:
 
 def _plan_job(name: str, job: JobView, view: ClusterView, now: float) -> list[Action]:
     state = job.status.state if job.status else JobState.PENDING
+    if job.stop is not None and not state.ended:
+        return _plan_stop(name, job, job.stop, view, now)
     if state == JobState.PENDING and job.assignment is None:
         placed = place(job.spec, view, now)
         if isinstance(placed, str):
@@ -301,6 +306,41 @@ def _plan_job(name: str, job: JobView, view: ClusterView, now: float) -> list[Ac
     if refill is not None:
         actions.append(refill)
     return actions
+
+
+def _plan_stop(name: str, job: JobView, stop: StopRequest, view: ClusterView,
+               now: float) -> list[Action]:
+    """A job the operator stops (``understudy stop``): its ranks agree on their last step among
+    themselves (the step vote) and end, ``on_finish`` run; nothing is planned for it meanwhile
+    (no migration, recovery or resize). Stopped once every rank has ended, or once one failed
+    or its node went (the others cannot finish their step without it), or at the grace's end;
+    the reason names the ranks that did not finish. The daemons then stop whatever is left and
+    the job's nodes go back to the pool."""
+    by = stop.requested_by or "the operator"
+    a = job.assignment
+    if a is None or job.status is None or job.status.state == JobState.PENDING:
+        return [SetJobState(name, JobState.STOPPED, f"stopped by {by} {STOPPED_CLEANLY[1]}")]
+    failed = sorted(e.rank for e in job.exits.values() if e.failed)
+    lost_nodes = [r for r, n in enumerate(a.ranks) if r not in job.exits and lost(view, n, now)]
+    unfinished = [r for r in range(len(a.ranks)) if r not in job.exits]
+    if not unfinished and not failed:
+        return [SetJobState(name, JobState.STOPPED, f"stopped by {by}: {STOPPED_CLEANLY[0]}")]
+    if failed or lost_nodes:
+        what = "; ".join([*(f"rank {r} failed" for r in failed),
+                          *(f"rank {r}'s node {a.ranks[r]} is gone" for r in lost_nodes)])
+        rest = f"; rank(s) {_ranks(unfinished)} stopped as they were" if unfinished else ""
+        return [SetJobState(name, JobState.STOPPED,
+                            f"stopped by {by}: {what} while stopping{rest}")]
+    if now >= stop.requested_at + stop.grace:
+        return [SetJobState(name, JobState.STOPPED,
+                            f"stopped by {by}: rank(s) {_ranks(unfinished)} did not finish "
+                            f"within the grace of {stop.grace:g} s and were stopped as they "
+                            "were")]
+    return []
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
 
 
 def _gone_ranks(job: JobView, a: Assignment, view: ClusterView,
@@ -526,8 +566,7 @@ def _freed_by_reshape(a: Assignment, ranks: tuple[str, ...], view: ClusterView) 
     job's standby. The job grows back onto them, with more, when capacity returns
     (``docs/reshape.md``)."""
     others = {n for other, j in view.jobs.items() if other != a.job
-              and j.assignment is not None and not (j.status and j.status.state in (
-                  JobState.DONE, JobState.FAILED))
+              and j.assignment is not None and not (j.status and j.status.state.ended)
               for n in (*j.assignment.ranks, *j.assignment.standbys)}
     placeable = {rec.name for rec in placeable_nodes(view)}
     return [n for n in dict.fromkeys(a.ranks)

@@ -144,7 +144,7 @@ def main() -> int:
                  "node-b", "--wait", "--deadline", "120", "--reason", "demo maintenance",
                  timeout=200)
             cluster.wait_for("the job to finish", lambda s: s.job("demo") is not None and
-                             s.job("demo").state in ("done", "failed"),  # type: ignore
+                             s.job("demo").state in ("done", "failed", "stopped"),  # type: ignore
                              timeout=600)
             show("the cluster after the drain", cluster, "status")
             events = show("what happened", cluster, "events")

@@ -62,6 +62,7 @@ from understudy.worker.migration import (
     member,
     wait_for_plan,
 )
+from understudy.worker.progress import ProgressReporter
 from understudy.worker.recovery import recover, reshape, wait_for_recovery, wait_while_replaced
 from understudy.worker.runtime import Outcome, Runtime
 from understudy.worker.snapshots import SNAPSHOTS, start_holder, start_snapshotter
@@ -408,6 +409,8 @@ def _run_rank(w: _Worker, seat: _Seat, steps: int,
     runtime.hook = hook if seat.recorder is None else seat.recorder.hook(hook)
     w.hook = hook
     snapshotter = start_snapshotter(runtime, w.job, lambda: hook.groups.epoch)
+    progress = ProgressReporter(w.job, lambda: (hook.rank, hook.groups.epoch),
+                                lambda: runtime.step)
 
     def reshaped() -> None:
         # The snapshots of a rank are its number's: a rank renumbered starts a new series.
@@ -424,12 +427,15 @@ def _run_rank(w: _Worker, seat: _Seat, steps: int,
         seat.recorder.close(timeout=30)
     w.log.info(f"Rank {hook.rank} finished: {outcome.value} at step {runtime.step}.",
                rank=hook.rank)
+    progress.close(final=outcome is not Outcome.HANDED_OFF)
     if outcome is Outcome.HANDED_OFF:
         # The joiner holds the state now; tearing down communicators whose peers moved on can
         # block, and there is nothing left to save: leave at once.
         w.control.close()
         os._exit(0)
-    if outcome is Outcome.COMPLETED and on_finish is not None:
+    # A stop every rank agreed on (``understudy stop``) ends the run as its last step did.
+    if on_finish is not None and (outcome is Outcome.COMPLETED or
+                                  (outcome is Outcome.STOPPED and hook.stop_agreed)):
         on_finish(runtime)
     hook.groups.close()
     w.control.close()

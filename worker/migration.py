@@ -60,6 +60,10 @@ from understudy.worker.transfer import (
 )
 
 READY_PHASES = ("ready", "switching")
+#: A rank's step-vote flag while its job is being stopped (``understudy stop``): once every
+#: rank gives it for the same step, each ends at the next boundary, ``on_finish`` run. It wins
+#: over a migration's flag, so the ranks agree as soon as each has seen the stop.
+STOP_FLAG = -1
 #: how often a rank waiting in a collective asks its daemon whether the job is recovering
 RECOVERY_POLL_S = 0.1
 #: how often a report the daemon could not write (an etcd outage) is tried again
@@ -350,6 +354,9 @@ class MigrationHook:
         #: replays: ``api.replays``), rather than the whole state at the switch
         self.send_ahead_enabled = send_ahead
         self._ahead: SendAhead | None = None
+        #: every rank agreed in a step's vote that the job stops (``understudy stop``): the
+        #: rank ends at its next boundary, a finished run (``on_finish`` runs)
+        self.stop_agreed = False
 
     # -- following the plan -------------------------------------------------------------------
 
@@ -471,7 +478,7 @@ class MigrationHook:
     # -- the runtime's hook -----------------------------------------------------------------
 
     def on_boundary(self, step: int) -> Action:
-        if self.stop.is_set() and not self._switch_next:
+        if (self.stop.is_set() or self.stop_agreed) and not self._switch_next:
             return Action.STOP
         if self._ahead is not None:
             try:  # the last step's inputs are through before compute overwrites them
@@ -545,6 +552,8 @@ class MigrationHook:
         self._forget("aborted")
 
     def vote_flag(self, step: int) -> int:
+        if self._stopping():
+            return STOP_FLAG
         plan = self._plan
         if plan is not None and plan.phase in READY_PHASES and self._reported_prepared:
             if (self.send_ahead_enabled and self.rank in plan.moves
@@ -553,7 +562,19 @@ class MigrationHook:
             return plan.version
         return 0
 
+    def _stopping(self) -> bool:
+        """Whether the job is being stopped, as this rank's daemon last said."""
+        try:
+            info = self.control.job()
+        except DaemonError:
+            return False
+        return isinstance(info, dict) and info.get("stop") is not None
+
     def on_vote(self, step: int, flag: int) -> None:
+        if flag == STOP_FLAG and not self.stop_agreed:
+            self.stop_agreed = True
+            self.log.info(f"Every rank agreed to stop the job after step {step}.", step=step)
+            return
         plan = self._plan
         if plan is not None and flag == plan.version and not self._switch_next:
             self._switch_next = True

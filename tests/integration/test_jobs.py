@@ -227,3 +227,59 @@ def test_a_standby_reports_its_warmth_and_a_silent_one_is_replaced(cluster: Loca
     with contextlib.suppress(ProcessLookupError):
         os.kill(first, 0)
         raise AssertionError("the frozen standby is still there")
+
+
+def test_a_job_stopped_from_the_cli_finishes_its_step_saves_and_frees_its_nodes(
+        cluster: LocalCluster, etcd: EmbeddedEtcd, tmp_path: Path) -> None:
+    from tests.integration.test_migration import ONE_THREAD, _job_args
+
+    out = tmp_path / "out"
+    env = [f"--env={k}={v}" for k, v in ONE_THREAD.items()]
+    run = cluster.cli("run", "--job", "long", "--tp", "2", "--dp", "2", "--standby", "1", *env,
+                      "--", sys.executable, *_job_args(out, 0.05, extra=("--steps", "5000")))
+    assert run.returncode == 0, run.stderr
+    cluster.wait_for("node-s warm for the job", lambda s: (n := s.node("node-s")) is not None
+                     and "long" in n.warmth, timeout=60)
+
+    def listed() -> dict[str, Any]:
+        res = cluster.cli("jobs", "-o", "json")
+        assert res.returncode == 0, res.stderr
+        (row,) = json.loads(res.stdout)
+        return row  # type: ignore[no-any-return]
+
+    cluster.wait_for("steps reported", lambda s: (listed()["steps"] or 0) > 0, timeout=60)
+    row = listed()
+    assert row["state"] == "running" and row["nodes"] == ["node-a", "node-b"]
+    assert row["standbys"] == ["node-s"] and row["epoch"] == 1
+    table = cluster.cli("jobs").stdout
+    assert table.split()[:8] == ["NAME", "STATE", "EPOCH", "LAYOUT", "NODES", "STANDBYS",
+                                 "STEPS", "AGE"] and "tp2xdp2" in table
+    # Bad input changes nothing: a running job is not deleted, unknown jobs are named.
+    for args, says in ((("delete", "long"), "is running: stop it first"),
+                       (("stop", "nope"), "no job named 'nope'"),
+                       (("delete", "nope"), "no job named 'nope'")):
+        res = cluster.cli(*args)
+        assert res.returncode == 1 and says in res.stderr, res.stderr
+        assert len(res.stderr.strip().splitlines()) == 1
+    assert cluster.cli("stop", "long", "--grace", "0").returncode == 2
+
+    stop = cluster.cli("stop", "long", "--grace", "60", "-o", "json", timeout=120)
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    said = json.loads(stop.stdout)
+    assert said["state"] == "stopped" and said["clean"], said
+    # Every rank ended at the step they agreed on, its on_finish (the example's save) run.
+    steps = {json.loads((out / f"rank{r}.json").read_text())["step"] for r in range(4)}
+    (step,) = steps
+    assert 0 < step < 5000
+    assert listed()["steps"] == step  # rank 0's last report
+    # The nodes go back: the standby's worker ends (the daemons stop it), node-s stands by.
+    wait_log(cluster.daemons["node-s"], "worker long.standby (pid", timeout=30)
+    assert cluster.status().node("node-s").state == "standby"  # type: ignore[union-attr]
+    again = cluster.cli("stop", "long")
+    assert again.returncode == 1 and "is stopped: there is nothing to stop" in again.stderr
+
+    deleted = cluster.cli("delete", "long", "-o", "json")
+    assert deleted.returncode == 0 and json.loads(deleted.stdout)["deleted"], deleted.stderr
+    assert cluster.cli("jobs").stdout.strip() == "no jobs"
+    assert _kv(etcd, f"{cluster.prefix}/jobs/long/spec") is None
+    assert _kv(etcd, f"{cluster.prefix}/kv/long/progress/0") is None

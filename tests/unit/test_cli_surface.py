@@ -20,6 +20,9 @@ CLI = {
     "uncordon": ["node"],
     "events": ["--follow", "--json", "--limit"],
     "resize": ["--dp", "job"],
+    "jobs": ["--output"],
+    "stop": ["--grace", "--no-wait", "--output", "job"],
+    "delete": ["--output", "job"],
     "run": ["--cwd", "--dp", "--env", "--job", "--no-wait", "--pp", "--reshape", "--standby",
             "--tp", "argv"],
 }

@@ -26,7 +26,9 @@ from understudy.common.records import (
     RegistryEntry,
     Report,
     ResizeRequest,
+    StopRequest,
     decode_job_record,
+    stopped_cleanly,
 )
 from understudy.common.states import IllegalTransition, NodeLifecycle, NodeState
 from understudy.daemon.fencing import FenceTimer
@@ -268,6 +270,48 @@ def test_job_ends_done_or_pauses_without_a_standby_pool() -> None:
     assert any(isinstance(x, MarkFailed) and x.node == "b" for x in actions)
     (lost,) = [x for x in actions if isinstance(x, SetJobState)]
     assert lost.state == JobState.RUNNING and "node b holding rank 1 is gone" in lost.reason
+
+
+def test_a_stopped_job_ends_once_its_ranks_finish_or_its_grace_runs_out() -> None:
+    stop = StopRequest(job="j", requested_at=10.0, grace=30.0, requested_by="op@h")
+    # Not placed yet: stopped at once.
+    (action,) = plan(_cluster(j=JobView(_spec(), stop=stop)), now=11.0)
+    assert action == SetJobState("j", JobState.STOPPED, "stopped by op@h before it was placed")
+
+    def exit_(rank: int, code: int = 0) -> RankExit:
+        return RankExit(job="j", rank=rank, epoch=3, node="a", returncode=code,
+                        failed=code != 0, description=f"code {code}", time=12.0)
+
+    def stopping(exits: dict[int, RankExit], drop: tuple[str, ...] = ()) -> ClusterView:
+        view = _recovery_view(exits, drop=drop)
+        return dataclasses.replace(view, jobs={"j": dataclasses.replace(view.jobs["j"],
+                                                                         stop=stop)})
+
+    # Ranks finishing: nothing planned (no recovery, no migration) until every one has.
+    assert plan(stopping({0: exit_(0), 1: exit_(1)}), now=12.0) == []
+    (done,) = plan(stopping({r: exit_(r) for r in range(4)}), now=13.0)
+    assert done.state == JobState.STOPPED and stopped_cleanly(JobStatus(
+        job="j", state=done.state, reason=done.reason, updated_at=13.0))
+    # A rank that failed, or whose node went, while the others stop: stopped, not recovered.
+    (crashed,) = plan(stopping({0: exit_(0), 1: exit_(1, -9)}), now=13.0)
+    assert crashed == SetJobState("j", JobState.STOPPED, "stopped by op@h: rank 1 failed "
+                                  "while stopping; rank(s) 2, 3 stopped as they were")
+    gone = [a for a in plan(stopping({}, drop=("b",)), now=13.0) if isinstance(a, SetJobState)]
+    assert gone and "rank 2's node b is gone" in gone[0].reason
+    # The grace runs out with ranks 2 and 3 still running: stopped, and they are named.
+    assert plan(stopping({0: exit_(0), 1: exit_(1)}), now=39.9) == []
+    (late,) = plan(stopping({0: exit_(0), 1: exit_(1)}), now=40.0)
+    assert late.state == JobState.STOPPED and not stopped_cleanly(JobStatus(
+        job="j", state=late.state, reason=late.reason, updated_at=40.0))
+    assert "rank(s) 2, 3 did not finish within the grace of 30 s" in late.reason
+    # An ended job stays as it is.
+    ended = stopping({})
+    ended = dataclasses.replace(ended, jobs={"j": dataclasses.replace(
+        ended.jobs["j"], status=JobStatus(job="j", state=JobState.STOPPED, reason="x",
+                                          updated_at=1.0))})
+    assert plan(ended, now=50.0) == []
+    with pytest.raises(ValueError, match="grace"):
+        StopRequest(job="j", requested_at=1.0, grace=0.0)
 
 
 def test_a_job_short_of_standbys_takes_more_than_its_standby_count() -> None:
