@@ -203,7 +203,9 @@ def _print_jobs(status: ClusterStatus) -> None:
         elif j.status is not None:
             placement = j.status.reason
         dp = f"{j.dp_now}/{j.spec.dp}" if j.dp_now != j.spec.dp else str(j.spec.dp)
-        rows.append((j.spec.name, j.state, str(a.epoch) if a else "-",
+        state = j.state + (" (stopping)" if j.stop is not None and j.state not in ENDED
+                           else "")
+        rows.append((j.spec.name, state, str(a.epoch) if a else "-",
                      f"tp{j.spec.tp}xdp{dp}"
                      + (f"xpp{j.spec.pp}" if j.spec.pp > 1 else ""), placement))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
