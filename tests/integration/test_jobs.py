@@ -283,3 +283,33 @@ def test_a_job_stopped_from_the_cli_finishes_its_step_saves_and_frees_its_nodes(
     assert cluster.cli("jobs").stdout.strip() == "no jobs"
     assert _kv(etcd, f"{cluster.prefix}/jobs/long/spec") is None
     assert _kv(etcd, f"{cluster.prefix}/kv/long/progress/0") is None
+
+
+def test_a_stop_the_ranks_cannot_finish_within_its_grace_names_them_and_exits_1(
+        cluster: LocalCluster, etcd: EmbeddedEtcd) -> None:
+    # The probe is no worker-API job: it takes no part in the step vote, so it never agrees to
+    # stop; it sleeps on. At the grace's end the job is stopped as it is, its ranks named.
+    out = cluster.cli("run", "--job", "stuck", "--tp", "1", "--dp", "2", "--env",
+                      "PROBE_SLEEP=300", "--", sys.executable, PROBE)
+    assert out.returncode == 0, out.stderr
+    for rank in (0, 1):
+        cluster.wait_for(f"rank {rank} up", lambda s, r=rank: _kv(
+            etcd, f"{cluster.prefix}/kv/stuck/probe/pid{r}") is not None, timeout=30)
+    pids = [int(_kv(etcd, f"{cluster.prefix}/kv/stuck/probe/pid{r}") or b"0") for r in (0, 1)]
+    stop = cluster.cli("stop", "stuck", "--grace", "2", timeout=60)
+    assert stop.returncode == 1, stop.stdout + stop.stderr
+    assert "rank(s) 0, 1 did not finish within the grace of 2 s" in stop.stdout, stop.stdout
+    job = cluster.status().job("stuck")
+    assert job is not None and job.state == "stopped"
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in pids):  # the daemons stop what is left
+        assert time.monotonic() < deadline, "the stuck ranks were not stopped"
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
