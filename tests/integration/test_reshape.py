@@ -30,7 +30,7 @@ TP, SLOTS, STEPS = 2, 4, 24
 #: Replicas 1 and 3 leave at step 6; 4 joins at 12 (its state from replica 0), 5 at 18.
 PHASES = [[6, [0, 1, 2, 3]], [12, [0, 2]], [18, [0, 2, 4]], [STEPS, [0, 2, 4, 5]]]
 JOB = ("--slots", str(SLOTS), "--steps", str(STEPS), "--step-sleep", "0", "--adam",
-       "functional", "--tp", str(TP))
+       "functional")
 
 
 def _free_port() -> int:
@@ -46,9 +46,12 @@ def test_a_job_shrunk_from_four_replicas_to_two_and_grown_back_keeps_every_bit(
     # the previous replica's (SlottedShardedJob); the slots' states move with the slots at each
     # reshape, a dropped replica's from their copies, a new replica's from their holders. At
     # 2 MiB a rank the gradients are past the sum's all-gather path (1 MiB over all slots):
-    # the sum stops at each replica's slots' chunks (summed_slots).
+    # the sum stops at each replica's slots' chunks (summed_slots). The replicated case runs
+    # TP 2 (item 4); the sharded one TP 1, half the processes (the slots' states do not
+    # depend on the TP split).
     sharding = ("--shard-optimizer", "--state-size", "2MiB") if sharded else ()
-    job = (*JOB, *sharding)
+    tp = 1 if sharded else TP
+    job = (*JOB, "--tp", str(tp), *sharding)
     port = _free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=60))
@@ -56,7 +59,7 @@ def test_a_job_shrunk_from_four_replicas_to_two_and_grown_back_keeps_every_bit(
     replicas = sorted({r for _, reps in PHASES for r in reps})
     procs = {}
     for replica in replicas:
-        for t in range(TP):
+        for t in range(tp):
             log = open(tmp_path / f"p{replica}.{t}.log", "wb")  # noqa: SIM115 (closed below)
             procs[replica, t] = (log, subprocess.Popen(
                 [sys.executable, RUN, "--replica", str(replica), "--tp-index", str(t),
@@ -74,9 +77,9 @@ def test_a_job_shrunk_from_four_replicas_to_two_and_grown_back_keeps_every_bit(
         del store
     text = (tmp_path / "p0.0.log").read_text()
     assert text.count("Took a new place in the job.") == 3, text[-3000:]
-    # The uninterrupted run: four TP=2 replicas, one slot each, the same job and steps.
-    reference = standalone_run(tmp_path / "reference", world=8, tp=TP,
+    # The uninterrupted run: four replicas, one slot each, the same job and steps.
+    reference = standalone_run(tmp_path / "reference", world=4 * tp, tp=tp,
                                extra=("--slots", str(SLOTS), "--steps", str(STEPS),
                                       *sharding))
-    for rank in range(8):
+    for rank in range(4 * tp):
         assert_rank_equal(reference, rank, out, rank, rng=False)
