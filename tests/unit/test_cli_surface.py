@@ -19,6 +19,7 @@ CLI = {
     "cordon": ["node"],
     "uncordon": ["node"],
     "events": ["--follow", "--json", "--limit"],
+    "logs": ["--follow", "--rank", "job"],
     "resize": ["--dp", "job"],
     "run": ["--cwd", "--dp", "--env", "--job", "--no-wait", "--pp", "--reshape", "--standby",
             "--tp", "argv"],
