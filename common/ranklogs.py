@@ -30,8 +30,9 @@ from understudy.common.records import JOB_NAME_RE, SCHEMA, Record
 CHUNK_BYTES = 256 * 1024
 #: chunks of one request written and not yet deleted by the reader, at most
 WINDOW = 4
-#: the most requests one daemon serves at a time (more wait): with :data:`WINDOW` and
-#: :data:`CHUNK_BYTES`, at most 8 MiB of one node's logs in etcd at once
+#: the most requests one daemon sends at a time (more wait; a follower waiting for its process
+#: to write more does not count): with :data:`WINDOW` and :data:`CHUNK_BYTES`, 8 MiB of one
+#: node's logs on their way at once, besides what quiet followers' readers have not yet taken
 MAX_SERVING = 8
 _HEADER_MAX = 1024
 _REQUEST_RE = re.compile(r"^[0-9a-f]{8,32}$")

@@ -1,9 +1,10 @@
 """Answers ``understudy logs``: reads the rank log files this node holds and writes them into
 etcd, chunk by chunk, for the CLI that asked (``common/ranklogs.py`` has the protocol).
 
-Bounded: at most :data:`MAX_SERVING` requests at a time (more wait their turn), at most
-:data:`WINDOW` chunks of :data:`CHUNK_BYTES` unread per request, every value bound to the
-asking CLI's lease (gone with it). A value under this node's requests that is not a valid
+Bounded: at most :data:`MAX_SERVING` requests sending at a time (more wait their turn; a
+follower waiting for its process to write more does not count), at most :data:`WINDOW` chunks of
+:data:`CHUNK_BYTES` unread per request, every value bound to the asking CLI's lease (gone with
+it). A value under this node's requests that is not a valid
 request is counted (``understudy_bad_values_total{collection="log-requests"}``), logged once
 and ignored; a request for a file this node does not hold is answered with one sentence.
 """
@@ -107,12 +108,13 @@ class LogServer:
                            exc_info=task.exception())
 
     async def _serve(self, req: LogRequest) -> None:
-        async with self._slots:
-            try:
-                await _Answer(self, req).run()
-            except (_Gone, StoreError) as exc:
-                self.log.debug("Stopped answering a log request.", request=req.id,
-                               error=str(exc))
+        answer = _Answer(self, req)
+        try:
+            await answer.run()
+        except (_Gone, StoreError) as exc:
+            self.log.debug("Stopped answering a log request.", request=req.id, error=str(exc))
+        finally:
+            answer.release()
 
 
 class _Answer:
@@ -123,10 +125,24 @@ class _Answer:
         self.store, self.keys = server.store, server.keys
         self.seq = 0
         self.path: Path = server.ranklogs.path(req.job, req.rank, req.epoch, req.pid)
+        #: holds one of the server's slots: while it has bytes to send, not while it follows a
+        #: quiet process (so followers of every rank of a node never starve a request)
+        self.holding = False
+
+    def release(self) -> None:
+        if self.holding:
+            self.holding = False
+            self.server._slots.release()
+
+    async def _acquire(self) -> None:
+        if not self.holding:
+            await self.server._slots.acquire()
+            self.holding = True
 
     async def run(self) -> None:
         req, files = self.req, self.server.ranklogs.files
         opened: list[BinaryIO] = []
+        await self._acquire()
         try:
             for p in segments(self.path, files):
                 with contextlib.suppress(FileNotFoundError):  # rotated away meanwhile
@@ -178,9 +194,11 @@ class _Answer:
                 await self._send(b"")  # says the request is taken, the file still empty
                 sent_any = True
             assert wake is not None
+            self.release()
             await wait_any((wake, self.server.stop), IDLE_POLL_S)
             if self.server.stop.is_set():
                 raise _Gone("the daemon is stopping")
+            await self._acquire()
         await self._send(b"", final=True)
 
     async def _send(self, data: bytes, final: bool = False, error: str = "") -> None:

@@ -93,6 +93,8 @@ class Output:
         self.file = file
         #: set once the pipe has ended (or was given up) and every byte is in the file
         self.finished = False
+        #: bytes lost to a file that could not be written (a full disk)
+        self.dropped = 0
         self._wake = asyncio.Event()
         self._transport: asyncio.ReadTransport | None = None
 
@@ -114,9 +116,11 @@ class Output:
         try:
             self.file.write(data)
         except OSError as exc:
-            logs.get(component="rank-logs").warning(
-                "Cannot write a worker's output to its log file; dropping it.",
-                path=str(self.file.path), pid=self.pid, error=str(exc))
+            self.dropped += len(data)
+            if self.dropped == len(data):  # said once per process
+                logs.get(component="rank-logs").warning(
+                    "Cannot write a worker's output to its log file; dropping it.",
+                    path=str(self.file.path), pid=self.pid, error=str(exc))
         self._poke()
 
     def switch(self, file: RotatingFile) -> None:

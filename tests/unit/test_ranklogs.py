@@ -26,7 +26,13 @@ from understudy.common import config
 from understudy.common.config import Config
 from understudy.common.errors import ConfigError, RecordError
 from understudy.common.keys import Keys
-from understudy.common.ranklogs import CHUNK_BYTES, LogChunk, LogFile, LogRequest
+from understudy.common.ranklogs import (
+    CHUNK_BYTES,
+    MAX_SERVING,
+    LogChunk,
+    LogFile,
+    LogRequest,
+)
 from understudy.common.records import JobSpec, JobState, JobStatus
 from understudy.common.store import EtcdStore
 from understudy.daemon.logserver import LogServer
@@ -120,12 +126,14 @@ class _Node:
         self.server = LogServer(self.ranklogs, store, self.metrics, self.stop)
         self.supervisor = Supervisor(cfg.run_dir, on_exit=lambda c: self.ranklogs.ended(c.pid))
 
-    async def start(self, job: str, rank: int | None, epoch: int, code: str) -> int:
+    async def start(self, job: str, rank: int | None, epoch: int, code: str,
+                    env: dict[str, str] | None = None) -> int:
         r, w = self.ranklogs.pipe()
         try:
             pid = await self.supervisor.spawn(f"{job}.r{rank}" if rank is not None
                                               else f"{job}.standby",
-                                              [sys.executable, "-c", code], output=w)
+                                              [sys.executable, "-c", code], env=env,
+                                              output=w)
         finally:
             os.close(w)
         await self.ranklogs.attach(r, pid, job, rank, epoch)
@@ -243,6 +251,40 @@ def test_follow_shows_everything_in_order_until_the_job_is_over(etcd: EmbeddedEt
             lines = out.split(b"\n")
             assert lines[0] == b"first" and lines[-2] == b"last" and lines[-1] == b""
             assert [int(line[:9]) for line in lines[1:-2]] == list(range(30000))
+    asyncio.run(run())
+
+
+def test_followers_of_every_rank_of_a_node_do_not_starve_another_request(
+        etcd: EmbeddedEtcd, tmp_path: Path) -> None:
+    world = MAX_SERVING + 2
+    go = tmp_path / "go"
+    quiet = ("import os, sys, time\n"
+             "print('up', os.environ['R'], flush=True)\n"
+             f"while not os.path.exists({str(go)!r}): time.sleep(0.05)\n"
+             "print('bye', flush=True)\n")
+
+    async def run() -> None:
+        async with _cluster(etcd, tmp_path, world=world) as (node, cli):
+            for r in range(world):
+                await node.start("mig", r, 1, quiet, env={"R": str(r)})
+            for r in range(world):
+                await _indexed(cli, r)
+            following = asyncio.create_task(_show(cli, None, follow=True))
+            await asyncio.sleep(1.0)  # every rank's follower is up, each at its file's end
+            assert not following.done()
+            code, out, err = await _show(cli, world - 1)  # answered all the same
+            assert (code, out, err) == (0, f"up {world - 1}\n".encode(), [])
+            go.touch()
+            for r in range(world):
+                await node.wait(f"mig.r{r}")
+            await cli.put(KEYS.job_status("mig"), JobStatus(
+                job="mig", state=JobState.DONE, reason="", updated_at=0).encode())
+            code, out, err = await following
+            assert code == 0 and err == []
+            lines = out.decode().splitlines()
+            for r in range(world):
+                assert [x for x in lines if x.startswith(f"[rank {r}] ")] == [
+                    f"[rank {r}] up {r}", f"[rank {r}] bye"]
     asyncio.run(run())
 
 
