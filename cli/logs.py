@@ -158,7 +158,7 @@ class _Session:
         return sorted(found, key=lambda f: (f.epoch, f.started_at))
 
     async def job_over(self) -> bool:
-        """The job is done or failed (or gone): no process will take a rank any more."""
+        """The job has ended (or is gone): no process will take a rank any more."""
         kvs, _ = await self.store.get_prefix(self.keys.jobs + self.job + "/")
         exists, state = False, ""
         for kv in kvs:
@@ -167,7 +167,8 @@ class _Session:
                 if decoded is not None and isinstance(decoded[2], JobStatus):
                     state = str(decoded[2].state)
                 exists = exists or (decoded is not None and isinstance(decoded[2], JobSpec))
-        return not exists or state in ("done", "failed")
+        # Any state past running is final (done, failed, and any added later: a stopped job).
+        return not exists or state not in ("", "pending", "running")
 
     async def rank(self, rank: int, printer: _Printer) -> int:
         """Show ``rank``'s files in order; returns how many were shown. Where the rank had more
