@@ -7,6 +7,7 @@ from typing import Any
 
 from understudy.common.errors import RecordError
 from understudy.common.keys import Keys
+from understudy.common.ranklogs import LogFile
 from understudy.common.records import (
     JOB_RECORDS,
     Assignment,
@@ -66,6 +67,18 @@ class JobView:
     migration: Migration | None = None
     resize: ResizeRequest | None = None
     stop: StopRequest | None = None
+    #: where each process that held one of its ranks wrote its output, in the order they
+    #: started (``understudy logs``)
+    logs: list[LogFile] = field(default_factory=list)
+
+    def log_places(self) -> dict[str, tuple[str, list[int]]]:
+        """node -> (the job's log directory there, the ranks whose files it holds)."""
+        out: dict[str, tuple[str, list[int]]] = {}
+        for f in self.logs:
+            ranks = out.setdefault(f.node, (f.path.rsplit("/", 1)[0], []))[1]
+            if f.rank not in ranks:
+                ranks.append(f.rank)
+        return {n: (d, sorted(r)) for n, (d, r) in sorted(out.items())}
 
     @property
     def state(self) -> str:
@@ -97,6 +110,10 @@ class JobView:
                 "ranks": list(self.migration.ranks), "leavers": list(self.migration.leavers),
                 "joiners": list(self.migration.joiners), "reason": self.migration.reason,
                 "timings": self.migration.timings},
+            "logs": {"command": f"understudy logs {self.spec.name}",
+                     "files": [{"rank": f.rank, "node": f.node, "epoch": f.epoch, "pid": f.pid,
+                                "path": f.path, "started_at": f.started_at}
+                               for f in self.logs]},
         }
 
 
@@ -181,9 +198,18 @@ async def _read_jobs(store: EtcdStore, keys: Keys, ignored: list[str]) -> list[J
         if decoded is not None:
             job, name, record = decoded
             tables[name][job] = record
+    files: dict[str, list[LogFile]] = {}
+    for kv in (await store.get_prefix(keys.log_files))[0]:
+        try:
+            f = LogFile.decode(kv.value)
+        except RecordError:
+            ignored.append(kv.key)
+            continue
+        files.setdefault(f.job, []).append(f)
     return [JobView(spec, tables["status"].get(name), tables["assignment"].get(name),
                     tables["migration"].get(name), tables["resize"].get(name),
-                    tables["stop"].get(name))
+                    tables["stop"].get(name),
+                    sorted(files.get(name, []), key=lambda f: (f.epoch, f.started_at, f.rank)))
             for name, spec in sorted(tables["spec"].items())]
 
 

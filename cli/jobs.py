@@ -159,9 +159,10 @@ async def stop(store: EtcdStore, keys: Keys, name: str, grace: float, wait: bool
 
 
 async def delete(store: EtcdStore, keys: Keys, name: str, output: str) -> int:
-    """``understudy delete JOB``: remove an ended job's records (``jobs/<job>/``) and its
-    workers' keys (``kv/<job>/``), in one transaction that holds only while its status is the
-    one read. A pending or running job is refused: stop it first."""
+    """``understudy delete JOB``: remove an ended job's records (``jobs/<job>/``), its
+    workers' keys (``kv/<job>/``) and its log files' index (``logs/files/<job>/``: the files
+    stay on their nodes), in one transaction that holds only while its status is the one read.
+    A pending or running job is refused: stop it first."""
     status = await read_cluster(store, keys)
     job = _job(status, name)
     if job.status is None or not job.status.state.ended:
@@ -170,7 +171,8 @@ async def delete(store: EtcdStore, keys: Keys, name: str, output: str) -> int:
     kv = await store.get(keys.job_status(name))
     if kv is None or not await store.txn(
             compare=[("mod", keys.job_status(name), kv.mod_revision)],
-            success=[("delete-prefix", keys.job(name)), ("delete-prefix", keys.kv(name))]):
+            success=[("delete-prefix", keys.job(name)), ("delete-prefix", keys.kv(name)),
+                     ("delete-prefix", keys.log_files_of(name))]):
         raise JobCommandError(f"job {name!r} changed while it was being deleted; try again")
     if output == "json":
         print(json.dumps({"job": name, "deleted": True, "state": job.state}))

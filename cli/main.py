@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from understudy.cli import jobs
+from understudy.cli import logs as logs_cmd
 from understudy.cli.cluster import ClusterStatus, read_cluster, read_events
 from understudy.common import config as config_mod
 from understudy.common.errors import ConfigError, UnderstudyError
@@ -121,6 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
     e.add_argument("--json", action="store_true", help="one JSON object per line")
     e.add_argument("--limit", type=int, default=50, help="show the newest N (default 50)")
+
+    lg = sub.add_parser("logs", parents=[common],
+                        help="show a job's ranks' own output (each rank's file on its node)")
+    lg.add_argument("job")
+    lg.add_argument("--rank", type=int, help="only this rank (default: every rank, each line "
+                    "prefixed with its rank)")
+    lg.add_argument("--follow", "-f", action="store_true",
+                    help="keep printing until the ranks' processes end (or interrupted)")
     return p
 
 
@@ -220,6 +229,12 @@ def _print_jobs(status: ClusterStatus) -> None:
                 moves = (f"DP {m.from_dp} -> {len(m.replicas)}" + (f"; {moves}" if moves
                                                                    else ""))
             print(f"  migration {m.id} of {j.spec.name}: {m.phase} ({m.reason}): {moves}")
+    for j in status.jobs:
+        if j.logs:
+            places = "; ".join(f"{node}:{where}/ (ranks {','.join(map(str, ranks))})"
+                               for node, (where, ranks) in j.log_places().items())
+            print(f"  logs of {j.spec.name} (`understudy logs {j.spec.name} [--rank R]`): "
+                  f"{places}")
 
 
 def _print_event(ev: Event, as_json: bool) -> None:
@@ -429,6 +444,8 @@ async def _run(args: argparse.Namespace) -> int:
             return 0
         if args.command == "events":
             return await _events(store, keys, args)
+        if args.command == "logs":
+            return await logs_cmd.show(store, keys, args.job, args.rank, args.follow)
         if args.command == "resize":
             print(await _resize(store, keys, args.job, args.dp))
             return 0

@@ -126,6 +126,20 @@ class LogConfig:
 
 
 @dataclass(frozen=True)
+class RankLogsConfig:
+    """Where each rank's own output goes (``daemon/ranklogs.py``): one file per process,
+    ``<dir>/<job>/rank<R>.<epoch>-<pid>.log``, capped and rotated."""
+
+    #: the directory; empty: ``<run_dir>/logs`` (systemd's example config puts it under the
+    #: state directory, which outlives a reboot)
+    dir: str = ""
+    #: a file is rotated (``.1``, ``.2``...) once it holds this many bytes
+    max_bytes: int = 64 * 1024 * 1024
+    #: files kept per process, the one written included (``files - 1`` rotated ones)
+    files: int = 3
+
+
+@dataclass(frozen=True)
 class Config:
     node: str
     etcd: EtcdConfig
@@ -148,10 +162,16 @@ class Config:
     notices: NoticesConfig = NoticesConfig()
     probe: ProbeConfig = ProbeConfig()
     log: LogConfig = LogConfig()
+    rank_logs: RankLogsConfig = RankLogsConfig()
 
     @property
     def socket_path(self) -> Path:
         return self.run_dir / "understudyd.sock"
+
+    @property
+    def rank_log_dir(self) -> Path:
+        """The directory of the ranks' own logs (``rank_logs.dir``, else ``<run_dir>/logs``)."""
+        return Path(self.rank_logs.dir) if self.rank_logs.dir else self.run_dir / "logs"
 
 
 def parse_endpoints(text: str) -> tuple[Endpoint, ...]:
@@ -177,6 +197,7 @@ _SECTIONS: dict[str, type] = {
     "notices": NoticesConfig,
     "probe": ProbeConfig,
     "log": LogConfig,
+    "rank_logs": RankLogsConfig,
 }
 _TOP_LEVEL = {"node", "etcd", "role", "slots", "failure_domain", "addresses", "run_dir",
               "metrics_listen", "socket_group", "failpoints_enabled"}
@@ -192,6 +213,7 @@ _ENV_SETTINGS = {
     env.SLOTS: "slots",
     env.FAILURE_DOMAIN: "failure_domain",
     env.RUN_DIR: "run_dir",
+    env.RANK_LOG_DIR: "rank_logs.dir",
     env.LEASE_TTL: "lease.ttl",
     env.METRICS_LISTEN: "metrics_listen",
     env.LOG_LEVEL: "log.level",
@@ -464,6 +486,9 @@ def validate(cfg: Config) -> None:
                           f"probe.silence ({probe.silence})")
     if probe.confirm <= 0:
         raise ConfigError(f"probe.confirm must be positive, got {probe.confirm}")
+    if cfg.rank_logs.max_bytes < 4096 or cfg.rank_logs.files < 1:
+        raise ConfigError(f"rank_logs.max_bytes ({cfg.rank_logs.max_bytes}) must be at least "
+                          f"4096 and rank_logs.files ({cfg.rank_logs.files}) at least 1")
     if cfg.log.level not in ("debug", "info", "warning", "error"):
         raise ConfigError(f"log.level must be debug, info, warning or error, got {cfg.log.level!r}")
     if cfg.log.format not in ("auto", "json", "console"):

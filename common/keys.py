@@ -13,6 +13,10 @@
     <prefix>/jobs/<job>/migration    the job's current or last migration (controller)
     <prefix>/jobs/<job>/exits/<epoch>/<rank>   how a rank's process ended (its daemon)
     <prefix>/kv/<namespace>/...  workers' key-value service (process-group bootstrap)
+    <prefix>/logs/files/<job>/<rank>/<epoch>-<node>-<pid>   where a rank's process logs (its
+                                 daemon, when it starts or renames the process)
+    <prefix>/logs/requests/<node>/<id>   `understudy logs` asks node for a file (CLI's lease)
+    <prefix>/logs/chunks/<id>/<seq>      the node's answer, chunk by chunk (same lease)
 """
 
 from __future__ import annotations
@@ -94,6 +98,29 @@ class Keys:
 
     def kv(self, namespace: str) -> str:
         return f"{self.prefix}/kv/{namespace}/"
+
+    @property
+    def log_files(self) -> str:
+        return f"{self.prefix}/logs/files/"
+
+    def log_files_of(self, job: str) -> str:
+        return f"{self.log_files}{job}/"
+
+    def log_file(self, job: str, rank: int, epoch: int, node: str, pid: int) -> str:
+        """Sorted by epoch within a rank: a prefix read lists a rank's processes in order."""
+        return f"{self.log_files}{job}/{rank}/{epoch:010d}-{node}-{pid}"
+
+    def log_requests(self, node: str) -> str:
+        return f"{self.prefix}/logs/requests/{node}/"
+
+    def log_request(self, node: str, request: str) -> str:
+        return f"{self.log_requests(node)}{request}"
+
+    def log_chunks(self, request: str) -> str:
+        return f"{self.prefix}/logs/chunks/{request}/"
+
+    def log_chunk(self, request: str, seq: int) -> str:
+        return f"{self.log_chunks(request)}{seq:010d}"
 
     @staticmethod
     def name_of(key: str, collection: str) -> str:

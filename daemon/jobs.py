@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import re
 import time
 from collections.abc import Callable
@@ -37,7 +38,8 @@ from understudy.common.records import (
 from understudy.common.states import NodeState
 from understudy.common.store import EtcdStore, wait_any
 from understudy.daemon.node import NodeAgent
-from understudy.daemon.supervisor import ChildExit, ChildState, Supervisor
+from understudy.daemon.ranklogs import RankLogs
+from understudy.daemon.supervisor import ChildExit, ChildState, SpawnError, Supervisor
 
 _CHILD_RE = re.compile(r"^(?P<job>[a-z0-9-]+)\.(r(?P<rank>\d+)|standby)$")
 #: A standby worker that failed this many times is not started again (no crash loop).
@@ -76,8 +78,10 @@ class _Job:
 class JobRunner:
     def __init__(self, agent: NodeAgent, store: EtcdStore, supervisor: Supervisor,
                  stop: asyncio.Event, wall: Callable[[], float] = time.time,
-                 resync_interval: float = 5.0) -> None:
+                 resync_interval: float = 5.0, ranklogs: RankLogs | None = None) -> None:
         self.agent, self.store, self.supervisor, self.stop = agent, store, supervisor, stop
+        #: where the workers' own output goes (None: the daemon's stdout, as before)
+        self.ranklogs = ranklogs
         self.keys = Keys(agent.cfg.etcd.prefix)
         self.node = agent.cfg.node
         self.wall = wall
@@ -255,6 +259,9 @@ class JobRunner:
                 new = rank_child(spec.name, stay[r])
                 if stay[r] != r:
                     self.supervisor.rename(f"{rank_child(spec.name, r)}-renumbering", new)
+                    if self.ranklogs is not None:  # its output goes on in the new rank's file
+                        self.ranklogs.retarget(self.supervisor.children[new].pid, spec.name,
+                                               stay[r], m.to_epoch)
                 self._held_epoch[new] = m.to_epoch
                 self.log.info(f"Rank {r} of job {spec.name} is rank {stay[r]} after reshape "
                               f"{m.id}.", job=spec.name, epoch=m.to_epoch)
@@ -406,6 +413,9 @@ class JobRunner:
             if name in running or standby not in running:
                 continue
             self.supervisor.rename(standby, name)
+            if self.ranklogs is not None:
+                self.ranklogs.retarget(self.supervisor.children[name].pid, job.spec.name, rank,
+                                       epoch)
             self._promoted[name] = (migration, epoch)
             running.discard(standby)
             running.add(name)
@@ -539,10 +549,15 @@ class JobRunner:
             worker_env[env.NODE_ADDRESS] = self.agent.cfg.addresses[0]
         if rank is not None:
             self._started.add((spec.name, rank, assignment.epoch))
+        # The worker's stdout and stderr: a pipe into its own log file (``daemon/ranklogs.py``).
+        pipe = self.ranklogs.pipe() if self.ranklogs is not None else None
         try:
             pid = await self.supervisor.spawn(name, list(spec.argv), env=worker_env,
-                                              cwd=spec.cwd or None)
-        except (OSError, ValueError) as exc:
+                                              cwd=spec.cwd or None,
+                                              output=pipe[1] if pipe else None)
+        except (OSError, ValueError, SpawnError) as exc:
+            if pipe is not None:
+                os.close(pipe[0])
             self.log.error("Could not start a worker.", job=spec.name, rank=rank,
                            error=str(exc))
             if rank is not None:
@@ -550,6 +565,11 @@ class JobRunner:
                 await self._write_exit(spec.name, rank, assignment.epoch, 127, True,
                                        f"could not start {spec.argv[0]!r}: {exc}")
             return
+        finally:
+            if pipe is not None:
+                os.close(pipe[1])  # the child holds its own copy
+        if pipe is not None and self.ranklogs is not None:
+            await self.ranklogs.attach(pipe[0], pid, spec.name, rank, assignment.epoch)
         what = "a standby worker" if rank is None else f"rank {rank}"
         self.log.info(f"Started {what} of job {spec.name}.", job=spec.name, rank=rank,
                       epoch=assignment.epoch, pid=pid)
@@ -560,6 +580,8 @@ class JobRunner:
         m = _CHILD_RE.match(child.name)
         if m is None:
             return
+        if self.ranklogs is not None:
+            self.ranklogs.ended(child.pid)
         self._changed.set()
         if m["rank"] is None:
             self._drop_warmth(m["job"])

@@ -28,10 +28,12 @@ from understudy.daemon.events import EventLog
 from understudy.daemon.health import HealthMonitor
 from understudy.daemon.jobs import JobRunner
 from understudy.daemon.localsock import LocalServer
+from understudy.daemon.logserver import LogServer
 from understudy.daemon.metrics import Metrics
 from understudy.daemon.node import NodeAgent
 from understudy.daemon.notices import Notice, NoticeWatcher, pollers_from_config
 from understudy.daemon.probe import ProbeResponder
+from understudy.daemon.ranklogs import RankLogs
 from understudy.daemon.sdnotify import Notifier
 from understudy.daemon.supervisor import ChildExit, Supervisor
 
@@ -99,7 +101,10 @@ class Daemon:
                                self.stop)
         self.controller = Controller(self.agent, self.store, self.metrics, self.events,
                                      self.stop)
-        self.jobs = JobRunner(self.agent, self.store, self.supervisor, self.stop)
+        self.ranklogs = RankLogs(cfg, self.store, self.stop)
+        self.logserver = LogServer(self.ranklogs, self.store, self.metrics, self.stop)
+        self.jobs = JobRunner(self.agent, self.store, self.supervisor, self.stop,
+                              ranklogs=self.ranklogs)
         self.agent.listeners.append(self.jobs.poke)
         self.agent.before_stop = self.jobs.ranks_moved
         self.agent.readopt = self.jobs.readopt
@@ -216,6 +221,11 @@ class Daemon:
         loop.add_signal_handler(signal.SIGUSR1, self._dump_tasks)
         loop.set_exception_handler(self._loop_error)
         self.cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.cfg.rank_log_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot create rank_logs.dir {str(self.cfg.rank_log_dir)!r}: "
+                              f"{exc.strerror}") from exc
         if self.cfg.metrics_listen:
             port = self.metrics.serve(self.cfg.metrics_listen)
             self.log.info("Metrics endpoint is up.", port=port)
@@ -241,6 +251,8 @@ class Daemon:
             asyncio.create_task(self.agent.watch_own_keys(), name="own-keys"),
             asyncio.create_task(self.controller.run(), name="controller"),
             asyncio.create_task(self.jobs.run(), name="jobs"),
+            asyncio.create_task(self.ranklogs.run(), name="rank-logs-index"),
+            asyncio.create_task(self.logserver.run(), name="log-server"),
             asyncio.create_task(self._health_loop(), name="health"),
             asyncio.create_task(self._notices_loop(), name="notices"),
             asyncio.create_task(self._watchdog_loop(), name="watchdog"),
@@ -251,6 +263,7 @@ class Daemon:
         await self.stop.wait()
         self.notifier.stopping()
         await self.supervisor.close(self.cfg.drain.stop_grace)
+        await self.ranklogs.close()
         _, pending = await asyncio.wait(tasks, timeout=5)
         for t in pending:
             self.log.warning("Task did not stop in time; cancelling it.", task=t.get_name())

@@ -204,7 +204,8 @@ class Supervisor:
 
     async def spawn(self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None,
                     cwd: str | os.PathLike[str] | None = None,
-                    log_path: str | os.PathLike[str] | None = None) -> int:
+                    log_path: str | os.PathLike[str] | None = None,
+                    output: int | None = None) -> int:
         """Start ``argv`` as child ``name`` and return its pid.
 
         The child gets the daemon's environment plus ``env``, plus ``UNDERSTUDY_CHILD=name``,
@@ -213,7 +214,8 @@ class Supervisor:
         ``UNDERSTUDY_FAILPOINTS_ENABLED`` (the daemon's decision, ``common/failpoints.py``; with
         failpoints off, the daemon's own ``UNDERSTUDY_FAILPOINTS`` is not passed on). Its stdin
         is /dev/null; stdout and stderr are the daemon's (the journal), or ``log_path``
-        (appended).
+        (appended), or the file descriptor ``output`` (a pipe the caller reads: the caller
+        keeps it and closes it).
 
         Raises:
             ValueError: ``name`` is not a plain file-name-safe word, a child of that name is
@@ -253,9 +255,10 @@ class Supervisor:
             try:
                 if log_path is not None:
                     out = open(log_path, "ab")  # noqa: SIM115 - closed once the child holds it
+                target: IO[bytes] | int | None = output if output is not None else out
                 proc = await asyncio.create_subprocess_exec(
                     *argv, env=child_env, cwd=cwd, stdin=asyncio.subprocess.DEVNULL,
-                    stdout=out, stderr=out, start_new_session=True, close_fds=True)
+                    stdout=target, stderr=target, start_new_session=True, close_fds=True)
             except OSError as exc:
                 raise SpawnError(f"could not start worker {name} ({argv[0]}): {exc}") from exc
             finally:

@@ -83,13 +83,23 @@ class DaemonProcess:
         return self.proc.wait(timeout=timeout)
 
     def log_text(self) -> str:
+        """What the node logged: the daemon's own log, then its workers' (each process's file
+        under ``<run_dir>/logs``, the default ``rank_logs.dir``: ``daemon/ranklogs.py``)."""
+        parts = [self.log_path.read_text(errors="replace") if self.log_path.exists() else ""]
+        for f in sorted((self.run_dir / "logs").rglob("*.log*")):
+            with contextlib.suppress(OSError):  # rotated away meanwhile
+                parts.append(f.read_text(errors="replace"))
+        return "".join(p if p.endswith("\n") or not p else p + "\n" for p in parts)
+
+    def daemon_log_text(self) -> str:
+        """The daemon's own log alone."""
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     @property
     def metrics_port(self) -> int:
         """The port the daemon's metrics endpoint bound (it asks the kernel for a free one, so
         no other process can take it between a choice and the bind), from its log."""
-        for line in reversed(self.log_text().splitlines()):
+        for line in reversed(self.daemon_log_text().splitlines()):
             if '"Metrics endpoint is up."' in line:
                 with contextlib.suppress(ValueError, KeyError, TypeError):
                     return int(json.loads(line)["port"])

@@ -19,6 +19,7 @@ CLI = {
     "cordon": ["node"],
     "uncordon": ["node"],
     "events": ["--follow", "--json", "--limit"],
+    "logs": ["--follow", "--rank", "job"],
     "resize": ["--dp", "job"],
     "jobs": ["--output"],
     "stop": ["--grace", "--no-wait", "--output", "job"],
