@@ -42,7 +42,7 @@ from understudy.common.snapshot_tiers import MemoryCopies, SnapshotReport, count
 from understudy.common.states import NodeState
 from understudy.common.store import KV, EtcdStore, WatchEvent, wait_any
 from understudy.daemon.events import EventLog
-from understudy.daemon.metrics import Metrics
+from understudy.daemon.metrics import ControllerMetrics, Metrics
 from understudy.daemon.node import NodeAgent
 from understudy.daemon.planner import (
     Action,
@@ -68,6 +68,8 @@ class Controller:
         self.stop, self.wall = stop, wall
         self.tick, self.relist_interval = tick, relist_interval
         self.is_leader = False
+        #: the jobs' metrics, exported while this daemon is the controller
+        self.job_metrics = ControllerMetrics()
         self.log = logs.get(node=agent.cfg.node)
         self._registry: dict[str, tuple[RegistryEntry, int]] = {}
         self._live: dict[str, NodeRecord] = {}
@@ -146,6 +148,8 @@ class Controller:
         self._leader_key_revision = key_revision
         self.is_leader = True
         self.metrics.controller.set(1)
+        self.job_metrics = ControllerMetrics()
+        self.metrics.registry.register(self.job_metrics)
         self.log.info("This daemon is now the controller.")
         await self.events.emit("controller-elected",
                                f"Node {self.agent.cfg.node} became the controller.")
@@ -179,7 +183,9 @@ class Controller:
                         await self._relist()
                         last_list = self.wall()
                     failpoints.hit("controller.round")
-                    await self._apply(plan(self._view(), self.wall()))
+                    view, now = self._view(), self.wall()
+                    self.job_metrics.observe_jobs(job_summaries(view), now)
+                    await self._apply(plan(view, now))
                     if failed_rounds:
                         self.log.info(f"Controller rounds succeed again after {failed_rounds} "
                                       "that could not reach etcd.")
@@ -207,6 +213,7 @@ class Controller:
                 await asyncio.wait(watches, timeout=2)
             self.is_leader = False
             self.metrics.controller.set(0)
+            self.metrics.registry.unregister(self.job_metrics)  # another controller's now
             self.log.info("This daemon is no longer the controller.")
             if self.stop.is_set() and self.agent.lease == lease:
                 with contextlib.suppress(StoreError):
@@ -458,6 +465,7 @@ class Controller:
             if action.phase in (MigrationPhase.DONE, MigrationPhase.ABORTED):
                 details["timings"] = {k: round(v - m.created_at, 4) for k, v in
                                       timings.items() if isinstance(v, int | float)}
+                self.job_metrics.migration_ended(m.kind, str(action.phase), timings)
             await self.events.emit(f"migration-{action.phase}",
                                    f"Job {m.job}: migration {m.id} {action.phase} "
                                    f"({action.reason}).", job=m.job, **details)
@@ -659,3 +667,17 @@ class _JobTables:
             if copies is not None:
                 memory[r] = copies
         return storage, epochs, memory
+
+
+def job_summaries(view: ClusterView) -> dict[str, dict[str, Any]]:
+    """Each job's state, pause and standby pool, for :class:`ControllerMetrics`."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, job in view.jobs.items():
+        a, status = job.assignment, job.status
+        pool = a.standbys if a is not None and not (status and status.state.ended) else ()
+        free = [n for n in pool if n in view.live and view.live[n].state == NodeState.STANDBY]
+        out[name] = {"state": status.state if status else JobState.PENDING,
+                     "paused": bool(status and status.paused), "needed": job.spec.standby,
+                     "free": len(free),
+                     "warm": sum(1 for n in free if view.live[n].warmth.get(name))}
+    return out

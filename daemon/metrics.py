@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 from understudy.common.errors import ConfigError
+from understudy.common.records import JobState
 from understudy.common.states import NodeState
 
 
@@ -76,3 +85,138 @@ class Metrics:
             self._server.server_close()
             self._thread.join(timeout=2)
             self._server = None
+
+
+#: a migration's kind as the metrics name it (a planned migration is a drain's)
+MIGRATION_KIND = {"planned": "drain", "recovery": "recovery", "rollback": "rollback",
+                  "reshape": "reshape"}
+#: the phases whose durations are observed, in order (``MigrationPhase``); a phase lasts from
+#: its timestamp to the next one's
+PHASES = ("planned", "preparing", "ready", "switching")
+#: histogram buckets, seconds: a switch of tens of milliseconds to a recovery of minutes
+BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class _Histogram:
+    """Bucket counts and a sum, exported through :class:`ControllerMetrics`."""
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(BUCKETS) + 1)
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.total += value
+        for i, bound in enumerate(BUCKETS):
+            if value <= bound:
+                self.counts[i] += 1
+                return
+        self.counts[-1] += 1
+
+    def buckets(self) -> list[tuple[str, float]]:
+        out, running = [], 0
+        for bound, n in zip((*map(str, BUCKETS), "+Inf"), self.counts, strict=True):
+            running += n
+            out.append((bound, float(running)))
+        return out
+
+
+class ControllerMetrics:
+    """What the elected controller knows of the jobs, exported only by the daemon that is the
+    controller (registered on election, unregistered when it steps down), so that a sum over
+    the fleet counts each thing once. Counters and histograms start again at the next
+    election, as a restarted process's do.
+
+    - ``understudy_migrations_total{kind,outcome}``: migrations ended (kind ``drain``,
+      ``recovery``, ``rollback``, ``reshape``; outcome ``done`` or ``aborted``);
+    - ``understudy_migration_phase_seconds{kind,phase}``: how long each phase of an ended
+      migration lasted, from the controller's timestamps (``Migration.timings``);
+    - ``understudy_job_downtime_seconds{kind}``: the time the job's ranks did not train for a
+      completed migration, as the controller saw it: a drain's switch (``switching`` to
+      ``done``: the ranks stop at the agreed boundary and train on once the new groups are in),
+      a recovery's, rollback's or reshape's whole span (the job is stopped from the failure on;
+      the time to notice the failure is before ``planned`` and not counted);
+    - ``understudy_job_state{job,state}``: 1 for the job's state, 0 for the others;
+    - ``understudy_job_paused``{job} and ``understudy_job_paused_seconds_total{job}``: whether
+      the job waits for a standby, and for how long in all;
+    - ``understudy_job_standbys{job,pool}``: its standby pool: ``needed`` (``--standby``),
+      ``free`` (standby nodes of its pool online and standing by), ``warm`` (those whose
+      standby worker for it reported warm).
+    """
+
+    def __init__(self) -> None:
+        self.migrations: dict[tuple[str, str], int] = {}
+        self.phases: dict[tuple[str, str], _Histogram] = {}
+        self.downtime: dict[str, _Histogram] = {}
+        self.paused_seconds: dict[str, float] = {}
+        self._jobs: dict[str, dict[str, Any]] = {}
+        self._seen: float | None = None
+
+    def migration_ended(self, kind: str, outcome: str, timings: dict[str, Any]) -> None:
+        """A migration of ``kind`` (the record's) ended ``outcome`` with these timestamps."""
+        name = MIGRATION_KIND.get(kind, "other")
+        self.migrations[name, outcome] = self.migrations.get((name, outcome), 0) + 1
+        stamps = {k: float(v) for k, v in timings.items()
+                  if isinstance(v, int | float) and not isinstance(v, bool)}
+        order = [p for p in (*PHASES, outcome) if p in stamps]
+        for phase, after in itertools.pairwise(order):
+            if phase in PHASES:
+                self.phases.setdefault((name, phase), _Histogram()).observe(
+                    max(0.0, stamps[after] - stamps[phase]))
+        if outcome == "done":
+            start = stamps.get("switching" if name == "drain" else "planned")
+            if start is not None and "done" in stamps:
+                self.downtime.setdefault(name, _Histogram()).observe(
+                    max(0.0, stamps["done"] - start))
+
+    def observe_jobs(self, jobs: dict[str, dict[str, Any]], now: float) -> None:
+        """The jobs as this round saw them: name -> ``{"state", "paused", "needed", "free",
+        "warm"}``. Time paused since the last round counts for the jobs paused then."""
+        if self._seen is not None:
+            for name, job in self._jobs.items():
+                if job.get("paused"):
+                    self.paused_seconds[name] = self.paused_seconds.get(name, 0.0) + max(
+                        0.0, now - self._seen)
+        self._seen = now
+        self._jobs = jobs
+        for name in jobs:
+            self.paused_seconds.setdefault(name, 0.0)
+        for name in list(self.paused_seconds):
+            if name not in jobs:
+                del self.paused_seconds[name]
+
+    def collect(self) -> Iterator[Metric]:
+        m = CounterMetricFamily("understudy_migrations", "Migrations ended, by kind and "
+                                "outcome (the controller's count).", labels=["kind", "outcome"])
+        for (kind, outcome), n in sorted(self.migrations.items()):
+            m.add_metric([kind, outcome], n)
+        yield m
+        h = HistogramMetricFamily("understudy_migration_phase_seconds",
+                                  "How long each phase of an ended migration lasted.",
+                                  labels=["kind", "phase"])
+        for (kind, phase), hist in sorted(self.phases.items()):
+            h.add_metric([kind, phase], hist.buckets(), hist.total)
+        yield h
+        d = HistogramMetricFamily("understudy_job_downtime_seconds",
+                                  "Time a job's ranks did not train for a completed migration, "
+                                  "as the controller saw it.", labels=["kind"])
+        for kind, hist in sorted(self.downtime.items()):
+            d.add_metric([kind], hist.buckets(), hist.total)
+        yield d
+        s = GaugeMetricFamily("understudy_job_state", "1 for the job's state.",
+                              labels=["job", "state"])
+        p = GaugeMetricFamily("understudy_job_paused", "1 while the job waits for a standby.",
+                              labels=["job"])
+        ps = CounterMetricFamily("understudy_job_paused_seconds", "Seconds the job has waited "
+                                 "for a standby, since this controller was elected.",
+                                 labels=["job"])
+        sb = GaugeMetricFamily("understudy_job_standbys", "The job's standby pool: needed "
+                               "(--standby), free (standing by), warm (its worker warm).",
+                               labels=["job", "pool"])
+        for name, job in sorted(self._jobs.items()):
+            for state in JobState:
+                s.add_metric([name, str(state)], 1.0 if job.get("state") == state else 0.0)
+            p.add_metric([name], 1.0 if job.get("paused") else 0.0)
+            ps.add_metric([name], self.paused_seconds.get(name, 0.0))
+            for pool in ("needed", "free", "warm"):
+                sb.add_metric([name, pool], float(job.get(pool, 0)))
+        yield from (s, p, ps, sb)

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from tests.integration.bitwise import assert_bitwise_equal
+from tests.integration.exposition import scrape, value
 from tests.integration.scenarios import (
     events,
     faults_over,
@@ -145,6 +146,25 @@ def test_drain_moves_a_tp_pair_live_and_the_result_is_bitwise_identical(
         "node-s1", "node-s2"}
     node_a = cluster.status().node("node-a")
     assert node_a is not None and node_a.state == "active"
+    # What the controller exports (issue 18): the drain counted, its phases and downtime
+    # observed, the job's state; the other daemons export none of it. Every family of every
+    # daemon follows the naming conventions (scrape checks them).
+    controller = cluster.status().controller
+    assert controller is not None
+    fams = scrape(cluster.daemons[controller].metrics_port)
+    assert value(fams, "understudy_migrations_total", kind="drain", outcome="done") == 1
+    for phase in ("planned", "preparing", "ready", "switching"):
+        assert value(fams, "understudy_migration_phase_seconds_count", kind="drain",
+                     phase=phase) == 1, phase
+    downtime = value(fams, "understudy_job_downtime_seconds_sum", kind="drain")
+    assert downtime is not None and 0 < downtime < 30
+    assert value(fams, "understudy_job_state", job="mig", state="done") == 1
+    assert value(fams, "understudy_job_state", job="mig", state="running") == 0
+    assert value(fams, "understudy_job_standbys", job="mig", pool="needed") == 2
+    for name, d in cluster.daemons.items():
+        if name != controller:
+            assert not [f for f in scrape(d.metrics_port) if f.startswith(
+                ("understudy_job_", "understudy_migration"))], name
 
 
 def test_one_rank_drained_twice_rebuilds_only_its_groups(etcd: EmbeddedEtcd, reference: Path,

@@ -1,0 +1,62 @@
+"""The controller's job metrics (issue 18, item 1), read back through Prometheus's parser."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from understudy.common.records import JobState
+from understudy.daemon.metrics import ControllerMetrics
+
+
+def _samples(m: ControllerMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    registry = CollectorRegistry()
+    registry.register(m)
+    text = generate_latest(registry).decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_ended_migrations_count_their_phases_and_downtime_by_kind() -> None:
+    m = ControllerMetrics()
+    m.migration_ended("planned", "done", {"planned": 10.0, "preparing": 10.5, "ready": 12.0,
+                                          "switching": 13.0, "done": 13.04})
+    m.migration_ended("recovery", "done", {"planned": 20.0, "preparing": 20.2, "ready": 21.0,
+                                           "done": 22.5})
+    m.migration_ended("planned", "aborted", {"planned": 30.0, "preparing": 30.1,
+                                             "aborted": 90.0, "bogus": "x"})
+    got = _samples(m)
+    assert got["understudy_migrations_total", (("kind", "drain"), ("outcome", "done"))] == 1
+    assert got["understudy_migrations_total", (("kind", "drain"), ("outcome", "aborted"))] == 1
+    assert got["understudy_migrations_total", (("kind", "recovery"), ("outcome", "done"))] == 1
+    sums = {labels: v for (name, labels), v in got.items()
+            if name == "understudy_migration_phase_seconds_sum"}
+    # drain: planned 0.5 (done) + 0.1 (aborted); switching 0.04; recovery: ready 1.5
+    assert abs(sums[(("kind", "drain"), ("phase", "planned"))] - 0.6) < 1e-9
+    assert abs(sums[(("kind", "drain"), ("phase", "preparing"))] - (1.5 + 59.9)) < 1e-9
+    assert abs(sums[(("kind", "drain"), ("phase", "switching"))] - 0.04) < 1e-9
+    assert abs(sums[(("kind", "recovery"), ("phase", "ready"))] - 1.5) < 1e-9
+    # Downtime: a drain's switch, a recovery's whole span; an aborted one is none.
+    assert abs(got["understudy_job_downtime_seconds_sum", (("kind", "drain"),)] - 0.04) < 1e-9
+    assert abs(got["understudy_job_downtime_seconds_sum", (("kind", "recovery"),)] - 2.5) < 1e-9
+    assert got["understudy_job_downtime_seconds_count", (("kind", "drain"),)] == 1
+    assert got["understudy_job_downtime_seconds_bucket", (("kind", "drain"), ("le", "0.05"))] == 1
+    assert got["understudy_job_downtime_seconds_bucket", (("kind", "drain"), ("le", "0.025"))] == 0
+
+
+def test_job_state_pause_time_and_standby_pool_follow_the_rounds() -> None:
+    m = ControllerMetrics()
+    paused = {"state": JobState.RUNNING, "paused": True, "needed": 2, "free": 0, "warm": 0}
+    m.observe_jobs({"j": paused}, now=100.0)
+    m.observe_jobs({"j": paused}, now=103.5)
+    m.observe_jobs({"j": {**paused, "paused": False, "free": 2, "warm": 1}}, now=104.0)
+    m.observe_jobs({"j": {**paused, "paused": False, "free": 2, "warm": 1}}, now=110.0)
+    got = _samples(m)
+    assert got["understudy_job_paused_seconds_total", (("job", "j"),)] == 4.0
+    assert got["understudy_job_paused", (("job", "j"),)] == 0
+    assert got["understudy_job_state", (("job", "j"), ("state", "running"))] == 1
+    assert got["understudy_job_state", (("job", "j"), ("state", "stopped"))] == 0
+    assert got["understudy_job_standbys", (("job", "j"), ("pool", "warm"))] == 1
+    # A job that is gone leaves no series behind.
+    m.observe_jobs({}, now=111.0)
+    assert not [k for k in _samples(m) if dict(k[1]).get("job") == "j"]
