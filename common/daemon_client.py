@@ -17,6 +17,7 @@ from typing import Any
 
 from understudy.common import env
 from understudy.common.sockproto import Op, decode_value, encode_value, frame
+from understudy.common.worker_report import WorkerReport
 
 #: How long one long poll of the job's view waits for a change before it asks again.
 JOB_POLL_WAIT_S = 5.0
@@ -156,6 +157,10 @@ class DaemonClient:
         at every step."""
         if self._view is None:
             self._view = _JobView(self.namespace, self.path, epoch, wait)
+
+    def report(self, report: WorkerReport) -> None:
+        """Send a rank's report on its training to the daemon's metrics (``Op.METRICS``)."""
+        self._call(Op.METRICS, **report.as_request())
 
     def num_keys(self) -> int:
         return int(self._call(Op.NUM_KEYS)["count"])

@@ -35,6 +35,9 @@ class Op(enum.StrEnum):
     #: str}``, and ``"holder"``, the id of its snapshot holder, if it runs one; every later
     #: request on that connection counts as a sign of life
     WARMTH = "warmth"
+    #: a rank's report on its training for the daemon's metrics
+    #: (:class:`~understudy.common.worker_report.WorkerReport`, fields at the top level)
+    METRICS = "metrics"
 
 
 #: the operations that change a key

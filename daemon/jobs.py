@@ -168,6 +168,7 @@ class JobRunner:
     async def _reconcile(self) -> None:
         jobs = await self._read_jobs()
         self._jobs = jobs
+        self.agent.metrics.forget_jobs(set(jobs))
         self._republish()
         if not self.agent.registered.is_set():
             # Joining (again, after a lost lease): what this node runs is readopt's to decide,

@@ -55,6 +55,7 @@ from understudy.common.records import Assignment
 from understudy.common.snapshot_tiers import HOLDER_ID_RE
 from understudy.common.sockproto import MAX_LINE, WRITES, Op, decode_value, encode_value, frame
 from understudy.common.store import EtcdStore, WatchEvent
+from understudy.common.worker_report import WorkerReport
 from understudy.daemon.peers import PeerGate
 
 NAMESPACE_RE = re.compile(r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$")
@@ -112,6 +113,14 @@ def _ignore_standby(job: str, warmth: dict[str, Any] | None) -> None:
     return None
 
 
+#: takes a job's rank's report (``Op.METRICS``)
+WorkerReportSink = Callable[[str, WorkerReport], None]
+
+
+def _ignore_report(job: str, report: WorkerReport) -> None:
+    return None
+
+
 def _warmth(req: dict[str, Any]) -> dict[str, Any]:
     mode, roles, detail = req.get("mode"), req.get("roles", []), req.get("detail", "")
     if not isinstance(mode, str) or not 0 < len(mode) <= 40:
@@ -142,13 +151,15 @@ class LocalServer:
     def __init__(self, path: Path, store: EtcdStore, keys: Keys, node: str,
                  epoch_check: EpochCheck = _accept_all, job_info: JobInfo = _no_jobs,
                  standby_report: StandbyReport = _ignore_standby,
-                 next_view: NextView | None = None, socket_group: int | None = None) -> None:
+                 next_view: NextView | None = None, socket_group: int | None = None,
+                 worker_report: WorkerReportSink = _ignore_report) -> None:
         self.path, self.store, self.keys = path, store, keys
         self.epoch_check = epoch_check
         self.job_info = job_info
         quiet = asyncio.Event()  # no jobs' view: nothing ever changes
         self.next_view: NextView = next_view or (lambda: quiet)
         self.standby_report = standby_report
+        self.worker_report = worker_report
         self.log = logs.get(node=node)
         self.socket_group = socket_group
         self.gate = PeerGate(socket_group, self.log)
@@ -216,6 +227,9 @@ class LocalServer:
                     elif op == Op.WARMTH:
                         standby_of = namespace.split("/", 1)[0]
                         self.standby_report(standby_of, _warmth(req))
+                        reply = {}
+                    elif op == Op.METRICS:
+                        self.worker_report(namespace.split("/", 1)[0], WorkerReport.parse(req))
                         reply = {}
                     elif op == Op.JOB:
                         reply = await self._job(namespace.split("/", 1)[0], req)

@@ -112,6 +112,7 @@ class Daemon:
                                  epoch_check=self.jobs.epoch_check,
                                  job_info=self.jobs.job_info, next_view=self.jobs.next_view,
                                  standby_report=self.jobs.standby_report,
+                                 worker_report=self.metrics.worker_report,
                                  socket_group=config_mod.group_id(cfg.socket_group)
                                  if cfg.socket_group else None)
         self.probe = ProbeResponder(cfg.node, lambda: self.agent.incarnation)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -17,6 +18,11 @@ from prometheus_client.core import (
 from understudy.common.errors import ConfigError
 from understudy.common.records import JobState
 from understudy.common.states import NodeState
+from understudy.common.worker_report import DIRECTIONS, STEP_PARTS, WorkerReport
+
+#: buckets of a step's duration, seconds: a tiny CPU job's milliseconds to a large model's
+#: tens of seconds
+STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class Metrics:
@@ -59,12 +65,72 @@ class Metrics:
                                     registry=r)
         self.etcd_requests = Counter("understudy_etcd_requests_total",
                                      "Requests this daemon sent to etcd.", ["op"], registry=r)
+        # The node's ranks, from their reports (common/worker_report.py): labelled by job and
+        # rank (a node holds a few ranks: the label sets stay few), dropped when the rank's
+        # process ends.
+        worker = ["job", "rank"]
+        self.worker_steps = Counter("understudy_worker_steps_total",
+                                    "Steps this node's rank committed.", worker, registry=r)
+        self.worker_step_seconds = Histogram(
+            "understudy_worker_step_seconds", "A committed step's duration on this node's rank, "
+            "all its attempts.", worker, buckets=STEP_BUCKETS, registry=r)
+        self.worker_part_seconds = Counter(
+            "understudy_worker_step_part_seconds_total", "Time the rank's committed steps "
+            "spent in each part: the boundary hook (migrations), compute, the vote, apply; "
+            "over understudy_worker_step_seconds_sum, each part's share.", [*worker, "part"],
+            registry=r)
+        self.worker_transfer_bytes = Counter(
+            "understudy_worker_transfer_bytes_total", "State-transfer payload bytes the rank "
+            "sent or received.", [*worker, "direction"], registry=r)
+        self.worker_transfer_seconds = Counter(
+            "understudy_worker_transfer_seconds_total", "Time the rank's state transfers took "
+            "(bytes over seconds: their rate).", [*worker, "direction"], registry=r)
+        self._workers: set[tuple[str, str]] = set()
         self._server: Any = None
         self._thread: Any = None
 
     def set_state(self, state: NodeState) -> None:
         for s in NodeState:
             self.node_state.labels(state=s.value).set(1 if s == state else 0)
+
+    def worker_report(self, job: str, report: WorkerReport) -> None:
+        """Count a rank's report (``Op.METRICS``) in its series."""
+        labels = (job, str(report.rank))
+        self._workers.add(labels)
+        if report.step_seconds:
+            self.worker_steps.labels(*labels).inc(len(report.step_seconds))
+            hist = self.worker_step_seconds.labels(*labels)
+            for seconds in report.step_seconds:
+                hist.observe(seconds)
+        for part in STEP_PARTS:
+            counter = self.worker_part_seconds.labels(*labels, part)
+            if report.parts.get(part):
+                counter.inc(report.parts[part])
+        for t in report.transfers:
+            self.worker_transfer_bytes.labels(*labels, t.direction).inc(t.payload_bytes)
+            self.worker_transfer_seconds.labels(*labels, t.direction).inc(t.seconds)
+
+    def forget_jobs(self, keep: set[str]) -> None:
+        """Drop the series of every job not in ``keep`` (``understudy delete`` removed it). A
+        job's series stay while it has records, after it ended too: its final counts remain
+        to be read; a rank that moved to another node is counted on both, each its share."""
+        for job, rank in sorted(self._workers):
+            if job not in keep:
+                self._forget_worker(job, rank)
+
+    def _forget_worker(self, job: str, rank: str) -> None:
+        labels = (job, rank)
+        self._workers.discard(labels)
+        for metric in (self.worker_steps, self.worker_step_seconds):
+            with contextlib.suppress(KeyError):
+                metric.remove(*labels)
+        for part in STEP_PARTS:
+            with contextlib.suppress(KeyError):
+                self.worker_part_seconds.remove(*labels, part)
+        for direction in DIRECTIONS:
+            for metric in (self.worker_transfer_bytes, self.worker_transfer_seconds):
+                with contextlib.suppress(KeyError):
+                    metric.remove(*labels, direction)
 
     def serve(self, listen: str) -> int:
         """Start the HTTP endpoint; returns the bound port (useful with port 0)."""

@@ -66,6 +66,7 @@ from understudy.worker.progress import ProgressReporter
 from understudy.worker.recovery import recover, reshape, wait_for_recovery, wait_while_replaced
 from understudy.worker.runtime import Outcome, Runtime
 from understudy.worker.snapshots import SNAPSHOTS, start_holder, start_snapshotter
+from understudy.worker.telemetry import MetricsReporter
 from understudy.worker.transfer import TransferError
 
 
@@ -135,6 +136,9 @@ class _Worker:
     #: where this job's sandbox recordings go; None when the job does not use the sandbox
     recordings: Path | None
     snapshots: Path | None
+    #: what this worker tells its daemon's metrics (transfers from the start, steps once it
+    #: holds a rank)
+    metrics: MetricsReporter
     #: the rank's boundary hook, once it trains; set once
     hook: MigrationHook | None = None
 
@@ -198,7 +202,8 @@ def _start(make_job: Callable[[], TrainingJob], seed: int, timeout: float,
         log=logs.get(job=job, node=node), script=Path(sys.argv[0]).resolve(),
         recordings=(Path(recordings) if recordings is not None and sandboxed(make_job())
                     else None),
-        snapshots=Path(os.environ[SNAPSHOTS]) if os.environ.get(SNAPSHOTS) else None)
+        snapshots=Path(os.environ[SNAPSHOTS]) if os.environ.get(SNAPSHOTS) else None,
+        metrics=MetricsReporter(job))
 
 
 def _run_standby(w: _Worker) -> _Seat | None:
@@ -411,6 +416,7 @@ def _run_rank(w: _Worker, seat: _Seat, steps: int,
     snapshotter = start_snapshotter(runtime, w.job, lambda: hook.groups.epoch)
     progress = ProgressReporter(w.job, lambda: (hook.rank, hook.groups.epoch),
                                 lambda: runtime.step)
+    w.metrics.bind(lambda: (hook.rank, hook.groups.epoch), lambda: runtime.timings)
 
     def reshaped() -> None:
         # The snapshots of a rank are its number's: a rank renumbered starts a new series.
@@ -428,6 +434,7 @@ def _run_rank(w: _Worker, seat: _Seat, steps: int,
     w.log.info(f"Rank {hook.rank} finished: {outcome.value} at step {runtime.step}.",
                rank=hook.rank)
     progress.close(final=outcome is not Outcome.HANDED_OFF)
+    w.metrics.close()  # a leaver's too: what it sent its joiner counts
     if outcome is Outcome.HANDED_OFF:
         # The joiner holds the state now; tearing down communicators whose peers moved on can
         # block, and there is nothing left to save: leave at once.

@@ -165,6 +165,27 @@ def test_drain_moves_a_tp_pair_live_and_the_result_is_bitwise_identical(
         if name != controller:
             assert not [f for f in scrape(d.metrics_port) if f.startswith(
                 ("understudy_job_", "understudy_migration"))], name
+    # What the ranks told their daemons: node-a's rank 0 committed every step in one process;
+    # rank 2's leaver (node-b) sent its state and its joiner (node-s1) received it, each
+    # counting the steps it committed.
+    node_a = scrape(cluster.daemons["node-a"].metrics_port)
+    assert value(node_a, "understudy_worker_steps_total", job="mig", rank="0") == STEPS
+    assert value(node_a, "understudy_worker_step_seconds_count", job="mig", rank="0") == STEPS
+    vote = value(node_a, "understudy_worker_step_part_seconds_total", job="mig", rank="0",
+                 part="vote")
+    steps_s = value(node_a, "understudy_worker_step_seconds_sum", job="mig", rank="0")
+    assert vote is not None and steps_s is not None and 0 < vote < steps_s
+    sent = value(scrape(cluster.daemons["node-b"].metrics_port),
+                 "understudy_worker_transfer_bytes_total", job="mig", rank="2",
+                 direction="send")
+    s1 = scrape(cluster.daemons["node-s1"].metrics_port)
+    got = value(s1, "understudy_worker_transfer_bytes_total", job="mig", rank="2",
+                direction="receive")
+    assert sent is not None and got is not None and sent >= got > 0
+    before = value(scrape(cluster.daemons["node-b"].metrics_port),
+                   "understudy_worker_steps_total", job="mig", rank="2")
+    after = value(s1, "understudy_worker_steps_total", job="mig", rank="2")
+    assert before is not None and after is not None and before + after == STEPS
 
 
 def test_one_rank_drained_twice_rebuilds_only_its_groups(etcd: EmbeddedEtcd, reference: Path,

@@ -39,6 +39,23 @@ from understudy.worker.transfer.wire import (
     _plan,
 )
 
+#: called with every finished transfer's stats, on the thread that ran it (the worker's
+#: metrics reporter listens: ``worker/telemetry.py``); an observer must be quick and not raise
+_observers: list[Callable[[TransferStats], None]] = []
+
+
+def observe_transfers(observer: Callable[[TransferStats], None]) -> Callable[[], None]:
+    """Call ``observer`` with the stats of each transfer that ends in this process from now
+    on; returns what stops it."""
+    _observers.append(observer)
+    return lambda: _observers.remove(observer) if observer in _observers else None
+
+
+def transfer_finished(stats: TransferStats) -> None:
+    """Tell the observers (:func:`observe_transfers`) of ``stats``."""
+    for observer in list(_observers):
+        observer(stats)
+
 
 @dataclass
 class TransferStats:

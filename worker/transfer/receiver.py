@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 import torch
 
 from understudy.worker import safe_unpickle
-from understudy.worker.transfer.ends import TransferStats, _End, _run
+from understudy.worker.transfer.ends import TransferStats, _End, _run, transfer_finished
 from understudy.worker.transfer.transports import (
     AbortCheck,
     Pending,
@@ -89,6 +89,7 @@ def receive_into(transport: StateTransport, target: Any, *,
     state = _run(receiver, lambda: receiver.run(target, max_manifest_bytes))
     stats.seconds = time.perf_counter() - start
     stats.end_memory()
+    transfer_finished(stats)
     return state, stats
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from understudy.worker.transfer.ends import TransferStats, _End, _run
+from understudy.worker.transfer.ends import TransferStats, _End, _run, transfer_finished
 from understudy.worker.transfer.transports import (
     AbortCheck,
     Pending,
@@ -75,6 +75,7 @@ def send_state(transport: StateTransport, state: Any, *,
     _run(sender, lambda: sender.run(manifest, chunk_bytes))
     stats.seconds = time.perf_counter() - start
     stats.end_memory()
+    transfer_finished(stats)
     return stats
 
 

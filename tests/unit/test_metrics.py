@@ -60,3 +60,34 @@ def test_job_state_pause_time_and_standby_pool_follow_the_rounds() -> None:
     # A job that is gone leaves no series behind.
     m.observe_jobs({}, now=111.0)
     assert not [k for k in _samples(m) if dict(k[1]).get("job") == "j"]
+
+
+def test_a_worker_report_is_checked_field_by_field_and_counted_under_its_rank() -> None:
+    import pytest
+
+    from understudy.common.worker_report import ReportError, Transfer, WorkerReport
+    from understudy.daemon.metrics import Metrics
+
+    good = WorkerReport(rank=3, step_seconds=(0.2, 0.3), parts={"vote": 0.01, "compute": 0.4},
+                        transfers=(Transfer("send", 1000, 0.5),))
+    assert WorkerReport.parse(good.as_request()) == good
+    for bad in ({"rank": -1}, {"rank": True}, {"rank": 1, "step_seconds": [float("nan")]},
+                {"rank": 1, "step_seconds": "1"}, {"rank": 1, "parts": {"pid": 1.0}},
+                {"rank": 1, "step_seconds": [0.1] * 5001},
+                {"rank": 1, "transfers": [{"direction": "up", "bytes": 1, "seconds": 1}]},
+                {"rank": 1, "transfers": [{"direction": "send", "bytes": -1, "seconds": 1}]}):
+        with pytest.raises(ReportError):
+            WorkerReport.parse(bad)
+    m = Metrics()
+    m.worker_report("j", good)
+    m.worker_report("j", good)
+    text = generate_latest(m.registry).decode()
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+           for f in text_string_to_metric_families(text) for s in f.samples}
+    assert got["understudy_worker_steps_total", (("job", "j"), ("rank", "3"))] == 4
+    assert got["understudy_worker_transfer_bytes_total", (
+        ("direction", "send"), ("job", "j"), ("rank", "3"))] == 2000
+    m.forget_jobs({"j"})
+    assert "understudy_worker_steps_total" in generate_latest(m.registry).decode()
+    m.forget_jobs(set())  # deleted: its series go
+    assert 'job="j"' not in generate_latest(m.registry).decode()
