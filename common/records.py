@@ -398,6 +398,10 @@ class Report(enum.StrEnum):
     ABORTED = "aborted"
     #: a reshape: the rank (numbered as before it) holds its groups of the new shape
     RESHAPED = "reshaped"
+    #: how long the job did not train for the migration, as a rank saw it (seconds, text):
+    #: a drain's switch on the first rank that stays, a recovery's or reshape's from the
+    #: abort of the failed step to the recovered groups on the first survivor
+    DOWNTIME = "downtime"
 
     def of(self, rank: int) -> str:
         return f"{self.value}/{rank}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -75,6 +76,7 @@ class Controller:
         self._live: dict[str, NodeRecord] = {}
         self._event_keys: list[str] = []
         self._jobs = _JobTables()
+        self._jobs.on_downtime = self._downtime
         self._drain_deadlines: dict[str, float] = {}
         self._changed = asyncio.Event()
         self._need_relist = False
@@ -219,6 +221,11 @@ class Controller:
                 with contextlib.suppress(StoreError):
                     await self.store.delete(self.keys.controller)
 
+    def _downtime(self, job: str, migration: str, seconds: float) -> None:
+        current = self._jobs.migrations.get(job)
+        kind = current[0].kind if current is not None and current[0].id == migration else ""
+        self.job_metrics.observe_downtime(kind, seconds)
+
     async def _probe_failed(self, rec: NodeRecord, why: str) -> None:
         """The prober found ``rec``'s node dead or silent: revoke its lease. Its record goes
         with it, so the next round marks it failed and recovers its ranks, without waiting for
@@ -269,6 +276,7 @@ class Controller:
         for kv in kvs:
             self._ingest(self.keys.nodes, kv, deleted=False)
         self._jobs = _JobTables()
+        self._jobs.on_downtime = self._downtime
         kvs, _ = await self.store.get_prefix(self.keys.jobs)
         for kv in kvs:
             self._ingest(self.keys.jobs, kv, deleted=False)
@@ -502,6 +510,15 @@ class Controller:
         self._changed.set()
 
 
+def _seconds(value: bytes) -> float | None:
+    """A worker's report of seconds (untrusted): a finite number from 0 to a day, or None."""
+    try:
+        seconds = float(value[:32].decode())
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return seconds if math.isfinite(seconds) and 0 <= seconds <= 86400 else None
+
+
 def _epoch_rises(before: SnapshotReport, after: SnapshotReport) -> bool:
     return before.epoch is not None and after.epoch is not None and before.epoch < after.epoch
 
@@ -520,6 +537,9 @@ class _JobTables:
         #: job -> migration id -> progress keys ("prepared/3", ...)
         self.progress: dict[str, dict[str, set[str]]] = {}
         self.abort_reasons: dict[tuple[str, str], str] = {}
+        #: called once per migration with its downtime as a rank reported it (job, id, s)
+        self.on_downtime: Callable[[str, str, float], None] = lambda job, mid, s: None
+        self._downtimes: set[tuple[str, str]] = set()
         #: job -> rank -> its newest snapshot report, and before it the last one of an older
         #: epoch (a joiner's first report does not list its predecessor's copies)
         self.snapshot_reports: dict[str, dict[int, tuple[SnapshotReport, ...]]] = {}
@@ -545,6 +565,13 @@ class _JobTables:
         if len(parts) != 4 or parts[1] != "migration":
             return
         job, _, mig_id, report = parts
+        if report.startswith(f"{Report.DOWNTIME}/"):
+            if not deleted and (job, mig_id) not in self._downtimes:
+                seconds = _seconds(value)
+                if seconds is not None:
+                    self._downtimes.add((job, mig_id))
+                    self.on_downtime(job, mig_id, seconds)
+            return
         reports = self.progress.setdefault(job, {}).setdefault(mig_id, set())
         if deleted:
             reports.discard(report)

@@ -196,11 +196,11 @@ class ControllerMetrics:
       ``recovery``, ``rollback``, ``reshape``; outcome ``done`` or ``aborted``);
     - ``understudy_migration_phase_seconds{kind,phase}``: how long each phase of an ended
       migration lasted, from the controller's timestamps (``Migration.timings``);
-    - ``understudy_job_downtime_seconds{kind}``: the time the job's ranks did not train for a
-      completed migration, as the controller saw it: a drain's switch (``switching`` to
-      ``done``: the ranks stop at the agreed boundary and train on once the new groups are in),
-      a recovery's, rollback's or reshape's whole span (the job is stopped from the failure on;
-      the time to notice the failure is before ``planned`` and not counted);
+    - ``understudy_job_downtime_seconds{kind}``: the time the job did not train for a
+      migration, as its ranks saw it (the first rank that stays reports it,
+      ``Report.DOWNTIME``): a drain's phase 2, from the agreed boundary to the new groups; a
+      recovery's, rollback's or reshape's from the failed step's abort to the recovered
+      groups (the failure's detection before the abort, and the redone step, not counted);
     - ``understudy_job_state{job,state}``: 1 for the job's state, 0 for the others;
     - ``understudy_job_paused``{job} and ``understudy_job_paused_seconds_total{job}``: whether
       the job waits for a standby, and for how long in all;
@@ -228,11 +228,12 @@ class ControllerMetrics:
             if phase in PHASES:
                 self.phases.setdefault((name, phase), _Histogram()).observe(
                     max(0.0, stamps[after] - stamps[phase]))
-        if outcome == "done":
-            start = stamps.get("switching" if name == "drain" else "planned")
-            if start is not None and "done" in stamps:
-                self.downtime.setdefault(name, _Histogram()).observe(
-                    max(0.0, stamps["done"] - start))
+
+    def observe_downtime(self, kind: str, seconds: float) -> None:
+        """The job stood still ``seconds`` for a migration of ``kind`` (the record's), as its
+        first staying rank said (``Report.DOWNTIME``)."""
+        self.downtime.setdefault(MIGRATION_KIND.get(kind, "other"), _Histogram()).observe(
+            seconds)
 
     def observe_jobs(self, jobs: dict[str, dict[str, Any]], now: float) -> None:
         """The jobs as this round saw them: name -> ``{"state", "paused", "needed", "free",
@@ -263,8 +264,8 @@ class ControllerMetrics:
             h.add_metric([kind, phase], hist.buckets(), hist.total)
         yield h
         d = HistogramMetricFamily("understudy_job_downtime_seconds",
-                                  "Time a job's ranks did not train for a completed migration, "
-                                  "as the controller saw it.", labels=["kind"])
+                                  "Time a job did not train for a migration, as its first "
+                                  "staying rank saw it.", labels=["kind"])
         for kind, hist in sorted(self.downtime.items()):
             d.add_metric([kind], hist.buckets(), hist.total)
         yield d

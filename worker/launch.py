@@ -24,6 +24,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +61,7 @@ from understudy.worker.migration import (
     Plan,
     group_members,
     member,
+    report_downtime,
     wait_for_plan,
 )
 from understudy.worker.progress import ProgressReporter
@@ -449,6 +451,14 @@ def _run_rank(w: _Worker, seat: _Seat, steps: int,
     return 0
 
 
+def _report_recovered(hook: MigrationHook, plan: Plan, aborted: float, first: int) -> None:
+    """The first survivor (``first``, numbered as now) says how long the job stood still,
+    from its step's abort to its recovered groups (the controller's downtime per event)."""
+    if hook.rank == first:
+        report_downtime(hook.job, plan.id, plan.to_epoch, hook.rank,
+                        time.monotonic() - aborted, hook.log)
+
+
 def _train(runtime: Runtime, hook: MigrationHook, steps: int, stop: threading.Event,
            timeout: float, log: Any, snapshots: Path | None = None,
            reshaped: Callable[[], None] = lambda: None) -> Outcome:
@@ -460,6 +470,7 @@ def _train(runtime: Runtime, hook: MigrationHook, steps: int, stop: threading.Ev
         try:
             return runtime.run(steps)
         except CollectiveAborted as exc:
+            aborted = time.monotonic()
             log.warning(f"Step {runtime.step} aborted: {exc}. Waiting for the job's recovery.",
                         rank=hook.rank)
             while True:
@@ -487,8 +498,12 @@ def _train(runtime: Runtime, hook: MigrationHook, steps: int, stop: threading.Ev
                     if reshape(runtime, hook, plan, timeout=timeout):
                         reshaped()
                         runtime.announce = f"First step after reshape {plan.id}"
+                        _report_recovered(hook, plan, aborted, 0)
                         break
                     continue
                 if recover(runtime, hook, plan, timeout=timeout, snapshots=snapshots):
                     runtime.announce = f"First step after recovery {plan.id}"
+                    _report_recovered(hook, plan, aborted,
+                                      min(r for r in range(hook.layout.world_size)
+                                          if r not in plan.moves))
                     break

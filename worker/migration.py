@@ -318,6 +318,23 @@ class JobGroups:
         return self.groups.current(concrete)
 
 
+def report_downtime(job: str, migration: str, epoch: int, rank: int, seconds: float,
+                    log: Any) -> None:
+    """Tell the controller, through the daemon, how long the job did not train for
+    ``migration`` as this rank saw it (``Report.DOWNTIME``, its metrics' downtime per event):
+    on a thread of its own, under the migration's new epoch; a report that does not go
+    through is dropped."""
+    def run() -> None:
+        try:
+            with DaemonClient(f"{job}/migration/{migration}", epoch=epoch, timeout=10) as c:
+                c.set(Report.DOWNTIME.of(rank), f"{seconds:.6f}".encode())
+        except DaemonError as exc:
+            log.debug("Could not report the migration's downtime.", migration=migration,
+                      error=str(exc))
+
+    threading.Thread(target=run, name="understudy-downtime-report", daemon=True).start()
+
+
 class MigrationHook:
     """The boundary hook of a rank that holds its role (see the module docstring)."""
 
@@ -343,6 +360,7 @@ class MigrationHook:
         self._reports: DaemonClient | None = None
         #: seconds spent in phase 2 on this rank, for the events
         self.last_switch_s: float | None = None
+        self._switch_started = 0.0  # when this rank reached the agreed switch boundary
         self._recovery: Plan | None = None
         self._recovery_checked = 0.0
         #: the job waits for a standby to recover a rank (as of the last :meth:`recovery`)
@@ -584,6 +602,7 @@ class MigrationHook:
 
     def _switch_action(self, step: int) -> Action:
         assert self._plan is not None
+        self._switch_started = time.monotonic()
         if self.rank in self._plan.moves:
             return Action.HAND_OFF
         failpoints.hit("stayer.switch")  # phase 2, before the state has moved
@@ -621,6 +640,12 @@ class MigrationHook:
         self.nodes = self._plan.nodes_after(self.nodes)
         self.groups.epoch = self._plan.to_epoch
         self.last_switch_s = time.monotonic() - t0
+        # Phase 2 as this rank saw it: from the agreed boundary (the state's transfer on the
+        # leavers) to the new groups; the first rank that stays says it for the job.
+        if self.rank == min(r for r in range(self.layout.world_size)
+                            if r not in self._plan.moves):
+            report_downtime(self.job, self._plan.id, self._plan.to_epoch, self.rank,
+                            time.monotonic() - self._switch_started, self.log)
         self.log.info(f"Switched to the next versions of {self._prepared} at step {step}.",
                       epoch=self._plan.to_epoch)
         self._finished.add(self._plan.id)

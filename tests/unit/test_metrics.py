@@ -36,10 +36,14 @@ def test_ended_migrations_count_their_phases_and_downtime_by_kind() -> None:
     assert abs(sums[(("kind", "drain"), ("phase", "preparing"))] - (1.5 + 59.9)) < 1e-9
     assert abs(sums[(("kind", "drain"), ("phase", "switching"))] - 0.04) < 1e-9
     assert abs(sums[(("kind", "recovery"), ("phase", "ready"))] - 1.5) < 1e-9
-    # Downtime: a drain's switch, a recovery's whole span; an aborted one is none.
+    # Downtime: what the ranks reported, by kind.
+    m.observe_downtime("planned", 0.04)
+    m.observe_downtime("recovery", 2.5)
+    m.observe_downtime("", 1.0)  # a migration the controller no longer holds
+    got = _samples(m)
     assert abs(got["understudy_job_downtime_seconds_sum", (("kind", "drain"),)] - 0.04) < 1e-9
     assert abs(got["understudy_job_downtime_seconds_sum", (("kind", "recovery"),)] - 2.5) < 1e-9
-    assert got["understudy_job_downtime_seconds_count", (("kind", "drain"),)] == 1
+    assert got["understudy_job_downtime_seconds_count", (("kind", "other"),)] == 1
     assert got["understudy_job_downtime_seconds_bucket", (("kind", "drain"), ("le", "0.05"))] == 1
     assert got["understudy_job_downtime_seconds_bucket", (("kind", "drain"), ("le", "0.025"))] == 0
 
