@@ -59,6 +59,10 @@ from understudy.daemon.planner import (
 )
 from understudy.daemon.probe import Prober
 
+#: a rank's downtime report counts if it comes within this many seconds of its migration's
+#: end (it is written just after the rank trains again)
+DOWNTIME_REPORT_S = 60.0
+
 
 class Controller:
     def __init__(self, agent: NodeAgent, store: EtcdStore, metrics: Metrics, events: EventLog,
@@ -222,9 +226,15 @@ class Controller:
                     await self.store.delete(self.keys.controller)
 
     def _downtime(self, job: str, migration: str, seconds: float) -> None:
+        """A rank's downtime report: counted if it is of the job's migration now, or of one
+        that ended moments ago (a controller elected later reads every report still in etcd
+        and counts none of the old ones again)."""
         current = self._jobs.migrations.get(job)
-        kind = current[0].kind if current is not None and current[0].id == migration else ""
-        self.job_metrics.observe_downtime(kind, seconds)
+        if current is None or current[0].id != migration:
+            return
+        m = current[0]
+        if m.active or self.wall() - m.updated_at <= DOWNTIME_REPORT_S:
+            self.job_metrics.observe_downtime(m.kind, seconds)
 
     async def _probe_failed(self, rec: NodeRecord, why: str) -> None:
         """The prober found ``rec``'s node dead or silent: revoke its lease. Its record goes
