@@ -205,7 +205,7 @@ def _start(make_job: Callable[[], TrainingJob], seed: int, timeout: float,
         recordings=(Path(recordings) if recordings is not None and sandboxed(make_job())
                     else None),
         snapshots=Path(os.environ[SNAPSHOTS]) if os.environ.get(SNAPSHOTS) else None,
-        metrics=MetricsReporter(job))
+        metrics=MetricsReporter(job, epoch))
 
 
 def _run_standby(w: _Worker) -> _Seat | None:

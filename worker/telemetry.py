@@ -11,12 +11,13 @@ dropped (the counts it held are lost, nothing else).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from understudy.common.daemon_client import DaemonClient, DaemonError
-from understudy.common.worker_report import MAX_STEPS, MAX_TRANSFERS, Transfer, WorkerReport
+from understudy.common.worker_report import MAX_STEPS, Transfer, WorkerReport
 from understudy.worker.transfer.ends import TransferStats, observe_transfers
 
 #: seconds between two reports
@@ -30,14 +31,16 @@ class MetricsReporter:
     epoch: the daemon takes a worker's word only under its job's current epoch), and
     ``timings()``, the runtime's step records (appended to as steps run)."""
 
-    def __init__(self, job: str, every: float = EVERY_S) -> None:
-        self.job, self.every = job, every
+    def __init__(self, job: str, epoch: int, every: float = EVERY_S) -> None:
+        self.job, self.every, self._epoch = job, every, epoch
         self._place: Callable[[], tuple[int, int]] | None = None
         self._timings: Callable[[], Any] = tuple
         self._last: object | None = None  # the newest StepTiming already reported
-        self._transfers: list[Transfer] = []
-        self._lock = threading.Lock()
-        self._client: tuple[int, DaemonClient] | None = None
+        #: direction -> (payload bytes, seconds) of the transfers since the last report
+        self._transfers: dict[str, tuple[int, float]] = {}
+        self._lock = threading.Lock()  # the transfers' sums (taken on transferring threads)
+        self._send = threading.Lock()  # the connection
+        self._client: DaemonClient | None = None
         self._stop = threading.Event()
         self._unobserve = observe_transfers(self._transferred)
         self._thread = threading.Thread(target=self._run, name="understudy-metrics",
@@ -50,14 +53,26 @@ class MetricsReporter:
         self._place, self._timings = place, timings
 
     def _transferred(self, stats: TransferStats) -> None:
+        # Summed by direction: a leaver sending ahead makes one transfer a step.
         with self._lock:
-            if len(self._transfers) < MAX_TRANSFERS:
-                self._transfers.append(Transfer(stats.direction, stats.payload_bytes,
-                                                stats.seconds))
+            n, s = self._transfers.get(stats.direction, (0, 0.0))
+            self._transfers[stats.direction] = (n + stats.payload_bytes, s + stats.seconds)
 
     def _run(self) -> None:
+        with self._send:
+            self._connect(self._epoch)
         while not self._stop.wait(self.every):
             self.report()
+
+    def _connect(self, epoch: int) -> DaemonClient | None:
+        """The connection the reports go through, opened once, under the epoch the worker
+        started or last reported in: a report is no write to the job's state, so a rank whose
+        epoch has passed (a leaver's last report, after the commit) still sends it on the
+        connection it has; only a new connection must say a current epoch."""
+        if self._client is None:
+            with contextlib.suppress(DaemonError):
+                self._client = DaemonClient(f"{self.job}/metrics", epoch=epoch, timeout=5.0)
+        return self._client
 
     def _new_timings(self) -> list[Any]:
         records = list(self._timings())  # one copy, taken while the GIL is held
@@ -78,7 +93,8 @@ class MetricsReporter:
         if self._place is None:
             return
         with self._lock:
-            transfers, self._transfers = self._transfers, []
+            transfers = tuple(Transfer(d, n, s) for d, (n, s) in sorted(self._transfers.items()))
+            self._transfers = {}
         steps: list[float] = []
         parts = {"boundary": 0.0, "compute": 0.0, "vote": 0.0, "apply": 0.0}
         pending = 0.0
@@ -96,19 +112,16 @@ class MetricsReporter:
             return
         rank, epoch = self._place()
         report = WorkerReport(rank=rank, step_seconds=tuple(steps[-MAX_STEPS:]), parts=parts,
-                              transfers=tuple(transfers))
-        try:
-            if self._client is not None and self._client[0] != epoch:
-                self._client[1].close()
+                              transfers=transfers)
+        with self._send:
+            client = self._connect(epoch)
+            if client is None:
+                return
+            try:
+                client.report(report)
+            except DaemonError:
+                client.close()
                 self._client = None
-            if self._client is None:
-                self._client = (epoch, DaemonClient(f"{self.job}/metrics", epoch=epoch,
-                                                    timeout=5.0))
-            self._client[1].report(report)
-        except DaemonError:
-            if self._client is not None:
-                self._client[1].close()
-            self._client = None
 
     def close(self, final: bool = True) -> None:
         """Stop reporting; with ``final``, after one last report."""
@@ -117,6 +130,7 @@ class MetricsReporter:
         self._unobserve()
         if final:
             self.report()
-        if self._client is not None:
-            self._client[1].close()
-            self._client = None
+        with self._send:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
