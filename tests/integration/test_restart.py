@@ -145,3 +145,18 @@ def test_an_unmodified_script_restarts_from_its_checkpoint_after_a_crash_and_a_d
     assert len({s["MASTER_PORT"] for s in starts}) == 3  # a fresh store each epoch
     kinds = [e.kind for e in cluster.events()]
     assert kinds.count("migration-planned") == 2 and kinds.count("migration-done") == 2
+
+    # `understudy stop`: there is no step vote in a plain script, so every rank gets SIGTERM,
+    # saves where it is and ends; the job is stopped, cleanly.
+    base2 = tmp_path / "stopped"
+    run = cluster.cli("run", "--job", "plain2", "--tp", "1", "--dp", "1", "--restart-only",
+                      "--", sys.executable, *_script_args(base2), "--step-sleep", "0.04")
+    assert run.returncode == 0 and "rank 0 on node-a" in run.stdout, run.stderr
+    _until("a first checkpoint", lambda: _saved(base2) >= 10, 60)
+    stop = cluster.cli("stop", "plain2", "--grace", "30", "-o", "json", timeout=60)
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    said = json.loads(stop.stdout)
+    assert said["state"] == "stopped" and said["clean"], said
+    (saved,) = [e["step"] for e in _events(base2, 0)
+                if e["event"] == "saved" and e["reason"] == "sigterm"]
+    assert saved == _saved(base2) >= 10
