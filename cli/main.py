@@ -227,6 +227,10 @@ def _print_jobs(status: ClusterStatus) -> None:
             if m.kind == "reshape":
                 moves = (f"DP {m.from_dp} -> {len(m.replicas)}" + (f"; {moves}" if moves
                                                                    else ""))
+            elif m.kind == "restart":
+                moved = [f"rank {r} {ln} -> {jn}" for r, ln, jn in
+                         zip(m.ranks, m.leavers, m.joiners, strict=True) if ln != jn]
+                moves = "restart of every rank" + (f"; {', '.join(moved)}" if moved else "")
             print(f"  migration {m.id} of {j.spec.name}: {m.phase} ({m.reason}): {moves}")
 
 
