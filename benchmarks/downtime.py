@@ -15,6 +15,12 @@ same model, seed, data, TP=2 x DP=2 on gloo) runs once under each system and is 
   connection closes, as when a machine loses power or its switch port (the probes go
   unanswered). The crash and node-loss scenarios are ``interruptions.worker_crash`` and
   ``interruptions.node_loss``, as the recovery benchmark runs them.
+- **restart-only**: torchrun's job script below (``baseline/torchrun_job.py``), unmodified,
+  under ``understudy run --restart-only`` on the understudy system's cluster (its standby nodes
+  wait empty): the same events, each restarting every rank from the newest checkpoint, node-b's
+  ranks on the standbys where it is lost or drained (``restart_only.py``, ``docs/restart.md``).
+  Its phases are read from the script's lines as torchrun's are; the ratio torchrun /
+  restart-only is reported beside the others.
 - **torchrun**: two elastic agents of two workers each on a c10d rendezvous
   (``benchmarks/baseline/``), the job checkpointing with ``torch.distributed.checkpoint`` every
   ``--ckpt-every`` steps, resuming from the newest checkpoint on restart, with a careful team's
@@ -70,6 +76,7 @@ from typing import Any
 import harness
 import interruptions
 import psutil
+import restart_only
 import steplog
 from baseline.elastic import (
     BaselineRun,
@@ -87,7 +94,7 @@ from understudy.common.errors import UnderstudyError
 from understudy.common.sizes import size_arg
 
 EVENTS = ("planned-drain", "worker-crash", "node-loss", "silent-node")
-SYSTEMS = ("understudy", "torchrun", "torchft")
+SYSTEMS = ("understudy", "restart-only", "torchrun", "torchft")
 #: The baselines whose downtime is divided by understudy's, per event type.
 BASELINES = ("torchrun", "torchft")
 #: torchrun restarts a group at most this often in one run (a run needs one or two).
@@ -287,14 +294,17 @@ def torchrun_phases(records: list[dict[str, Any]], event_at: float, first_step_a
          ("build_load", last("restored")), ("first_step", first_step_at)], event_at)
 
 
-def run_torchrun(event: str, cfg: BenchConfig, base: Path) -> dict[str, Any]:
-    tcfg = TorchrunConfig(steps=cfg.steps, step_sleep=cfg.step_sleep, state_bytes=cfg.state_bytes,
-                          ckpt_every=cfg.ckpt_every,
-                          ckpt_mode=cfg.ckpt_mode, drain_notice=True,
-                          max_restarts=MAX_RESTARTS,
+def torchrun_config(cfg: BenchConfig) -> TorchrunConfig:
+    """The job torchrun runs (and understudy's restart-only mode, the same script)."""
+    return TorchrunConfig(steps=cfg.steps, step_sleep=cfg.step_sleep,
+                          state_bytes=cfg.state_bytes, ckpt_every=cfg.ckpt_every,
+                          ckpt_mode=cfg.ckpt_mode, drain_notice=True, max_restarts=MAX_RESTARTS,
                           keepalive_interval_s=cfg.keepalive_interval_s,
                           keepalive_attempts=cfg.keepalive_attempts)
-    run = ElasticRun(tcfg, base)
+
+
+def run_torchrun(event: str, cfg: BenchConfig, base: Path) -> dict[str, Any]:
+    run = ElasticRun(torchrun_config(cfg), base)
     load_before = os.getloadavg()[0]
     t0 = time.monotonic()
     try:
@@ -312,35 +322,54 @@ def run_torchrun(event: str, cfg: BenchConfig, base: Path) -> dict[str, Any]:
     failed = {i: c for i, c in codes.items() if i not in hit and c != 0}
     if failed:
         raise BenchmarkError(f"torchrun {event}: agents failed {failed} (logs in {base})")
-    records = run.records()
+    return analyse_restart(
+        "torchrun", event, cfg, run.records(), event_at, lost,
+        {"agent_exit_codes": {str(k): v for k, v in codes.items()},
+         "drained_agent_left_s": None if drained_left is None else drained_left - event_at},
+        t0, load_before, powered_off)
+
+
+def analyse_restart(system: str, event: str, cfg: BenchConfig, records: list[dict[str, Any]],
+                    event_at: float, lost: list[int], details: dict[str, Any], t0: float,
+                    load_before: float, powered_off: float | None = None) -> dict[str, Any]:
+    """The figures of a run of ``baseline/torchrun_job.py`` that restarts every rank from its
+    checkpoint (torchrun's agents, or understudy's ``--restart-only``), from its step lines."""
     done = steplog.completions(records, WORLD)
     if not done or max(c.step for c in done) != cfg.steps - 1:
-        raise BenchmarkError(f"torchrun {event}: the job did not reach step {cfg.steps - 1}")
+        raise BenchmarkError(f"{system} {event}: the job did not reach step {cfg.steps - 1}")
     normal = steplog.normal_step(done, event_at)
     inside, drain_exit = steplog.failure_inside(records, event_at, lost), None
     if event == "planned-drain":
         exits = [r["t"] for r in records if r.get("kind") == "exit" and r["reason"] == "drain"]
         if len(exits) != WORLD:
-            raise BenchmarkError(f"torchrun drain: {len(exits)} ranks stopped for it, not all")
+            raise BenchmarkError(f"{system} drain: {len(exits)} ranks stopped for it, not all")
         inside = drain_exit = max(exits)
     figures = steplog.interruption(done, event_at, normal, inside)
     saves = [r for r in records if r.get("kind") == "saved"]
     restored = sorted({r["step"] for r in records if r.get("kind") == "restored"})
-    return {"system": "torchrun", "event": event, "event_at": event_at, "lost_ranks": lost,
+    return {"system": system, "event": event, "event_at": event_at, "lost_ranks": lost,
             "frozen_killed_after_s": powered_off,
             **figures,
             "phases_s": torchrun_phases(records, event_at, figures["at"]["first_step"],
                                         drain_exit),
-            "details": {"agent_exit_codes": {str(k): v for k, v in codes.items()},
-                        "restored_from_steps": restored,
-                        "drained_agent_left_s": None if drained_left is None
-                        else drained_left - event_at,
+            "details": {**details, "restored_from_steps": restored,
                         "checkpoint_save_s": summarize([r["save_s"] for r in saves])
                         if saves else None,
                         "checkpoints": len({r["step"] for r in saves})},
             "losses": losses(records), "steps_completed": max(c.step for c in done) + 1,
             "wall_s": time.monotonic() - t0,
             "loadavg_1m_before_after": [load_before, os.getloadavg()[0]]}
+
+
+def run_restart_only(event: str, cfg: BenchConfig, base: Path) -> dict[str, Any]:
+    """torchrun's job script, unmodified, under ``understudy run --restart-only``
+    (``restart_only.py``): the same events, every rank restarted from its checkpoint."""
+    load_before = os.getloadavg()[0]
+    t0 = time.monotonic()
+    records, event_at, lost, details = restart_only.run(event, torchrun_config(cfg), cfg.event_at,
+                                                         cfg.ttl, base)
+    return analyse_restart("restart-only", event, cfg, records, event_at, lost, details, t0,
+                           load_before)
 
 
 # -- torchft -----------------------------------------------------------------------------------
@@ -455,8 +484,8 @@ def run_repeat(i: int, cfg: BenchConfig, base: Path) -> dict[str, Any]:
         rep[event] = {}
         for system in cfg.systems:
             where = base / event / system
-            run = {"understudy": run_understudy, "torchrun": run_torchrun,
-                   "torchft": run_torchft}[system]
+            run = {"understudy": run_understudy, "restart-only": run_restart_only,
+                   "torchrun": run_torchrun, "torchft": run_torchft}[system]
             rep[event][system] = run(event, cfg, where)
             r = rep[event][system]
             print(f"  repeat {i + 1}/{cfg.repeats} {event} {system}: downtime "
@@ -484,8 +513,8 @@ def collect(repeats: list[dict[str, Any]], cfg: BenchConfig) -> dict[str, Any]:
         per: dict[str, Any] = {}
         for system in cfg.systems:
             rs = [r[event][system] for r in repeats]
-            names = {"understudy": UNDERSTUDY_PHASES[event], "torchrun": TORCHRUN_PHASES,
-                     "torchft": TORCHFT_PHASES}[system]
+            names = {"understudy": UNDERSTUDY_PHASES[event], "restart-only": TORCHRUN_PHASES,
+                     "torchrun": TORCHRUN_PHASES, "torchft": TORCHFT_PHASES}[system]
             phases = {}
             for p in names:
                 vals = [x["phases_s"][p] for x in rs if x["phases_s"].get(p) is not None]
@@ -510,6 +539,12 @@ def collect(repeats: list[dict[str, Any]], cfg: BenchConfig) -> dict[str, Any]:
                                     r[event]["understudy"]["downtime_s"])) is not None]
                     or [0.0]),
             }
+        if "restart-only" in cfg.systems and "torchrun" in cfg.systems:
+            per["ratio_torchrun_over_restart-only"] = {
+                "downtime": ratio(per["torchrun"]["downtime_s"]["median"],
+                                  per["restart-only"]["downtime_s"]["median"]),
+                "time_lost": ratio(per["torchrun"]["time_lost_s"]["median"],
+                                   per["restart-only"]["time_lost_s"]["median"])}
         per["losses_identical"] = all(
             v["identical"] == v["compared"] for r in repeats for k, v in r[event].items()
             if k.startswith("losses_"))
@@ -543,6 +578,9 @@ def print_summary(result: dict[str, Any]) -> None:
             if (r := e.get(f"ratio_{base}_over_understudy")) is not None:
                 print(f"  {event}: {base} / understudy downtime {fmt(r['downtime'])}, time lost "
                       f"{fmt(r['time_lost'])}")
+        if (r := e.get("ratio_torchrun_over_restart-only")) is not None:
+            print(f"  {event}: torchrun / restart-only downtime {fmt(r['downtime'])}, time "
+                  f"lost {fmt(r['time_lost'])}")
         print(f"  {event}: same losses in all systems: {e['losses_identical']}")
     loads = [x for r in result["repeats"] for ev in cfg["events"] for sys_ in systems
              for x in r[ev][sys_]["loadavg_1m_before_after"]]
@@ -555,7 +593,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     plt = harness.pyplot()
     cfg, s = result["config"], result["summary"]
     events, systems = cfg["events"], cfg["systems"]
-    colors = {"understudy": "#2a7ab0", "torchrun": "#d0702a", "torchft": "#5a9a3a"}
+    colors = {"understudy": "#2a7ab0", "restart-only": "#8a5ab0", "torchrun": "#d0702a",
+              "torchft": "#5a9a3a"}
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(15, 5 + len(systems) - 2),
                                  gridspec_kw={"width_ratios": [1, 1.5]})
     width = 0.8 / len(systems)
@@ -701,7 +740,8 @@ def main(argv: list[str] | None = None) -> int:
         "config": {**asdict(cfg), "tp": TP, "dp": WORLD // TP,
                    "understudy_standby": 2, "job": "examples/plain_torch/train.py",
                    "threads_per_process": 1, "victim_rank": VICTIM,
-                   "lost_node": {"understudy": LOST_NODE, "torchrun": "agent 1",
+                   "lost_node": {"understudy": LOST_NODE, "restart-only": LOST_NODE,
+                                 "torchrun": "agent 1",
                                  "torchft": "replica group 1 (ranks 2, 3)"},
                    "torchrun": torchrun_setup(MAX_RESTARTS),
                    "torchft": {"version": _version("torchft"), "replica_groups": 2,

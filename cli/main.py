@@ -75,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", parents=[common], help="start a training job on the cluster",
                        usage="understudy run --job NAME --tp T --dp D [--pp P] [--standby N] "
-                             "[--env K=V] [--cwd DIR] [--no-wait] -- COMMAND [ARGS...]")
+                             "[--reshape | --restart-only [--max-restarts N]] [--env K=V] "
+                             "[--cwd DIR] [--no-wait] -- COMMAND [ARGS...]")
     r.add_argument("--job", required=True, help="job name (lowercase letters, digits, '-')")
     r.add_argument("--tp", type=int, required=True, help="tensor-parallel size")
     r.add_argument("--dp", type=int, required=True, help="data-parallel size")
@@ -85,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the job is a slotted one (SlottedJob, --dp slots) that may shrink its "
                         "data parallelism live when a replica is lost and no standby is free, "
                         "instead of pausing (docs/reshape.md)")
+    r.add_argument("--restart-only", action="store_true",
+                   help="an unmodified torch.distributed script: its ranks get torchrun's "
+                        "environment, and a failure, node loss or drain restarts every rank "
+                        "from the script's own checkpoint (docs/restart.md)")
+    r.add_argument("--max-restarts", type=int, default=None, metavar="N",
+                   help="with --restart-only: restarts after failures before the job fails "
+                        "(default 3; drains do not count)")
     r.add_argument("--env", action="append", default=[], metavar="K=V",
                    help="extra environment for every rank")
     r.add_argument("--cwd", default=None, help="working directory of the ranks "
@@ -228,6 +236,10 @@ def _print_jobs(status: ClusterStatus) -> None:
             if m.kind == "reshape":
                 moves = (f"DP {m.from_dp} -> {len(m.replicas)}" + (f"; {moves}" if moves
                                                                    else ""))
+            elif m.kind == "restart":
+                moved = [f"rank {r} {ln} -> {jn}" for r, ln, jn in
+                         zip(m.ranks, m.leavers, m.joiners, strict=True) if ln != jn]
+                moves = "restart of every rank" + (f"; {', '.join(moved)}" if moved else "")
             print(f"  migration {m.id} of {j.spec.name}: {m.phase} ({m.reason}): {moves}")
     for j in status.jobs:
         if j.logs:
@@ -362,10 +374,15 @@ async def _run_job(store: EtcdStore, keys: Keys, args: argparse.Namespace) -> in
         if not sep or not k:
             raise CliError(f"--env {item!r} is not KEY=VALUE")
         env[k] = v
+    if args.max_restarts is not None and not args.restart_only:
+        raise CliError("--max-restarts counts a --restart-only job's restarts; a job on the "
+                       "worker API moves its ranks live instead")
+    restarts = {} if args.max_restarts is None else {"max_restarts": args.max_restarts}
     try:
         spec = JobSpec(name=args.job, argv=tuple(argv), cwd=args.cwd or os.getcwd(),
                        tp=args.tp, dp=args.dp, pp=args.pp, standby=args.standby,
-                       reshape=args.reshape, created_at=time.time(),
+                       reshape=args.reshape, restart_only=args.restart_only, **restarts,
+                       created_at=time.time(),
                        created_by=f"{getpass.getuser()}@{socket.gethostname()}", env=env)
     except ValueError as exc:
         raise CliError(str(exc)) from None
@@ -385,7 +402,9 @@ async def _run_job(store: EtcdStore, keys: Keys, args: argparse.Namespace) -> in
         raise CliError(f"a job named {spec.name!r} already exists")
     pp = f" x pp {spec.pp}" if spec.pp > 1 else ""
     print(f"job {spec.name} submitted: {spec.world_size} ranks (tp {spec.tp} x dp {spec.dp}{pp}), "
-          f"{spec.standby} standby{', may reshape' if spec.reshape else ''}", flush=True)
+          f"{spec.standby} standby{', may reshape' if spec.reshape else ''}"
+          + (f", restart-only (at most {spec.max_restarts} restarts after failures)"
+             if spec.restart_only else ""), flush=True)
     if args.no_wait:
         return 0
     deadline = time.monotonic() + 15

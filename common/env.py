@@ -50,6 +50,29 @@ EPOCH = "UNDERSTUDY_EPOCH"
 #: a :class:`WorkerRole`: what the daemon started the worker as.
 WORKER_ROLE = "UNDERSTUDY_WORKER_ROLE"
 
+# What torchrun gives its workers (torch/distributed/elastic/agent/server/local_elastic_agent.py),
+# set by understudyd for the ranks of a restart-only job (``understudy run --restart-only``), so
+# an unmodified script's ``init_process_group(init_method="env://")`` works as under torchrun.
+TORCH_RANK = "RANK"
+TORCH_WORLD_SIZE = "WORLD_SIZE"
+TORCH_LOCAL_RANK = "LOCAL_RANK"
+TORCH_LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+#: the node's index among the job's nodes (torchrun's agent rank)
+TORCH_GROUP_RANK = "GROUP_RANK"
+TORCH_GROUP_WORLD_SIZE = "GROUP_WORLD_SIZE"
+TORCH_ROLE_RANK = "ROLE_RANK"
+TORCH_ROLE_WORLD_SIZE = "ROLE_WORLD_SIZE"
+TORCH_ROLE_NAME = "ROLE_NAME"
+MASTER_ADDR = "MASTER_ADDR"
+MASTER_PORT = "MASTER_PORT"
+TORCHELASTIC_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+TORCHELASTIC_MAX_RESTARTS = "TORCHELASTIC_MAX_RESTARTS"
+TORCHELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"
+#: "False": rank 0's script hosts the env:// store (there is no agent store)
+TORCHELASTIC_USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+TORCH_NCCL_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+OMP_NUM_THREADS = "OMP_NUM_THREADS"
+
 # Set by systemd for Type=notify services.
 NOTIFY_SOCKET = "NOTIFY_SOCKET"
 WATCHDOG_USEC = "WATCHDOG_USEC"

@@ -11,6 +11,7 @@
     <prefix>/jobs/<job>/resize   the operator's resize request (`understudy resize`)
     <prefix>/jobs/<job>/stop     the operator's stop request (`understudy stop`)
     <prefix>/jobs/<job>/migration    the job's current or last migration (controller)
+    <prefix>/jobs/<job>/rendezvous   a restart-only job's MASTER_ADDR:PORT for an epoch
     <prefix>/jobs/<job>/exits/<epoch>/<rank>   how a rank's process ended (its daemon)
     <prefix>/kv/<namespace>/...  workers' key-value service (process-group bootstrap)
     <prefix>/logs/files/<job>/<rank>/<epoch>-<node>-<pid>   where a rank's process logs (its
@@ -88,6 +89,10 @@ class Keys:
     def job_migration(self, job: str) -> str:
         """The job's current (or last) migration; one at a time per job."""
         return f"{self.jobs}{job}/migration"
+
+    def job_rendezvous(self, job: str) -> str:
+        """Where a restart-only job's ranks of the current epoch meet (rank 0's daemon)."""
+        return f"{self.jobs}{job}/rendezvous"
 
     def rank_exit(self, job: str, epoch: int, rank: int) -> str:
         return f"{self.jobs}{job}/exits/{epoch}/{rank}"

@@ -248,6 +248,14 @@ class JobSpec(Record):
     #: its data-parallel size live (``understudy run --reshape``): a lost replica with no
     #: standby free shrinks the job instead of pausing it (``docs/reshape.md``)
     reshape: bool = False
+    #: an unmodified torch.distributed script (``understudy run --restart-only``): its ranks get
+    #: the environment torchrun gives its workers, and a failure, a node loss or a drain restarts
+    #: every rank from the script's own checkpoint instead of moving one live
+    #: (``docs/restart.md``)
+    restart_only: bool = False
+    #: a restart-only job: restarts after a failure (a rank's or a node's) before the job fails;
+    #: a drain's restart does not count (as torchrun's membership changes do not)
+    max_restarts: int = 3
 
     @property
     def world_size(self) -> int:
@@ -266,6 +274,11 @@ class JobSpec(Record):
                              f"standby ({self.standby}) >= 0")
         if not self.argv:
             raise ValueError("a job needs a command")
+        if self.restart_only and self.reshape:
+            raise ValueError("a restart-only job cannot reshape: a plain script restarts at the "
+                             "size it was started with")
+        if not 0 <= self.max_restarts <= 1000:
+            raise ValueError(f"max restarts ({self.max_restarts}) must be 0 to 1000")
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()):
             raise ValueError("job environment must map strings to strings")
 
@@ -283,6 +296,9 @@ class Assignment(Record):
     standbys: tuple[str, ...]
     reason: str
     updated_at: float
+    #: a restart-only job: the restarts after failures so far (``TORCHELASTIC_RESTART_COUNT``
+    #: of the epoch's ranks)
+    restarts: int = 0
 
     def ranks_on(self, node: str) -> list[int]:
         return [r for r, n in enumerate(self.ranks) if n == node]
@@ -309,8 +325,10 @@ PAUSED = "paused: "
 
 
 #: how the reason of a job stopped cleanly ends: every rank ended at the step they agreed on,
-#: ``on_finish`` run (``understudy stop`` exits 0 on it), or it was never placed
-STOPPED_CLEANLY = ("every rank finished its last step", "before it was placed")
+#: ``on_finish`` run (``understudy stop`` exits 0 on it), it was never placed, or (a
+#: restart-only job) every rank ended by itself after its SIGTERM
+STOPPED_CLEANLY = ("every rank finished its last step", "before it was placed",
+                   "every rank ended after its SIGTERM")
 
 
 def stopped_cleanly(status: JobStatus) -> bool:
@@ -360,6 +378,11 @@ class MigrationPhase(enum.StrEnum):
     the job is stopped already, and the joiner takes the state from a data-parallel replica
     (``donors``) instead of the leaver.
 
+    A restart (``kind="restart"``, a restart-only job's: ``docs/restart.md``) goes ``planned
+    -> done``: planned, every daemon stops the job's ranks (SIGTERM, SIGKILL after the stop
+    grace); done, once every rank of the old epoch has ended or lost its node, commits the new
+    assignment, whose ranks the daemons start afresh. Aborted when a node chosen for it is gone.
+
     planned: joiners bind to their ranks; preparing: every member of a group that contains a
     leaver builds that group's next version in the background (phase 1); ready: all reported
     prepared; switching: the ranks agreed (by the step vote) on the boundary where the state
@@ -374,7 +397,7 @@ class MigrationPhase(enum.StrEnum):
     ABORTED = "aborted"
 
 
-MIGRATION_KINDS = ("planned", "recovery", "rollback", "reshape")
+MIGRATION_KINDS = ("planned", "recovery", "rollback", "reshape", "restart")
 
 
 class Report(enum.StrEnum):
@@ -436,6 +459,10 @@ class Migration(Record):
     are gone or end). A replica that is :data:`NEW_REPLICA` (a grow) is made of standbys:
     ``joiners[i]`` takes ``ranks[i]`` (numbered in the new shape) with the state of rank
     ``donors[i]`` (of the new shape too, a replica kept); ``leavers`` are empty strings.
+
+    A ``restart`` (a restart-only job) names every rank: rank ``r`` ran on ``leavers[r]`` and
+    starts afresh on ``joiners[r]`` (the same node, or a standby where that node is lost or
+    draining), from the script's own checkpoint.
     """
 
     KIND: ClassVar[str] = "migration"
@@ -466,6 +493,8 @@ class Migration(Record):
     replicas: tuple[int, ...] = ()
     #: reshape: the data-parallel size before it
     from_dp: int = 0
+    #: restart: the job's restarts after failures once it commits (``Assignment.restarts``)
+    restarts: int = 0
 
     def __post_init__(self) -> None:
         if self.kind == "reshape":
@@ -483,6 +512,11 @@ class Migration(Record):
         elif not len(self.ranks) == len(self.leavers) == len(self.joiners) > 0:
             raise ValueError("a migration moves at least one rank, with a leaver and a joiner "
                              "for each")
+        if self.kind == "restart" and (self.ranks != tuple(range(len(self.ranks)))
+                                       or self.donors):
+            raise ValueError("a restart names every rank, in order, and no donors")
+        if self.restarts and self.kind != "restart":
+            raise ValueError("only a restart counts restarts")
         if self.to_epoch != self.from_epoch + 1:
             raise ValueError("a migration raises the epoch by exactly one")
         if self.kind not in MIGRATION_KINDS:
@@ -611,6 +645,26 @@ class StopRequest(Record):
 
 
 @dataclass(frozen=True)
+class Rendezvous(Record):
+    """Where a restart-only job's ranks of ``epoch`` meet: rank 0's script hosts the env://
+    TCPStore at ``addr:port`` (``MASTER_ADDR``/``MASTER_PORT``). Written by the daemon of the
+    node holding rank 0 at that epoch (its single writer), before it starts rank 0; the other
+    daemons start their ranks of that epoch only once they read it. A fresh port each epoch, so
+    a rank of an older epoch cannot reach the new ranks' store."""
+
+    KIND: ClassVar[str] = "rendezvous"
+    job: str
+    epoch: int
+    node: str
+    addr: str
+    port: int
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536 or not self.addr:
+            raise ValueError(f"rendezvous {self.addr!r}:{self.port} is not an address and port")
+
+
+@dataclass(frozen=True)
 class ProgressReport(Record):
     """How far a job has got: the steps committed, as the process holding rank 0 said at
     ``at`` under ``epoch`` (``worker/progress.py``). Written by a worker through its daemon to
@@ -641,6 +695,7 @@ JOB_RECORDS: dict[str, type[Record]] = {
     "migration": Migration,
     "resize": ResizeRequest,
     "stop": StopRequest,
+    "rendezvous": Rendezvous,
 }
 
 

@@ -34,6 +34,7 @@ from understudy.common.records import (
     NodeRecord,
     RankExit,
     RegistryEntry,
+    Rendezvous,
     Report,
     ResizeRequest,
     StopRequest,
@@ -544,6 +545,8 @@ class _JobTables:
         self.migrations: dict[str, tuple[Migration, int]] = {}
         self.resizes: dict[str, tuple[ResizeRequest, int]] = {}
         self.stops: dict[str, tuple[StopRequest, int]] = {}
+        #: a restart-only job's meeting point (its daemons' business; kept for completeness)
+        self.rendezvous: dict[str, tuple[Rendezvous, int]] = {}
         #: job -> migration id -> progress keys ("prepared/3", ...)
         self.progress: dict[str, dict[str, set[str]]] = {}
         self.abort_reasons: dict[tuple[str, str], str] = {}
@@ -631,7 +634,8 @@ class _JobTables:
                                                  "status": self.statuses,
                                                  "migration": self.migrations,
                                                  "resize": self.resizes,
-                                                 "stop": self.stops}
+                                                 "stop": self.stops,
+                                                 "rendezvous": self.rendezvous}
             if deleted:
                 tables[rest].pop(job, None)
                 return

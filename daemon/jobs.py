@@ -13,8 +13,9 @@ import contextlib
 import json
 import os
 import re
+import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ from understudy.common.records import (
     Migration,
     MigrationPhase,
     RankExit,
+    Rendezvous,
     Report,
     ResizeRequest,
     StopRequest,
@@ -39,6 +41,7 @@ from understudy.common.states import NodeState
 from understudy.common.store import EtcdStore, wait_any
 from understudy.daemon.node import NodeAgent
 from understudy.daemon.ranklogs import RankLogs
+from understudy.daemon.restarts import torchrun_env
 from understudy.daemon.supervisor import ChildExit, ChildState, SpawnError, Supervisor
 
 _CHILD_RE = re.compile(r"^(?P<job>[a-z0-9-]+)\.(r(?P<rank>\d+)|standby)$")
@@ -69,6 +72,7 @@ class _Job:
     migration: Migration | None = None
     resize: ResizeRequest | None = None
     stop: StopRequest | None = None
+    rendezvous: Rendezvous | None = None
 
     @property
     def complete(self) -> bool:
@@ -181,19 +185,25 @@ class JobRunner:
         await self._promote(promotions, running)
         wanted: dict[str, tuple[_Job, int | None]] = {
             name: (job, rank) for name, (job, rank, _, _) in promotions.items()}
+        await self._restarted_here(jobs)
         state = self.agent.state
         if self.agent.registered.is_set():
             for job in jobs.values():
                 assert job.spec and job.assignment and job.status
                 if job.status.state != JobState.RUNNING:
                     continue
+                restart_only = job.spec.restart_only
                 for held in job.assignment.ranks_on(self.node):
                     name = rank_child(job.spec.name, held)
                     self._held_epoch[name] = job.assignment.epoch
+                    if restart_only and (job.stop is not None or _replacing(job, held)):
+                        continue  # stopped below: SIGTERM, so the script can save
                     # A draining node keeps its ranks until they have moved (or its deadline).
                     if state in (NodeState.ACTIVE, NodeState.DRAINING):
                         wanted[name] = (job, held)
-                if self.node in job.assignment.standbys and state == NodeState.STANDBY:
+                # A plain script has no standby worker: its standby nodes wait empty.
+                if self.node in job.assignment.standbys and state == NodeState.STANDBY and \
+                        not restart_only:
                     wanted[standby_child(job.spec.name)] = (job, None)
         for name, (job, rank) in sorted(wanted.items()):
             if name in running or name in self._settling or \
@@ -211,22 +221,78 @@ class JobRunner:
                     _replacing(job, rank) or \
                     await self._exited(job.spec.name, job.assignment.epoch, rank):
                 continue
-            elif job.assignment.epoch > 1:
+            elif job.assignment.epoch > 1 and not job.spec.restart_only:
                 # Only a job's first epoch starts ranks from nothing; later, a rank's process
                 # is the one that held it (or the joiner that took it). If none is here, it
                 # died (during a migration's switch, or with a restarted daemon): a fresh one
                 # would start at step 0 among ranks far ahead. Say it failed; the job recovers.
+                # (A restart-only job's every epoch starts from nothing: from its checkpoint.)
                 await self._rank_missing(job.spec.name, rank, job.assignment.epoch)
                 continue
-            await self._spawn(job.spec, job.assignment, rank)
+            extra = None
+            if job.spec.restart_only and rank is not None:
+                extra = await self._torchrun_env(job, rank)
+                if extra is None:
+                    continue  # rank 0's daemon has not said where the ranks meet yet
+            await self._spawn(job.spec, job.assignment, rank, extra)
+        stopping = []
         for name in running:
             if not self.agent.registered.is_set():
                 return  # the lease was lost meanwhile: see above
             if _CHILD_RE.match(name) and name not in wanted:
                 self.log.info("Stopping a worker this node no longer needs.", child=name)
-                await self.supervisor.stop(name, self.agent.cfg.drain.stop_grace)
+                stopping.append(name)
+        # Side by side: every rank of a restarting job has its SIGTERM at once (one saving
+        # while its peer is not yet told would leave the peer blocked on it).
+        await asyncio.gather(*(self.supervisor.stop(name, self._stop_grace(name, jobs))
+                               for name in stopping))
         await self._check_standbys(jobs, running)
         await self._back_to_the_pool(jobs, promotions)
+
+    def _stop_grace(self, name: str, jobs: dict[str, _Job]) -> float:
+        """Seconds from SIGTERM to SIGKILL for child ``name``: the stop request's grace for a
+        restart-only job being stopped, else ``drain.stop_grace``."""
+        m = _CHILD_RE.match(name)
+        job = jobs.get(m["job"]) if m else None
+        if job is not None and job.spec is not None and job.spec.restart_only and \
+                job.stop is not None:
+            return job.stop.grace
+        return self.agent.cfg.drain.stop_grace
+
+    async def _restarted_here(self, jobs: dict[str, _Job]) -> None:
+        """A standby node that a restart-only job's restart gave ranks becomes active (a live
+        migration's joiner does so at its promotion)."""
+        if self.agent.state != NodeState.STANDBY:
+            return
+        for job in jobs.values():
+            assert job.spec and job.assignment and job.status
+            held = job.assignment.ranks_on(self.node)
+            if job.spec.restart_only and held and job.status.state == JobState.RUNNING:
+                await self.agent.set_state(NodeState.ACTIVE,
+                                           f"holds rank(s) {', '.join(map(str, held))} of job "
+                                           f"{job.spec.name} after its restart")
+                return
+
+    async def _torchrun_env(self, job: _Job, rank: int) -> dict[str, str] | None:
+        """The torchrun environment of a restart-only job's ``rank`` at the current epoch, or
+        None while the epoch's rendezvous is not known. For rank 0 this node publishes it
+        first: a free port on this node's address, where rank 0's script hosts the env://
+        store."""
+        assert job.spec and job.assignment
+        a, rdzv = job.assignment, job.rendezvous
+        if rdzv is not None and (rdzv.epoch != a.epoch or rdzv.node != a.ranks[0]):
+            rdzv = None
+        if rdzv is None and rank == 0:
+            addr = self.agent.cfg.addresses[0] if self.agent.cfg.addresses \
+                else socket.gethostname()
+            rdzv = Rendezvous(job=a.job, epoch=a.epoch, node=self.node, addr=addr,
+                              port=_free_port(addr))
+            await self.store.put(self.keys.job_rendezvous(a.job), rdzv.encode())
+            self.log.info(f"Ranks of job {a.job} meet at {addr}:{rdzv.port} (MASTER_ADDR, "
+                          "MASTER_PORT) this epoch.", job=a.job, epoch=a.epoch)
+        if rdzv is None:
+            return None
+        return torchrun_env(job.spec, a, rank, rdzv, os.environ)
 
     async def _renumber(self, jobs: dict[str, _Job]) -> None:
         """A reshape committed (the job's assignment is at its new epoch): this node's ranks that
@@ -368,6 +434,8 @@ class JobRunner:
         for job in jobs.values():
             m = job.migration
             assert job.spec is not None
+            if m is not None and m.kind == "restart":
+                continue  # a restart starts its ranks afresh: nobody is promoted
             standby = children.get(standby_child(job.spec.name))
             if m is not None and m.phase != MigrationPhase.ABORTED and standby is not None \
                     and standby.state == ChildState.RUNNING:
@@ -523,7 +591,8 @@ class JobRunner:
     async def _exited(self, job: str, epoch: int, rank: int) -> bool:
         return await self.store.get(self.keys.rank_exit(job, epoch, rank)) is not None
 
-    async def _spawn(self, spec: JobSpec, assignment: Assignment, rank: int | None) -> None:
+    async def _spawn(self, spec: JobSpec, assignment: Assignment, rank: int | None,
+                     extra: Mapping[str, str] | None = None) -> None:
         worker_env = {
             **spec.env,
             env.CHILD_SOCKET: str(self.agent.cfg.socket_path),
@@ -548,6 +617,7 @@ class JobRunner:
             name = standby_child(spec.name)
         if self.agent.cfg.addresses:  # where its servers (a snapshot holder) bind
             worker_env[env.NODE_ADDRESS] = self.agent.cfg.addresses[0]
+        worker_env.update(extra or {})  # a restart-only rank's torchrun variables
         if rank is not None:
             self._started.add((spec.name, rank, assignment.epoch))
         # The worker's stdout and stderr: a pipe into its own log file (``daemon/ranklogs.py``).
@@ -769,6 +839,15 @@ def _replacing(job: _Job, rank: int) -> bool:
     m, a = job.migration, job.assignment
     return m is not None and a is not None and m.active and m.from_epoch == a.epoch and \
         m.kind != "reshape" and rank in m.ranks  # a reshape's ranks are of the new shape
+
+
+def _free_port(addr: str) -> int:
+    """A port free on ``addr`` now (the kernel's choice), for rank 0's script to bind. Another
+    process could take it before the script does; the script then fails and the job restarts
+    with a fresh one, as torchrun's own pick of a free port can."""
+    with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET) as s:
+        s.bind((addr, 0))
+        return int(s.getsockname()[1])
 
 
 def _joiner_end(node: str, child: ChildExit, when: str = "") -> str:

@@ -8,6 +8,7 @@ race is normal: the next round plans again from fresh state.
 from __future__ import annotations
 
 import dataclasses
+import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -287,6 +288,8 @@ def _plan_job(name: str, job: JobView, view: ClusterView, now: float) -> list[Ac
         return []  # a foreign assignment: nothing is planned on it
     if job.migration is not None and job.migration.active:
         return _advance_migration(job, job.migration, view, now)
+    if job.spec.restart_only:
+        return restarts().plan_restart_only(job, job.assignment, view, now)
     gone = _gone_ranks(job, job.assignment, view, now)
     if gone:
         return _plan_recovery(job, job.assignment, gone, view, now)
@@ -320,6 +323,8 @@ def _plan_stop(name: str, job: JobView, stop: StopRequest, view: ClusterView,
     a = job.assignment
     if a is None or job.status is None or job.status.state == JobState.PENDING:
         return [SetJobState(name, JobState.STOPPED, f"stopped by {by} {STOPPED_CLEANLY[1]}")]
+    if job.spec.restart_only:
+        return restarts().plan_stop_restart_only(name, job, stop, view, now)
     failed = sorted(e.rank for e in job.exits.values() if e.failed)
     lost_nodes = [r for r, n in enumerate(a.ranks) if r not in job.exits and lost(view, n, now)]
     unfinished = [r for r in range(len(a.ranks)) if r not in job.exits]
@@ -337,6 +342,13 @@ def _plan_stop(name: str, job: JobView, stop: StopRequest, view: ClusterView,
                             f"within the grace of {stop.grace:g} s and were stopped as they "
                             "were")]
     return []
+
+
+def restarts() -> types.ModuleType:
+    """``restarts.py``, a restart-only job's decisions. It builds on this module, so it is
+    imported when first needed, once this one is whole."""
+    from understudy.daemon import restarts as module
+    return module
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -680,6 +692,8 @@ def _advance_migration(job: JobView, m: Migration, view: ClusterView,
     assert job.assignment is not None
     if m.kind == "reshape":
         return _advance_reshape(job, m, view, now)
+    if m.kind == "restart":
+        return restarts().advance_restart(job, m, view, now)
 
     def reported(kind: Report, ranks: tuple[int, ...]) -> bool:
         return all(kind.of(r) in job.progress for r in ranks)

@@ -24,8 +24,8 @@ CLI = {
     "jobs": ["--output"],
     "stop": ["--grace", "--no-wait", "--output", "job"],
     "delete": ["--output", "job"],
-    "run": ["--cwd", "--dp", "--env", "--job", "--no-wait", "--pp", "--reshape", "--standby",
-            "--tp", "argv"],
+    "run": ["--cwd", "--dp", "--env", "--job", "--max-restarts", "--no-wait", "--pp",
+            "--reshape", "--restart-only", "--standby", "--tp", "argv"],
 }
 
 DAEMON = ["--address", "--check-config", "--config", "--drain-deadline", "--enable-failpoints",

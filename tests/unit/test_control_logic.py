@@ -950,3 +950,189 @@ def test_a_survivor_waits_for_its_recovery_as_long_as_etcd_is_unreachable() -> N
     t0 = time.monotonic()
     assert wait_for_recovery(hook, stop, timeout=0.2) is None  # type: ignore[arg-type]
     assert 0.6 <= time.monotonic() - t0 < 2.0
+
+
+# -- restart-only jobs (understudy run --restart-only; docs/restart.md) ------------------------
+
+
+def _restart_view(exits: dict[int, RankExit] | None = None, drop: tuple[str, ...] = (),
+                  draining: tuple[str, ...] = (), standbys: tuple[str, ...] = ("s1", "s2"),
+                  restarts: int = 0, max_restarts: int = 3,
+                  migration: Migration | None = None) -> ClusterView:
+    spec = dataclasses.replace(_spec(tp=1, dp=4), restart_only=True, max_restarts=max_restarts)
+    a = Assignment(job="j", epoch=3, ranks=("a", "a", "b", "b"), standbys=standbys,
+                   reason="", updated_at=0, restarts=restarts)
+    running = JobStatus(job="j", state=JobState.RUNNING, reason="", updated_at=0)
+    live = {"a": _live("a", NodeState.ACTIVE, 2), "b": _live("b", NodeState.ACTIVE, 2),
+            "s1": _live("s1", NodeState.STANDBY, 1), "s2": _live("s2", NodeState.STANDBY, 1)}
+    for n in draining:
+        live[n] = dataclasses.replace(live[n], state=NodeState.DRAINING)
+    for n in drop:
+        live.pop(n)
+    return ClusterView(registry={n: (_entry(n), 1) for n in ("a", "b", "s1", "s2")},
+                       live=live, jobs={"j": JobView(spec, running, a, exits=exits or {},
+                                                     migration=migration)})
+
+
+def _ended(*ranks: int, code: int = -15) -> dict[int, RankExit]:
+    return {r: RankExit(job="j", rank=r, epoch=3, node="ab"[r // 2], returncode=code,
+                        failed=code != 0, description=f"code {code}", time=2.0) for r in ranks}
+
+
+def _job_plan(view: ClusterView, now: float) -> list[object]:
+    """The plan without the failure marks of the nodes a view dropped."""
+    return [x for x in plan(view, now) if not isinstance(x, MarkFailed)]
+
+
+def _restart_planned(view: ClusterView, now: float = 5.0) -> Migration:
+    (start,) = _job_plan(view, now)
+    assert isinstance(start, StartMigration), start
+    m = start.migration
+    assert m.kind == "restart" and m.ranks == (0, 1, 2, 3) and (m.from_epoch, m.to_epoch) == (3, 4)
+    assert m.leavers == ("a", "a", "b", "b") and m.phase == MigrationPhase.PLANNED
+    return m
+
+
+def test_a_crashed_rank_of_a_restart_only_job_restarts_every_rank_in_place() -> None:
+    m = _restart_planned(_restart_view({1: _crash(1)}))
+    assert m.joiners == ("a", "a", "b", "b") and m.restarts == 1  # a failure counts
+    assert "rank 1 failed on a: killed by SIGKILL" in m.reason
+    # The new epoch waits for the exit of every rank of the old one (they were sent SIGTERM).
+    assert _job_plan(_restart_view({1: _crash(1), **_ended(0, 2)}, migration=m), 6.0) == []
+    (done,) = _job_plan(_restart_view({1: _crash(1), **_ended(0, 2), **_ended(3, code=0)},
+                                 migration=m), 7.0)
+    assert isinstance(done, AdvanceMigration) and done.phase == MigrationPhase.DONE
+    a = done.assignment
+    assert a is not None and a.epoch == 4 and a.ranks == ("a", "a", "b", "b")
+    assert a.restarts == 1 and a.standbys == ("s1", "s2")
+
+
+def test_a_drain_restarts_a_restart_only_job_onto_a_standby_without_using_up_a_restart() -> None:
+    m = _restart_planned(_restart_view(draining=("b",), restarts=2))
+    assert m.joiners == ("a", "a", "s1", "s2") and m.restarts == 2 and m.reason == "drain of b"
+    (done,) = _job_plan(_restart_view(_ended(0, 1, 2, 3), draining=("b",), restarts=2,
+                                 migration=m), 9.0)
+    assert isinstance(done, AdvanceMigration) and done.assignment is not None
+    assert done.assignment.ranks == ("a", "a", "s1", "s2") and done.assignment.standbys == ()
+    # A standby node with two slots takes both ranks of the drained node.
+    view = _restart_view(draining=("b",), standbys=("s1",))
+    view = dataclasses.replace(view, live={**view.live, "s1": _live("s1", NodeState.STANDBY, 2)})
+    assert _restart_planned(view).joiners == ("a", "a", "s1", "s1")
+
+
+def test_a_lost_node_restarts_its_ranks_on_standbys_once_the_others_ended() -> None:
+    (start,) = _job_plan(_restart_view(drop=("b",)), 5.0)
+    assert isinstance(start, StartMigration) and start.absent == ("b",)
+    m = start.migration
+    assert m.joiners == ("a", "a", "s1", "s2") and m.restarts == 1
+    # The lost node's ranks never report an exit: its loss stands for them.
+    assert _job_plan(_restart_view(_ended(0), drop=("b",), migration=m), 6.0) == []
+    (done,) = _job_plan(_restart_view(_ended(0, 1), drop=("b",), migration=m), 7.0)
+    assert isinstance(done, AdvanceMigration) and done.assignment is not None
+    assert done.assignment.ranks == ("a", "a", "s1", "s2")
+
+
+def test_a_restart_only_job_fails_past_its_max_restarts_and_is_done_when_every_rank_is() -> None:
+    (failed,) = _job_plan(_restart_view({1: _crash(1)}, restarts=3), 5.0)
+    assert failed == SetJobState("j", JobState.FAILED, "rank 1 failed on a: killed by SIGKILL; "
+                                 "restarted 3 time(s) after failures already, its "
+                                 "--max-restarts is 3")
+    (failed,) = _job_plan(_restart_view({1: _crash(1)}, max_restarts=0), 5.0)
+    assert failed.state == JobState.FAILED  # type: ignore[union-attr]
+    # Drains do not count: one at the limit still restarts.
+    assert _restart_planned(_restart_view(draining=("b",), restarts=3)).restarts == 3
+    (done,) = _job_plan(_restart_view(_ended(0, 1, 2, 3, code=0)), 5.0)
+    assert done == SetJobState("j", JobState.DONE, "every rank finished")
+    assert _job_plan(_restart_view(_ended(0, code=0)), 5.0) == []  # the others still run
+
+
+def test_a_restart_called_off_is_planned_again_and_not_taken_for_the_job_s_end() -> None:
+    m = _restart_planned(_restart_view({1: _crash(1)}))
+    # Node b, chosen to keep its ranks, is lost while the ranks stop: called off.
+    (abort,) = _job_plan(_restart_view({1: _crash(1)}, drop=("b",), migration=m), 6.0)
+    assert isinstance(abort, AdvanceMigration) and abort.phase == MigrationPhase.ABORTED
+    assert "node b chosen for the restart is gone" in abort.reason
+    aborted = dataclasses.replace(m, phase=MigrationPhase.ABORTED, outcome=abort.reason)
+    # Every rank ended meanwhile, most of them cleanly after their SIGTERM: not "done", and
+    # the restarts are counted once.
+    again = _restart_planned(_restart_view({**_ended(0, 2, 3, code=0), 1: _crash(1)},
+                                           drop=("b",), migration=aborted), 7.0)
+    assert again.joiners == ("a", "a", "s1", "s2") and again.restarts == 1
+
+
+def test_a_restart_only_job_with_no_standby_free_takes_one_or_pauses() -> None:
+    view = _restart_view(drop=("b",), standbys=("s1",))
+    job = view.jobs["j"]
+    view = dataclasses.replace(view, jobs={"j": dataclasses.replace(
+        job, spec=dataclasses.replace(job.spec, standby=1))})
+    (refill,) = _job_plan(view, 5.0)
+    assert isinstance(refill, AddStandbys) and refill.assignment.standbys == ("s1", "s2")
+    view = dataclasses.replace(view, live={n: r for n, r in view.live.items() if n != "s2"})
+    (paused,) = _job_plan(view, 5.0)
+    assert isinstance(paused, SetJobState) and paused.reason.startswith(PAUSED)
+    # A drain with no standby free waits (its deadline stops the ranks).
+    assert _job_plan(_restart_view(draining=("b",), drop=("s1", "s2")), 5.0) == []
+
+
+def test_stopping_a_restart_only_job_waits_for_its_ranks_to_end_on_sigterm() -> None:
+    from understudy.daemon.restarts import STOP_SLACK_S
+
+    stop = StopRequest(job="j", requested_at=10.0, grace=30.0, requested_by="op@h")
+
+    def stopping(exits: dict[int, RankExit], drop: tuple[str, ...] = ()) -> ClusterView:
+        view = _restart_view(exits, drop=drop)
+        return dataclasses.replace(view, jobs={"j": dataclasses.replace(view.jobs["j"],
+                                                                         stop=stop)})
+
+    assert _job_plan(stopping(_ended(0, 1)), 12.0) == []  # no restart while it stops
+    (clean,) = _job_plan(stopping({**_ended(0, 1), **_ended(2, 3, code=0)}), 13.0)
+    assert clean == SetJobState("j", JobState.STOPPED, "stopped by op@h: every rank ended "
+                                "after its SIGTERM")
+    assert stopped_cleanly(JobStatus(job="j", state=clean.state, reason=clean.reason,
+                                     updated_at=13.0))
+    (cut,) = _job_plan(stopping({**_ended(0, 1), 2: _crash(2, "b")}, drop=("b",)), 13.0)
+    assert cut.reason == ("stopped by op@h: rank 2 killed by SIGKILL; rank 3's node b is "  # type: ignore[union-attr]
+                          "gone")
+    assert _job_plan(stopping(_ended(0)), 10.0 + 30.0 + STOP_SLACK_S - 0.1) == []
+    (late,) = _job_plan(stopping(_ended(0)), 10.0 + 30.0 + STOP_SLACK_S)
+    assert "no word of rank(s) 1, 2, 3 ending within the grace of 30 s" in late.reason  # type: ignore[union-attr]
+
+
+def test_restart_records_say_what_they_may_hold() -> None:
+    with pytest.raises(ValueError, match="cannot reshape"):
+        dataclasses.replace(_spec(), restart_only=True, reshape=True)
+    with pytest.raises(ValueError, match="max restarts"):
+        dataclasses.replace(_spec(), restart_only=True, max_restarts=-1)
+    m = _restart_planned(_restart_view({1: _crash(1)}))
+    assert Migration.decode(m.encode()) == m
+    with pytest.raises(ValueError, match="names every rank"):
+        dataclasses.replace(m, ranks=(1, 0, 2, 3))
+    with pytest.raises(ValueError, match="only a restart counts"):
+        dataclasses.replace(m, kind="planned")
+    from understudy.common.records import Rendezvous
+
+    rdzv = Rendezvous(job="j", epoch=4, node="a", addr="10.0.0.1", port=29500)
+    assert decode_job_record("j/rendezvous", rdzv.encode()) == ("j", "rendezvous", rdzv)
+    with pytest.raises(ValueError, match="not an address and port"):
+        Rendezvous(job="j", epoch=4, node="a", addr="10.0.0.1", port=0)
+
+
+def test_a_restart_only_rank_gets_the_environment_torchrun_gives_its_workers() -> None:
+    from understudy.common.records import Rendezvous
+    from understudy.daemon.restarts import torchrun_env
+
+    spec = dataclasses.replace(_spec(tp=1, dp=4), restart_only=True, max_restarts=5)
+    a = Assignment(job="j", epoch=4, ranks=("a", "a", "s1", "s2"), standbys=(), reason="",
+                   updated_at=0, restarts=2)
+    rdzv = Rendezvous(job="j", epoch=4, node="a", addr="10.0.0.1", port=29500)
+    assert torchrun_env(spec, a, 1, rdzv, {}) == {
+        "RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "3", "ROLE_RANK": "1", "ROLE_WORLD_SIZE": "4",
+        "ROLE_NAME": "default", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500",
+        "TORCHELASTIC_RESTART_COUNT": "2", "TORCHELASTIC_MAX_RESTARTS": "5",
+        "TORCHELASTIC_RUN_ID": "j", "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "OMP_NUM_THREADS": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    three = torchrun_env(spec, a, 3, rdzv, {"OMP_NUM_THREADS": "4"})
+    assert (three["LOCAL_RANK"], three["GROUP_RANK"], three["OMP_NUM_THREADS"]) == ("0", "2", "4")
+    own = dataclasses.replace(spec, env={"OMP_NUM_THREADS": "2"})
+    assert "OMP_NUM_THREADS" not in torchrun_env(own, a, 0, rdzv, {})  # the job's own stays
