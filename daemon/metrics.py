@@ -155,7 +155,7 @@ class Metrics:
 
 #: a migration's kind as the metrics name it (a planned migration is a drain's)
 MIGRATION_KIND = {"planned": "drain", "recovery": "recovery", "rollback": "rollback",
-                  "reshape": "reshape"}
+                  "reshape": "reshape", "restart": "restart"}
 #: the phases whose durations are observed, in order (``MigrationPhase``); a phase lasts from
 #: its timestamp to the next one's
 PHASES = ("planned", "preparing", "ready", "switching")
@@ -193,7 +193,8 @@ class ControllerMetrics:
     election, as a restarted process's do.
 
     - ``understudy_migrations_total{kind,outcome}``: migrations ended (kind ``drain``,
-      ``recovery``, ``rollback``, ``reshape``; outcome ``done`` or ``aborted``);
+      ``recovery``, ``rollback``, ``reshape``, or ``restart`` for a restart-only job; outcome
+      ``done`` or ``aborted``);
     - ``understudy_migration_phase_seconds{kind,phase}``: how long each phase of an ended
       migration lasted, from the controller's timestamps (``Migration.timings``);
     - ``understudy_job_downtime_seconds{kind}``: the time the job did not train for a
