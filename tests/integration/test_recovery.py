@@ -147,9 +147,17 @@ def test_a_frozen_node_is_replaced_fences_itself_on_waking_and_rejoins_clean(
         assert "told to abort" in a_log  # released by the daemon's word, not a timeout
         for pid in frozen:
             os.kill(pid, signal.SIGCONT)
-        # On waking it finds its lease gone: it kills its old ranks and comes back as a new
-        # incarnation with no rank; the job, at epoch 2, never hears from them.
-        wait_log(b, "fenced itself")
+        # On waking it finds its lease gone and comes back as a new incarnation with no rank;
+        # its old ranks are killed (by the fence's check, or first by its job runner seeing
+        # them replaced: whichever runs first on waking), and the job, at epoch 2, never
+        # hears from them.
+        c.wait_for("node-b fenced", lambda s: any(
+            e["kind"] == "node-fenced" and e["node"] == "node-b" for e in events(c)),
+            timeout=60)
+        deadline = time.monotonic() + 30
+        while any(_running(p) for p in frozen[1:]):
+            assert time.monotonic() < deadline, "node-b's old ranks still run"
+            time.sleep(0.1)
         c.wait_state("node-b", "active", timeout=30)
         job = _finish(c)
         assert job.assignment.epoch == 2
@@ -160,6 +168,13 @@ def test_a_frozen_node_is_replaced_fences_itself_on_waking_and_rejoins_clean(
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
         c.stop_all(timeout=5, drain=False)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def test_an_exhausted_pool_pauses_the_job_until_a_standby_joins(
