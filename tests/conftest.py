@@ -49,6 +49,10 @@ LONGEST = {
     "back_bit_for_bit": 30,
     "integration/test_jobs.py::test_a_standby_reports_its_warmth_and_a_silent_one_is_replaced":
     30,
+    "integration/test_restart.py::test_an_unmodified_script_restarts_from_its_checkpoint_after_a_"
+    "crash_and_a_drain": 21,
+    "integration/test_jobs.py::test_a_job_stopped_from_the_cli_finishes_its_step_saves_and_frees_"
+    "its_nodes": 20,
     "integration/test_migration.py::test_a_migration_past_its_deadline_aborts_and_the_leaver_"
     "trains_on": 27,
 }

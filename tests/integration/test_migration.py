@@ -115,6 +115,7 @@ def test_drain_moves_a_tp_pair_live_and_the_result_is_bitwise_identical(
     out = tmp_path / "out"
     _run_job(cluster, out)
     wait_standbys(cluster, ("node-s1", "node-s2"))
+    wait_log(cluster.daemons["node-b"], "50 steps committed on rank 2")
     drain = cluster.cli("drain", "node-b", "--deadline", "120", "--wait", timeout=180)
     assert drain.returncode == 0, drain.stdout + drain.stderr
     job = _finish(cluster)
@@ -146,6 +147,32 @@ def test_drain_moves_a_tp_pair_live_and_the_result_is_bitwise_identical(
         "node-s1", "node-s2"}
     node_a = cluster.status().node("node-a")
     assert node_a is not None and node_a.state == "active"
+    # Per-rank logs end to end (``understudy logs``): each rank's output is in a file of its
+    # own on its node, not in the daemon's log; a rank drained to a standby has two, each read
+    # through the daemon that holds it, in order.
+    logs = cluster.cli("logs", "mig", "--rank", "2")
+    assert logs.returncode == 0 and logs.stderr == "", logs.stderr
+    heads = [line for line in logs.stdout.splitlines() if line.startswith("==> rank 2 ")]
+    assert [h.split(" on ")[1].split(",")[0] for h in heads] == ["node-b", "node-s1"], heads
+    before, after = logs.stdout.split(heads[1])
+    assert "50 steps committed on rank 2" in before
+    assert "Standby promoted" not in logs.stdout  # the daemons' lines stay theirs
+    assert f"{STEPS} steps committed on rank 2" in after
+    own = cluster.daemons["node-b"].daemon_log_text()
+    assert "Started rank 2 of job mig" in own and "steps committed on rank" not in own
+    every = cluster.cli("logs", "mig")
+    assert every.returncode == 0, every.stderr
+    lines = every.stdout.splitlines()
+    for r in range(4):
+        assert any(line.startswith(f"[rank {r}] ") and
+                   f"{STEPS} steps committed on rank {r}" in line for line in lines)
+    assert all(line.startswith(tuple(f"[rank {r}] " for r in range(4))) for line in lines)
+    status = cluster.cli("status")
+    assert "logs of mig (`understudy logs mig [--rank R]`): node-a:" in status.stdout, \
+        status.stdout
+    bad = cluster.cli("logs", "mig", "--rank", "4")
+    assert (bad.returncode, bad.stdout, bad.stderr) == (
+        1, "", "understudy: job 'mig' has ranks 0 to 3; there is no rank 4\n")
     # What the controller exports (issue 18): the drain counted, its phases and downtime
     # observed, the job's state; the other daemons export none of it. Every family of every
     # daemon follows the naming conventions (scrape checks them).
@@ -328,44 +355,4 @@ def test_a_migration_past_its_deadline_aborts_and_the_leaver_trains_on(etcd: Emb
         if frozen is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(frozen, signal.SIGKILL)
-        c.stop_all(timeout=5, drain=False)
-
-
-def test_a_drained_ranks_log_shows_both_of_its_processes(etcd: EmbeddedEtcd,
-                                                        tmp_path: Path) -> None:
-    """Per-rank logs end to end (``understudy logs``): each rank's output is in a file of its
-    own on its node, not in the daemon's log; a rank drained to a standby has two, each read
-    through the daemon that holds it, in order."""
-    c = start(etcd, tmp_path / "cluster", {"node-a": 1, "node-b": 1}, ("node-s1",))
-    try:
-        _run_job(c, tmp_path / "out", tp=1, dp=2, standby=1)
-        wait_log(c.daemons["node-b"], "50 steps committed on rank 1")
-        wait_standbys(c, ("node-s1",))
-        assert c.cli("drain", "node-b", "--wait", "--deadline", "120",
-                     timeout=180).returncode == 0
-        _finish(c)
-        logs = c.cli("logs", "mig", "--rank", "1")
-        assert logs.returncode == 0 and logs.stderr == "", logs.stderr
-        heads = [line for line in logs.stdout.splitlines() if line.startswith("==> rank 1 ")]
-        assert [h.split(" on ")[1].split(",")[0] for h in heads] == ["node-b", "node-s1"], heads
-        before, after = logs.stdout.split(heads[1])
-        assert "50 steps committed on rank 1" in before
-        assert "Standby promoted" not in logs.stdout  # the daemons' lines stay theirs
-        assert "150 steps committed on rank 1" in after
-        own = c.daemons["node-b"].daemon_log_text()
-        assert "Started rank 1 of job mig" in own and "steps committed on rank" not in own
-        every = c.cli("logs", "mig")
-        assert every.returncode == 0, every.stderr
-        lines = every.stdout.splitlines()
-        for r in (0, 1):
-            assert any(line.startswith(f"[rank {r}] ") and
-                       f"150 steps committed on rank {r}" in line for line in lines)
-        assert all(line.startswith(("[rank 0] ", "[rank 1] ")) for line in lines)
-        status = c.cli("status")
-        assert "logs of mig (`understudy logs mig [--rank R]`): node-a:" in status.stdout, \
-            status.stdout
-        bad = c.cli("logs", "mig", "--rank", "2")
-        assert (bad.returncode, bad.stdout, bad.stderr) == (
-            1, "", "understudy: job 'mig' has ranks 0 to 1; there is no rank 2\n")
-    finally:
         c.stop_all(timeout=5, drain=False)
