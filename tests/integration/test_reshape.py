@@ -39,6 +39,28 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def run_places(tmp_path: Path, port: int, argvs: dict[str, list[str]]) -> None:
+    """Run one Python process per entry (name -> its arguments, its stderr in
+    ``<name>.log``) with a store on ``port`` for their groups; each must exit 0."""
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
+    procs = {}
+    try:
+        for name, argv in argvs.items():
+            log = open(tmp_path / f"{name}.log", "wb")  # noqa: SIM115 (closed below)
+            procs[name] = (log, subprocess.Popen(
+                [sys.executable, *argv], env={**os.environ, **ONE_THREAD},
+                stdout=subprocess.DEVNULL, stderr=log))
+        for name, (_, proc) in procs.items():
+            code = proc.wait(timeout=240)
+            assert code == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+    finally:
+        for log, proc in procs.values():
+            proc.kill()
+            log.close()
+        del store
+
+
 @pytest.mark.parametrize("sharded", [False, True], ids=["replicated", "sharded-optimizer"])
 def test_a_job_shrunk_from_four_replicas_to_two_and_grown_back_keeps_every_bit(
         tmp_path: Path, sharded: bool) -> None:
@@ -53,28 +75,13 @@ def test_a_job_shrunk_from_four_replicas_to_two_and_grown_back_keeps_every_bit(
     tp = 1 if sharded else TP
     job = (*JOB, "--tp", str(tp), *sharding)
     port = _free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=60))
     out = tmp_path / "out"
     replicas = sorted({r for _, reps in PHASES for r in reps})
-    procs = {}
-    for replica in replicas:
-        for t in range(tp):
-            log = open(tmp_path / f"p{replica}.{t}.log", "wb")  # noqa: SIM115 (closed below)
-            procs[replica, t] = (log, subprocess.Popen(
-                [sys.executable, RUN, "--replica", str(replica), "--tp-index", str(t),
-                 "--port", str(port), "--phases", json.dumps(PHASES), "--", "--save", str(out),
-                 *job],
-                env={**os.environ, **ONE_THREAD}, stdout=subprocess.DEVNULL, stderr=log))
-    try:
-        for (replica, t), (_, proc) in procs.items():
-            code = proc.wait(timeout=240)
-            assert code == 0, (tmp_path / f"p{replica}.{t}.log").read_text()[-3000:]
-    finally:
-        for log, proc in procs.values():
-            proc.kill()
-            log.close()
-        del store
+    run_places(tmp_path, port, {
+        f"p{replica}.{t}": [RUN, "--replica", str(replica), "--tp-index", str(t), "--port",
+                            str(port), "--phases", json.dumps(PHASES), "--", "--save",
+                            str(out), *job]
+        for replica in replicas for t in range(tp)})
     text = (tmp_path / "p0.0.log").read_text()
     assert text.count("Took a new place in the job.") == 3, text[-3000:]
     # The uninterrupted run: four replicas, one slot each, the same job and steps.

@@ -8,20 +8,15 @@ test (``restage_run.py``): no controller plans a pipeline reshape yet."""
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from tests.integration.test_migration import ONE_THREAD, standalone_run
-from tests.integration.test_reshape import _free_port
+from tests.integration.test_migration import standalone_run
+from tests.integration.test_reshape import _free_port, run_places
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -57,28 +52,13 @@ def _by_name(directory: Path, ranks: list[int]) -> tuple[dict[str, torch.Tensor]
 
 def test_a_job_whose_stages_go_from_one_to_four_and_back_keeps_every_bit(tmp_path: Path) -> None:
     port = _free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=60))
     out = tmp_path / "out"
     most = max(pp for _, pp in PHASES)
-    procs = {}
-    for replica in range(DP):
-        for k in range(most):
-            log = open(tmp_path / f"p{replica}.{k}.log", "wb")  # noqa: SIM115 (closed below)
-            procs[replica, k] = (log, subprocess.Popen(
-                [sys.executable, RUN, "--replica", str(replica), "--tp-index", "0",
-                 "--position", str(k), "--replicas", str(DP), "--port", str(port),
-                 "--phases", json.dumps(PHASES), "--", "--save", str(out), *JOB],
-                env={**os.environ, **ONE_THREAD}, stdout=subprocess.DEVNULL, stderr=log))
-    try:
-        for (replica, k), (_, proc) in procs.items():
-            code = proc.wait(timeout=240)
-            assert code == 0, (tmp_path / f"p{replica}.{k}.log").read_text()[-3000:]
-    finally:
-        for log, proc in procs.values():
-            proc.kill()
-            log.close()
-        del store
+    run_places(tmp_path, port, {
+        f"p{replica}.{k}": [RUN, "--replica", str(replica), "--tp-index", "0", "--position",
+                            str(k), "--replicas", str(DP), "--port", str(port), "--phases",
+                            json.dumps(PHASES), "--", "--save", str(out), *JOB]
+        for replica in range(DP) for k in range(most)})
     text = (tmp_path / "p0.0.log").read_text()
     assert text.count("Took a new place in the job.") == 3, text[-3000:]
     # The uninterrupted run of the submitted shape: one stage, two replicas.
