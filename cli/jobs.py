@@ -69,6 +69,9 @@ def _row(job: JobView, steps: tuple[int, float] | None, now: float) -> dict[str,
     a, spec = job.assignment, job.spec
     return {
         "name": spec.name, "state": job.state,
+        # how its ranks survive a failure: moved live (the worker API), the same with a
+        # data-parallel size that may change (--reshape), or restarted (--restart-only)
+        "mode": "restart-only" if spec.restart_only else "reshape" if spec.reshape else "live",
         "reason": job.status.reason if job.status else "",
         "epoch": a.epoch if a else 0,
         "layout": {"tp": spec.tp, "dp": spec.dp, "pp": spec.pp, "dp_now": job.dp_now},
@@ -100,13 +103,14 @@ async def list_jobs(store: EtcdStore, keys: Keys, output: str) -> int:
     if not rows:
         print("no jobs")
         return 0
-    table = [("NAME", "STATE", "EPOCH", "LAYOUT", "NODES", "STANDBYS", "STEPS", "AGE")]
+    table = [("NAME", "STATE", "EPOCH", "LAYOUT", "NODES", "STANDBYS", "STEPS", "AGE", "MODE")]
     for r in rows:
         state = r["state"] + (" (stopping)" if r["stop"] and r["state"] in ("pending",
                                                                            "running") else "")
         table.append((r["name"], state, str(r["epoch"] or "-"), _layout(r),
                       ",".join(r["nodes"]) or "-", ",".join(r["standbys"]) or "-",
-                      "-" if r["steps"] is None else str(r["steps"]), _age(r["age_s"])))
+                      "-" if r["steps"] is None else str(r["steps"]), _age(r["age_s"]),
+                      r["mode"]))
     widths = [max(len(t[i]) for t in table) for i in range(len(table[0]))]
     for t in table:
         print("  ".join(c.ljust(w) for c, w in zip(t, widths, strict=True)).rstrip())

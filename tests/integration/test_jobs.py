@@ -250,10 +250,10 @@ def test_a_job_stopped_from_the_cli_finishes_its_step_saves_and_frees_its_nodes(
     cluster.wait_for("steps reported", lambda s: (listed()["steps"] or 0) > 0, timeout=60)
     row = listed()
     assert row["state"] == "running" and row["nodes"] == ["node-a", "node-b"]
-    assert row["standbys"] == ["node-s"] and row["epoch"] == 1
+    assert row["standbys"] == ["node-s"] and row["epoch"] == 1 and row["mode"] == "live"
     table = cluster.cli("jobs").stdout
-    assert table.split()[:8] == ["NAME", "STATE", "EPOCH", "LAYOUT", "NODES", "STANDBYS",
-                                 "STEPS", "AGE"] and "tp2xdp2" in table
+    assert table.split()[:9] == ["NAME", "STATE", "EPOCH", "LAYOUT", "NODES", "STANDBYS",
+                                 "STEPS", "AGE", "MODE"] and "tp2xdp2" in table
     # Bad input changes nothing: a running job is not deleted, unknown jobs are named.
     for args, says in ((("delete", "long"), "is running: stop it first"),
                        (("stop", "nope"), "no job named 'nope'"),

@@ -103,6 +103,8 @@ def test_an_unmodified_script_restarts_from_its_checkpoint_after_a_crash_and_a_d
                       "--step-sleep", "0.04")
     assert run.returncode == 0 and "restart-only (at most 3 restarts" in run.stdout, run.stderr
     assert "rank 0 on node-a, rank 1 on node-b" in run.stdout
+    (row,) = json.loads(cluster.cli("jobs", "-o", "json").stdout)
+    assert row["mode"] == "restart-only"
 
     # A rank killed: every rank restarts, from the last checkpoint, on the same nodes.
     _until("a checkpoint at step 20", lambda: _saved(base) >= 20, 60)
