@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from understudy.common.errors import RecordError
+from understudy.common.errors import RecordError, UnderstudyError
 from understudy.common.keys import Keys
 from understudy.common.ranklogs import LogFile
 from understudy.common.records import (
@@ -24,6 +24,10 @@ from understudy.common.records import (
     decode_job_record,
 )
 from understudy.common.store import EtcdStore
+
+
+class UnknownJob(UnderstudyError):
+    """A CLI command named a job the cluster does not have (exit code 1)."""
 
 
 @dataclass
@@ -130,6 +134,16 @@ class ClusterStatus:
 
     def job(self, name: str) -> JobView | None:
         return next((j for j in self.jobs if j.spec.name == name), None)
+
+    def require_job(self, name: str) -> JobView:
+        """Job ``name``.
+
+        Raises: UnknownJob: there is none (the sentence names the jobs there are)."""
+        job = self.job(name)
+        if job is None:
+            known = ", ".join(j.spec.name for j in self.jobs) or "none"
+            raise UnknownJob(f"no job named {name!r} in this cluster (known: {known})")
+        return job
 
     def as_json(self) -> dict[str, Any]:
         return {"controller": self.controller, "revision": self.revision,

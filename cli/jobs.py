@@ -14,7 +14,7 @@ import socket
 import time
 from typing import Any
 
-from understudy.cli.cluster import ClusterStatus, JobView, read_cluster
+from understudy.cli.cluster import JobView, read_cluster
 from understudy.common.errors import RecordError, UnderstudyError
 from understudy.common.keys import Keys
 from understudy.common.records import (
@@ -32,14 +32,6 @@ STOP_MARGIN_S = 30.0
 
 class JobCommandError(UnderstudyError):
     """Shown to the operator as one sentence; exit code 1."""
-
-
-def _job(status: ClusterStatus, name: str) -> JobView:
-    job = status.job(name)
-    if job is None:
-        known = ", ".join(j.spec.name for j in status.jobs) or "none"
-        raise JobCommandError(f"no job named {name!r} in this cluster (known: {known})")
-    return job
 
 
 def _age(seconds: float) -> str:
@@ -124,7 +116,7 @@ async def stop(store: EtcdStore, keys: Keys, name: str, grace: float, wait: bool
     never placed, or finished on its own meanwhile); 1 when a rank did not finish within the
     grace (the status names it), or the job failed."""
     status = await read_cluster(store, keys)
-    job = _job(status, name)
+    job = status.require_job(name)
     if job.status is not None and job.status.state.ended:
         raise JobCommandError(f"job {name!r} is {job.state}: there is nothing to stop")
     req = StopRequest(job=name, requested_at=time.time(), grace=grace,
@@ -168,7 +160,7 @@ async def delete(store: EtcdStore, keys: Keys, name: str, output: str) -> int:
     stay on their nodes), in one transaction that holds only while its status is the one read.
     A pending or running job is refused: stop it first."""
     status = await read_cluster(store, keys)
-    job = _job(status, name)
+    job = status.require_job(name)
     if job.status is None or not job.status.state.ended:
         raise JobCommandError(f"job {name!r} is {job.state}: stop it first "
                               f"(understudy stop {name})")

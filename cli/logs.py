@@ -46,12 +46,9 @@ def check_request(status: ClusterStatus, name: str, rank: int | None) -> JobView
     """The job to show, after checking the request against the cluster.
 
     Raises:
-        LogsError: no such job, or ``rank`` is not one of its ranks.
+        UnknownJob: no such job. LogsError: ``rank`` is not one of its ranks.
     """
-    job = status.job(name)
-    if job is None:
-        known = ", ".join(j.spec.name for j in status.jobs) or "none"
-        raise LogsError(f"no job named {name!r} in this cluster (known: {known})")
+    job = status.require_job(name)
     world = world_size(job)
     if rank is not None and not 0 <= rank < world:
         raise LogsError(f"job {name!r} has ranks 0 to {world - 1}; there is no rank {rank}")

@@ -328,11 +328,7 @@ async def _resize(store: EtcdStore, keys: Keys, name: str, dp: int) -> str:
     """Ask the controller to reshape job ``name`` to ``dp`` replicas (``docs/reshape.md``).
     Refused, with nothing written, for an unknown job, one not run with ``--reshape``, one
     not running, or a size outside 1 to its ``--dp``."""
-    status = await read_cluster(store, keys)
-    job = status.job(name)
-    if job is None:
-        known = ", ".join(j.spec.name for j in status.jobs) or "none"
-        raise CliError(f"no job named {name!r} in this cluster (known: {known})")
+    job = (await read_cluster(store, keys)).require_job(name)
     if not job.spec.reshape:
         raise CliError(f"job {name!r} was not run with --reshape: its data-parallel size is "
                        f"fixed at {job.spec.dp}")

@@ -375,11 +375,10 @@ class Runtime:
         if not restages(self.job):
             return (f"{type(self.job).__name__} cannot move its layers between pipeline stages "
                     "(a SlottedJob that implements stage_units can)")
-        kept = ("job", "seed", "tp", "data_slots", "tp_index", "dp", "dp_index")
-        changed = [k for k in kept if getattr(ctx, k) != getattr(self.ctx, k)]
+        changed = self._changed(ctx, ("job", "seed", "tp", "data_slots", "tp_index", "dp",
+                                      "dp_index"))
         if changed:
-            return (f"a pipeline reshape changes the number of stages only; this one also "
-                    f"changes {', '.join(changed)}")
+            return f"a pipeline reshape changes the number of stages only; this one {changed}"
         try:
             self.job.stage_units(ctx)
         except ValueError as exc:
@@ -398,12 +397,17 @@ class Runtime:
         if not slotted(self.job):
             return (f"{type(self.job).__name__} is not a SlottedJob: only a job that trains "
                     "data-parallel slots keeps its results when the number of replicas changes")
-        kept = ("job", "seed", "tp", "pp", "data_slots", "tp_index", "pp_index")
-        changed = [k for k in kept if getattr(ctx, k) != getattr(self.ctx, k)]
+        changed = self._changed(ctx, ("job", "seed", "tp", "pp", "data_slots", "tp_index",
+                                      "pp_index"))
         if changed:
-            return (f"a reshape changes the data-parallel shape only; this one also changes "
-                    f"{', '.join(changed)}")
+            return f"a reshape changes the data-parallel shape only; this one {changed}"
         return None
+
+    def _changed(self, ctx: JobContext, kept: tuple[str, ...]) -> str:
+        """The words "also changes a, b" for the fields of ``kept`` that ``ctx`` changes;
+        empty if none."""
+        changed = [k for k in kept if getattr(ctx, k) != getattr(self.ctx, k)]
+        return f"also changes {', '.join(changed)}" if changed else ""
 
     def settle(self, committed: int) -> None:
         """After an abort, take the survivors' word: ``committed`` steps are committed (the

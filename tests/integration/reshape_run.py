@@ -54,6 +54,20 @@ def pair(groups: GroupSet, donor: Any, joiner: Any, t: int, version: int,
     return PairGroupTransport(groups.current(name), timeout_s=timeout)
 
 
+def phase_groups(job: str, name: str, phase: int, port: int, timeout: float) -> GroupSet:
+    """The group set of process ``name`` for ``phase`` (epoch ``phase + 1``) on the test's
+    store at ``port``."""
+    def store(namespace: str, cancel: object) -> dist.Store:
+        # A client of its own for each group: a TCPStore client serialises its operations,
+        # so two groups built at once through one would wait for each other's keys crosswise.
+        client = dist.TCPStore("127.0.0.1", port, is_master=False,
+                               timeout=datetime.timedelta(seconds=timeout))
+        return dist.PrefixStore(f"e{phase + 1}/{namespace}", client)
+
+    return GroupSet(job, name, epoch=phase + 1, timeout=timeout, backends={"cpu": "gloo"},
+                    store_factory=store)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--replica", type=int, required=True)
@@ -68,17 +82,8 @@ def main() -> int:
     phases = [(int(until), Shape(tuple(reps), args.tp)) for until, reps in json.loads(a.phases)]
     me, t = a.replica, a.tp_index
 
-    def store(prefix: str) -> dist.Store:
-        # A client of its own for each group: a TCPStore client serialises its operations,
-        # so two groups built at once through one would wait for each other's keys crosswise.
-        client = dist.TCPStore("127.0.0.1", a.port, is_master=False,
-                               timeout=datetime.timedelta(seconds=a.timeout))
-        return dist.PrefixStore(prefix, client)
-
     def group_set(k: int) -> GroupSet:
-        return GroupSet("reshape", member(me, t, 0), epoch=k + 1, timeout=a.timeout,
-                        backends={"cpu": "gloo"},
-                        store_factory=lambda ns, cancel: store(f"e{k + 1}/{ns}"))
+        return phase_groups("reshape", member(me, t, 0), k, a.port, a.timeout)
 
     k = next(i for i, (_, shape) in enumerate(phases) if me in shape.replicas)
     shape = phases[k][1]

@@ -15,12 +15,10 @@ JSON -- TRAIN_ARGS...``, where ``TRAIN_ARGS`` are the example's (``--slots``, ``
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 
-import torch.distributed as dist
-from reshape_run import _example  # this folder: the script runs as a file
+from reshape_run import _example, phase_groups  # this folder: the script runs as a file
 
 from understudy.common import logs
 from understudy.groups.groupset import GroupSet
@@ -57,13 +55,7 @@ def main() -> int:
         raise SystemExit(f"position {k_me} is in phases {mine}: one unbroken run is needed")
 
     def group_set(k: int) -> GroupSet:
-        def store(ns: str, cancel: object) -> dist.Store:
-            # A client of its own for each group (see reshape_run.py).
-            client = dist.TCPStore("127.0.0.1", a.port, is_master=False,
-                                   timeout=datetime.timedelta(seconds=a.timeout))
-            return dist.PrefixStore(f"e{k + 1}/{ns}", client)
-        return GroupSet("restage", member(me, t, k_me), epoch=k + 1, timeout=a.timeout,
-                        backends={"cpu": "gloo"}, store_factory=store)
+        return phase_groups("restage", member(me, t, k_me), k, a.port, a.timeout)
 
     k = mine[0]
     shape = phases[k][1]
