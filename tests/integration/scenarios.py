@@ -68,12 +68,18 @@ def wait_standbys(c: LocalCluster, nodes: tuple[str, ...], timeout: float = 90) 
     raise AssertionError(f"standby workers on {nodes} never came up")
 
 
-def worker_pid(d: DaemonProcess, child: str) -> int:
-    """The pid of the newest worker ``child`` (``mig.standby``, ``mig.r1``) of daemon ``d``."""
-    pids = [json.loads(line)["pid"] for line in d.log_text().splitlines()
-            if f'"child": "{child}"' in line and "started with pid" in line]
-    assert pids, f"{child} never started on {d.name}"
-    return int(pids[-1])
+def worker_pid(d: DaemonProcess, child: str, timeout: float = 30.0) -> int:
+    """The pid of the newest worker ``child`` (``mig.standby``, ``mig.r1``) of daemon ``d``,
+    waiting up to ``timeout`` seconds for it to start (a node starts its ranks one after the
+    other: a job that runs on every node may not run every rank yet)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pids = [json.loads(line)["pid"] for line in d.daemon_log_text().splitlines()
+                if f'"child": "{child}"' in line and "started with pid" in line]
+        if pids:
+            return int(pids[-1])
+        assert time.monotonic() < deadline, f"{child} never started on {d.name}"
+        time.sleep(0.05)
 
 
 def wait_gone(pids: list[int], timeout: float) -> None:
