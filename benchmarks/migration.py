@@ -18,8 +18,8 @@ the job runs to its last step. Then:
   committed while it ran.
 - **the state transfer**: bytes, seconds and MB/s from each leaver's "Handed the state ... off"
   log line (worker stderr goes to the daemon log); with the state sent ahead (the example's
-  default, ``--hand-off ahead``), from its "sent ahead" line, and what crossed at the switch
-  (the RNG states and counters) apart.
+  default, ``--hand-off ahead``), from its "sent ahead" line, and the last step's message (its
+  gradients, with the RNG states and counters: the switch's word) apart.
 - **raw point-to-point bandwidth of the same machine, in the same run**: after each repeat, two
   processes exchange gloo send/recv (a buffer of the state's size and one of 64 MiB, each
   answered by a 1-byte ack), and ``send_state``/``receive_state`` move a state of each size
@@ -376,8 +376,8 @@ def print_summary(result: dict[str, Any]) -> None:
     row("  rate", tr["mb_per_s"], "MB/s")
     if tr.get("sent_ahead"):
         row("  steps' gradients forwarded after it", tr["steps_forwarded"], "steps")
-        row("  at the switch: RNGs and counters", tr["at_switch_bytes"], "B")
-        row("  at the switch: its send", tr["at_switch_seconds"], "ms", 1e3)
+        row("  last step + switch's word", tr["at_switch_bytes"], "B")
+        row("  its send (beside the apply)", tr["at_switch_seconds"], "ms", 1e3)
     for end in ("leaver", "joiner"):
         rss = tr.get(f"{end}_rss_mib", {})
         row(f"  {end}: RSS at its start", rss.get("start"), "MiB")

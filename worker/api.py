@@ -13,6 +13,8 @@ votes in between, so that a step applies on every rank or on none::
     state() / load_state(state)        the rank's full state, to hand to a standby
     apply_inputs / load_apply_inputs   optional: what apply takes from compute, so that a
                                        joiner follows its leaver step by step (below)
+    apply_landing                      optional with them: the joiner applies a step while
+                                       its inputs land
     compute_slot / gradients           instead of compute, in a SlottedJob: the runtime owns
                                        the data-parallel sum, by slots (below)
 
@@ -66,9 +68,12 @@ hangs or fails. (Megatron-core modules hold their groups; their adapter deals wi
 ``apply_inputs`` and ``load_apply_inputs`` (the plain-torch example does) has its leaver send
 its state while training goes on, during one step's compute (which must not change the state,
 as for every job), then each committed step's apply inputs; its joiner applies each step as the
-leaver did. At the switch only the RNG states and the step counters cross, and the joiner's
-last apply overlaps the survivors' own. A job without them hands its whole state off at the
-switch, as before.
+leaver did. The last step's inputs carry the RNG states and the step counters, so the leaver's
+word that the state is through waits for no apply, and the joiner's last apply overlaps the
+survivors' own. A job that also implements ``apply_landing`` (the example does) applies each
+step on the joiner *as its inputs land*, a range at a time, so that even that apply runs
+alongside the transfer: with gigabytes of state the switch then waits for neither. A job
+without them hands its whole state off at the switch, as before.
 
 **Data-parallel slots (opt-in).** A :class:`SlottedJob` trains ``ctx.data_slots`` slots, its
 DP degree at submission, on however many replicas it has: the runtime computes each slot the
@@ -86,7 +91,7 @@ from __future__ import annotations
 
 import abc
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeGuard
 
@@ -402,6 +407,38 @@ class TrainingJob(abc.ABC):
         leaver's, already done: a job skips them for a step loaded this way."""
         raise NotImplementedError(f"{type(self).__name__} does not load apply inputs")
 
+    def apply_landing(self, step: int, inputs: dict[str, Any], landing: Landing) -> None:
+        """Optional, with :meth:`apply_inputs`: on a joiner following its leaver, apply
+        ``step`` from the leaver's apply inputs *while they land*, instead of
+        :meth:`load_apply_inputs` and :meth:`apply` once the last byte is through, so that the
+        joiner's apply runs alongside the transfer rather than after it. ``inputs`` is the
+        tree :meth:`apply_inputs` returned on the leaver, its tensors allocated but not yet
+        written: before reading a tensor's elements, wait for them with
+        ``landing.wait(tensor)``, or take them in order, a range at a time, with ``for lo, hi
+        in landing.pieces(tensor)`` (flat element ranges). It runs on a thread of its own; a
+        TransferError from ``landing`` means the transfer failed (let it propagate: the joiner
+        then cannot take the rank).
+
+        It must leave the job exactly as :meth:`load_apply_inputs` then :meth:`apply` would,
+        bit for bit (an element-wise optimizer such as Adam can be applied range by range),
+        keep the tensors as :meth:`load_apply_inputs` does, and not write to them.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not apply inputs as they land")
+
+
+class Landing(Protocol):
+    """The apply inputs of a step as they land on a joiner (:meth:`TrainingJob.apply_landing`;
+    :class:`understudy.worker.transfer.Landing`)."""
+
+    def pieces(self, tensor: torch.Tensor) -> Iterator[tuple[int, int]]:
+        """The flat element ranges ``[lo, hi)`` of ``tensor``, in order and covering it, each
+        once it has landed. Raises TransferError: the transfer failed."""
+        ...
+
+    def wait(self, tensor: torch.Tensor) -> None:
+        """Until all of ``tensor`` has landed. Raises TransferError: the transfer failed."""
+        ...
+
 
 class SlottedJob(TrainingJob):
     """A job whose data parallelism the runtime owns, by slots (opt-in; :mod:`understudy.worker.
@@ -506,3 +543,9 @@ def replays(job: TrainingJob) -> bool:
     step."""
     return (type(job).apply_inputs is not TrainingJob.apply_inputs
             and type(job).load_apply_inputs is not TrainingJob.load_apply_inputs)
+
+
+def applies_landing(job: TrainingJob) -> bool:
+    """Whether ``job`` replays (:func:`replays`) and implements
+    :meth:`TrainingJob.apply_landing`, so that a joiner applies each step as its inputs land."""
+    return replays(job) and type(job).apply_landing is not TrainingJob.apply_landing

@@ -46,12 +46,14 @@ from understudy.common.records import (
 from understudy.common.snapshot_tiers import STORAGE
 from understudy.groups.errors import GroupError
 from understudy.groups.groupset import GroupSet
-from understudy.worker.api import CollectiveAborted
+from understudy.worker import rng
+from understudy.worker.api import CollectiveAborted, applies_landing
 from understudy.worker.holder import SnapshotHolder
 from understudy.worker.holder_client import HolderDirectory
 from understudy.worker.runtime import Action, Runtime
 from understudy.worker.snapshots import SnapshotError, restore
 from understudy.worker.transfer import (
+    Landing,
     PairGroupTransport,
     TransferError,
     TransferStats,
@@ -97,6 +99,10 @@ def _send_ahead_failpoint() -> bool:
     return False
 
 
+#: how :class:`SendAhead` names the last step's message, which carries the switch's word
+SWITCH_WORD = " and the switch"
+
+
 def pair_name(rank: int, version: int) -> str:
     """The transfer pair of one attempt: a new group each time (the rank that joined through
     one pair may be the leaver of the next)."""
@@ -106,8 +112,11 @@ def pair_name(rank: int, version: int) -> str:
 class SendAhead:
     """The leaver's stream to its joiner when the job replays (``api.replays``): its state,
     sent in the background during one step's compute, then each committed step's apply inputs,
-    each sent while the leaver applies that step; at the switch, only the RNGs and counters
-    (:meth:`MigrationHook.hand_off`). One message at a time, each a whole
+    each sent while the leaver applies that step; the last step's (the vote agreed the switch)
+    carry the RNGs and counters too (:meth:`MigrationHook.before_apply`), or, where that step
+    was not committed, they cross alone at the switch (:meth:`MigrationHook.hand_off`). The
+    joiner applies each step as it lands where the job can (:class:`_LandingReplay`). One
+    message at a time, each a whole
     :func:`~understudy.worker.transfer.send_state`, in order, on the transfer pair.
 
     The runtime waits (:meth:`wait`) before the state it sends can change: the state before
@@ -171,10 +180,11 @@ class SendAhead:
 
     def summary(self) -> str:
         """The messages sent before the switch, in words: the state's figures, then the steps'
-        in total."""
+        in total (the last step's, which carried the switch's word, apart: the hand-off's)."""
         if not self.sent:
             return "nothing sent ahead"
-        (what, first), steps = self.sent[0], [s for _, s in self.sent[1:]]
+        (what, first) = self.sent[0]
+        steps = [s for w, s in self.sent[1:] if not w.endswith(SWITCH_WORD)]
         out = f"{what} sent ahead: {first}"
         if steps:
             nbytes = sum(s.payload_bytes for s in steps)
@@ -372,6 +382,9 @@ class MigrationHook:
         #: replays: ``api.replays``), rather than the whole state at the switch
         self.send_ahead_enabled = send_ahead
         self._ahead: SendAhead | None = None
+        #: the RNG states the last step's inputs carried to the joiner, with the counters
+        #: (the switch agreed, the switch's word went with them): None until then
+        self._switch_rng: dict[str, Any] | None = None
         #: every rank agreed in a step's vote that the job stops (``understudy stop``): the
         #: rank ends at its next boundary, a finished run (``on_finish`` runs)
         self.stop_agreed = False
@@ -435,6 +448,7 @@ class MigrationHook:
         if self._plan is None:
             self._plan = plan
             self._prepared, self._reported_prepared, self._switch_next = [], False, False
+            self._switch_rng = None
             self._reports = DaemonClient(f"{self.job}/migration/{plan.id}",
                                          epoch=plan.from_epoch, timeout=10)
         else:
@@ -451,6 +465,7 @@ class MigrationHook:
         self.log.info(f"Migration {self._plan.id} ended ({why}); staying on current groups.")
         self._finished.add(self._plan.id)
         self._plan, self._prepared, self._switch_next = None, [], False
+        self._switch_rng = None
         if self._reports is not None:
             self._reports.close()
             self._reports = None
@@ -542,9 +557,12 @@ class MigrationHook:
         self.log.info(f"Sending the state of rank {self.rank} ahead to its joiner while step "
                       f"{step} computes.", migration=self._plan.id)
 
-    def before_apply(self, step: int, job: Any) -> None:
+    def before_apply(self, step: int, job: Any, after: dict[str, Any]) -> None:
         """The vote committed ``step``: once the state sent ahead is through (it changes in
-        ``apply``), forward the step's apply inputs while this rank applies them too."""
+        ``apply``), forward the step's apply inputs while this rank applies them too. The vote
+        agreed on the switch at the next boundary: the RNG states and ``after`` (the
+        runtime's counters once the step applied) go with them, so that the word at the switch
+        waits for no apply (the job's apply draws no random number: ``api.apply_inputs``)."""
         if self._ahead is None:
             return
         try:
@@ -554,7 +572,14 @@ class MigrationHook:
             except Exception as exc:  # the job's own code
                 raise TransferError(f"the job's apply_inputs({step}) failed: "
                                     f"{type(exc).__name__}: {exc}") from exc
-            self._ahead.send({"apply": step, "inputs": inputs}, f"step {step}")
+            message: dict[str, Any] = {"apply": step, "inputs": inputs}
+            what = f"step {step}"
+            abort = _send_ahead_failpoint
+            if self._switch_next:
+                self._switch_rng = rng.capture()
+                message["switch"] = {"rng": self._switch_rng, "runtime": after}
+                what, abort = what + SWITCH_WORD, _leaver_send_failpoint
+            self._ahead.send(message, what, should_abort=abort)
         except TransferError as exc:
             self._ahead_failed(exc)
 
@@ -650,6 +675,7 @@ class MigrationHook:
                       epoch=self._plan.to_epoch)
         self._finished.add(self._plan.id)
         self._plan, self._prepared, self._switch_next = None, [], False
+        self._switch_rng = None
 
     def hand_off(self, step: int, state: dict[str, Any]) -> bool:
         """Stream the state to the joiner. True: handed off, this rank leaves. False: the
@@ -658,7 +684,14 @@ class MigrationHook:
         pair = pair_name(self.rank, self._plan.version)
         ahead = self._ahead
         try:
-            if ahead is not None:  # the joiner holds the job's state: only the rest crosses
+            if ahead is not None and self._switch_rng is not None:
+                ahead.wait()  # the last step's inputs carried the switch's word
+                if not rng.same(self._switch_rng, state["rng"]):
+                    raise TransferError("the job's apply drew from the process-global random "
+                                        "generators: the joiner's would differ")
+                stats = ahead.sent[-1][1]
+                self.log.info(f"Rank {self.rank}: {ahead.summary()}.")
+            elif ahead is not None:  # the joiner holds the job's state: only the rest crosses
                 ahead.wait()
                 before = ahead.summary()
                 ahead.send({"switch": {"rng": state["rng"], "runtime": state["runtime"]}},
@@ -821,32 +854,44 @@ class Joiner:
 
     def _follow(self, transport: PairGroupTransport, runtime: Runtime,
                 first: TransferStats) -> TransferStats:
-        """Apply each step the leaver forwards until its switch message; returns the switch
-        message's figures (the state's were logged)."""
+        """Apply each step the leaver forwards until the switch's word (with the last step's
+        inputs, or on its own); returns the last message's figures (the state's were logged).
+        A job that applies its inputs as they land (``api.applies_landing``) does so on a
+        thread of its own while they cross (:class:`_LandingReplay`)."""
         self.log.info(f"Took the state of rank {self.rank} ahead, at step {runtime.step}: "
                       f"{first}.")
         inputs: Any = None  # the last step's inputs: the next step's land in them in place
         applied = 0
         while True:
-            message, stats = receive_into(transport, inputs)
+            replay = _LandingReplay(runtime) if applies_landing(runtime.job) else None
+            try:
+                message, stats = receive_into(
+                    transport, inputs, landing=None if replay is None else replay.landing)
+            finally:
+                if replay is not None:
+                    replay.join()  # a failed transfer ends it too (Landing.fail)
             if not isinstance(message, dict):
                 raise TransferError(f"the leaver sent a {type(message).__name__}, not a message")
             if "apply" in message:
                 try:
-                    runtime.replay(int(message["apply"]), message["inputs"])
+                    if replay is not None and replay.started:
+                        replay.result()
+                    else:
+                        runtime.replay(int(message["apply"]), message["inputs"])
                 except Exception as exc:  # the job's own code, or a step out of order
                     raise TransferError(f"applying step {message['apply']} as the leaver did "
                                         f"failed: {type(exc).__name__}: {exc}") from exc
                 inputs, applied = message, applied + 1
-            elif "switch" in message:
+            if "switch" in message:
                 try:
                     runtime.load_counters(message["switch"]["rng"], message["switch"]["runtime"])
                 except (ValueError, KeyError, TypeError) as exc:
                     raise TransferError(f"the switch message does not fit: {exc}") from exc
-                self.log.info(f"Applied {applied} step(s) as the leaver did; at the switch, "
-                              f"step {runtime.step}.")
+                self.log.info(f"Applied {applied} step(s) as the leaver did"
+                              f"{' as their inputs landed' if replay is not None else ''}; at "
+                              f"the switch, step {runtime.step}.")
                 return stats
-            else:
+            if "apply" not in message:
                 raise TransferError(f"the leaver sent a message with keys {sorted(message)}")
 
     def restore(self, runtime: Runtime, directory: Path | None,
@@ -891,6 +936,47 @@ class Joiner:
                     return True
             time.sleep(0.02)
         return False
+
+
+class _LandingReplay:
+    """A joiner's apply of one forwarded step while its inputs land: started (on a thread of
+    its own) once the message's manifest is read, if the message is a step's inputs."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.landing = Landing(on_begin=self._begin)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    def _begin(self, tree: Any) -> None:
+        if not (isinstance(tree, dict) and "apply" in tree
+                and isinstance(tree.get("inputs"), dict)):
+            return  # not a step's inputs (or a foreign message): the caller says why
+        step, inputs = tree["apply"], tree["inputs"]
+
+        def run() -> None:
+            try:
+                self.runtime.replay_landing(int(step), inputs, self.landing)
+            except BaseException as exc:  # handed to the joiner's thread by result()
+                self._error = exc
+
+        self._thread = threading.Thread(target=run, name="understudy-apply-landing",
+                                        daemon=True)
+        self._thread.start()
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+
+    def result(self) -> None:
+        """Raise what the apply raised, if anything."""
+        self.join()
+        if self._error is not None:
+            raise self._error
 
 
 def _load(runtime: Runtime, state: Any) -> None:

@@ -52,6 +52,7 @@ from understudy.worker.api import (
     CollectiveAborted,
     Communicator,
     JobContext,
+    Landing,
     TrainingError,
     TrainingJob,
     allreduce_options,
@@ -117,8 +118,9 @@ class BoundaryHook(Protocol):
         ...
 
     # Optional (the runtime looks them up): send_ahead(step, state) -> None, on
-    # Action.SEND_AHEAD; before_apply(step, job) -> None, once the vote committed ``step``
-    # and before ``job.apply(step)`` (a leaver forwards the step's apply inputs there).
+    # Action.SEND_AHEAD; before_apply(step, job, after) -> None, once the vote committed
+    # ``step`` and before ``job.apply(step)`` (a leaver forwards the step's apply inputs
+    # there), ``after`` the runtime's counters once it applied (``state()["runtime"]``).
 
     def on_vote(self, step: int, flag: int) -> None:
         """The flag every rank gave for ``step`` if they all gave the same, else 0."""
@@ -252,6 +254,22 @@ class Runtime:
                              f"{self.step}")
         self.job.load_apply_inputs(step, inputs)
         self.job.apply(step)
+        self.step = step + 1
+
+    def replay_landing(self, step: int, inputs: dict[str, Any], landing: Landing) -> None:
+        """:meth:`replay` from apply inputs still landing (``landing``), on a thread of the
+        joiner's own, for a job that implements
+        :meth:`~understudy.worker.api.TrainingJob.apply_landing`.
+
+        Raises:
+            ValueError: ``step`` is not the next step to apply here.
+            TransferError: the transfer failed (from ``landing``).
+        """
+        self._require_built()
+        if step != self.step:
+            raise ValueError(f"step {step} cannot be replayed here: the next step is "
+                             f"{self.step}")
+        self.job.apply_landing(step, inputs, landing)
         self.step = step + 1
 
     def load_counters(self, rng_state: dict[str, Any], counters: dict[str, Any]) -> None:
@@ -464,7 +482,7 @@ class Runtime:
         if committed:
             before_apply = getattr(self.hook, "before_apply", None)
             if before_apply is not None:
-                before_apply(step, self.job)
+                before_apply(step, self.job, {"step": step + 1, "redone": self.redone})
             self.job.apply(step)
             self.step = step + 1
             if self.log_every and self.step % self.log_every == 0:

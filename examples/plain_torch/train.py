@@ -423,6 +423,53 @@ class PlainJob(TrainingJob):
             q.grad = g  # the joiner's own now: the next step's land in place in them
         self._replaying = True
 
+    @torch.no_grad()
+    def apply_landing(self, step: int, inputs: dict[str, Any], landing: Any) -> None:
+        # Adam is element-wise: each parameter is updated a landed range at a time, with the
+        # arithmetic of the whole update (the single-tensor kernel on CPU), and its step count
+        # goes up once; the schedule steps once all are through. Bit for bit what
+        # load_apply_inputs and apply do, while the rest of the gradients cross.
+        params = list(self.params.values())
+        moments = self._adam_moments(params)
+        if moments is None:  # the class's lazy state is not there yet: the whole update
+            for g in inputs["grads"]:
+                landing.wait(g)
+            self.load_apply_inputs(step, inputs)
+            self.apply(step)
+            return
+        grads = inputs["grads"]
+        if len(grads) != len(params) or any(g.shape != q.shape or g.dtype != q.dtype
+                                            for g, q in zip(grads, params, strict=True)):
+            raise ValueError(f"step {step}'s gradients do not fit this rank's parameters")
+        lr = (self.optimizer.lr * self.optimizer.factor(self.schedule.last_epoch)
+              if isinstance(self.optimizer, FunctionalAdam)
+              else self.optimizer.param_groups[0]["lr"])
+        for q, g, (exp_avg, exp_avg_sq, count) in zip(params, grads, moments, strict=True):
+            flat = (q.view(-1), g.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1))
+            for lo, hi in landing.pieces(g):
+                p_, g_, m_, v_ = (t[lo:hi] for t in flat)
+                adam([p_], [g_], [m_], [v_], [], [count.clone()], foreach=False,
+                     capturable=False, differentiable=False, fused=None, grad_scale=None,
+                     found_inf=None, has_complex=False, amsgrad=False, beta1=0.9,
+                     beta2=0.999, lr=lr, weight_decay=0.0, eps=1e-8, maximize=False)
+            count += 1
+            q.grad = g  # the joiner's own now, as load_apply_inputs leaves it
+        self.schedule.step()
+        self.committed = step + 1
+
+    def _adam_moments(self, params: list[torch.Tensor]
+                      ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None:
+        """Each parameter's Adam moments and step count, whichever Adam the job runs; None
+        before torch.optim.Adam's first step made them. The class's hyperparameters must be
+        the ones apply_landing uses (its defaults, as _optimizer makes it)."""
+        if isinstance(self.optimizer, FunctionalAdam):
+            return list(zip(self.optimizer.exp_avg, self.optimizer.exp_avg_sq,
+                            self.optimizer.steps, strict=True))
+        state = self.optimizer.state
+        if any("exp_avg" not in state[q] for q in params):
+            return None
+        return [(state[q]["exp_avg"], state[q]["exp_avg_sq"], state[q]["step"]) for q in params]
+
     def discard(self, step: int) -> None:
         self.optimizer.zero_grad(set_to_none=False)
 
@@ -703,6 +750,9 @@ class ShardedJob(PlainJob):
             self.buddy[1].step()
             self.buddy[2].step()
         super().apply(step)
+
+    # Its shards' fused Adam is applied whole, once the inputs are through.
+    apply_landing = TrainingJob.apply_landing
 
     def apply_inputs(self, step: int) -> dict[str, Any]:
         return {"grads": [self.shard.grad] + ([self.buddy[0].grad] if self.buddy else [])}
@@ -991,6 +1041,8 @@ class SlottedShardedJob(SlottedPlainJob):
         n = self._part(slot).stop - self._part(slot).start
         return self.kept[slot][:n]
 
+    apply_landing = TrainingJob.apply_landing  # its slot chunks are applied whole
+
     @torch.no_grad()
     def apply(self, step: int) -> None:
         grads = torch.cat([q.grad.flatten() for q in self.params.values()],  # type: ignore[union-attr]
@@ -1034,7 +1086,8 @@ def whole_hand_off(cls: type[PlainJob]) -> type[PlainJob]:
     """``cls`` without ``apply_inputs``: its state crosses whole at the switch."""
     return type(f"WholeHandOff{cls.__name__}", (cls,),
                 {"apply_inputs": TrainingJob.apply_inputs,
-                 "load_apply_inputs": TrainingJob.load_apply_inputs})
+                 "load_apply_inputs": TrainingJob.load_apply_inputs,
+                 "apply_landing": TrainingJob.apply_landing})
 
 
 WholeHandOffJob = whole_hand_off(PlainJob)

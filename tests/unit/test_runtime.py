@@ -32,6 +32,7 @@ from understudy.worker.api import (
     CollectiveAborted,
     JobContext,
     TrainingJob,
+    applies_landing,
     replays,
     wait_abortable,
 )
@@ -43,6 +44,7 @@ from understudy.worker.runtime import (
     StaticGroups,
     StepFailed,
 )
+from understudy.worker.transfer import Landing, TransferError
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -622,6 +624,7 @@ class Forwarding:
         self.ahead, self.switch = ahead, switch
         self.state: dict[str, Any] | None = None
         self.inputs: list[tuple[int, dict[str, Any]]] = []
+        self.after: list[dict[str, Any]] = []
         self.tail: dict[str, Any] | None = None
 
     def on_boundary(self, step: int) -> Action:
@@ -632,9 +635,10 @@ class Forwarding:
     def send_ahead(self, step: int, state: dict[str, Any]) -> None:
         self.state = copy.deepcopy(state)
 
-    def before_apply(self, step: int, job: TrainingJob) -> None:
+    def before_apply(self, step: int, job: TrainingJob, after: dict[str, Any]) -> None:
         if self.state is not None:
             self.inputs.append((step, copy.deepcopy(job.apply_inputs(step))))
+            self.after.append(after)
 
     def hand_off(self, step: int, state: dict[str, Any]) -> bool:
         self.tail = copy.deepcopy({"rng": state["rng"], "runtime": state["runtime"]})
@@ -690,6 +694,80 @@ def test_a_joiner_that_replays_its_leavers_steps_ends_bitwise_equal(solo: JobCon
     assert mine.keys() == theirs.keys() and len(mine) > 10
     different = [k for k in mine if not torch.equal(mine[k], theirs[k])]
     assert not different, different
+
+
+def _land(inputs: dict[str, Any], piece: int) -> tuple[dict[str, Any], Landing, Callable[[], None]]:
+    """``inputs`` as a joiner's receive would hand them out: a tree of empty tensors, a
+    :class:`Landing`, and what writes the values in, ``piece`` bytes at a time (tensors in
+    order), telling the landing as it goes, with pauses, so that the job waits on it."""
+    tree = copy.deepcopy(inputs)
+    want = list(_tensors(inputs).values())
+    got = list(_tensors(tree).values())
+    for t in got:
+        t.zero_()
+    landing = Landing()
+    landing.begin(tree, got)
+
+    def feed() -> None:
+        for k, (src, dst) in enumerate(zip(want, got, strict=True)):
+            s, d = src.view(-1).view(torch.uint8), dst.view(-1).view(torch.uint8)
+            for lo in range(0, s.numel(), piece):
+                d[lo:lo + piece] = s[lo:lo + piece]
+                landing.landed(k, min(s.numel(), lo + piece))
+                time.sleep(0.0005)
+        landing.finish()
+
+    return tree, landing, feed
+
+
+@pytest.mark.parametrize("adam", ["class", "functional"])
+def test_a_joiner_applying_each_step_as_it_lands_ends_bitwise_equal(
+        solo: JobContext, adam: str) -> None:
+    # The example's apply_landing: Adam a landed range at a time (the pieces here are 64 B, a
+    # parameter's gradient lands in many), on another thread than the one writing the bytes.
+    train = _plain_example()
+    assert applies_landing(train.PlainJob()) and not applies_landing(train.WholeHandOffJob())
+    assert not applies_landing(train.ShardedJob()) and not applies_landing(ScriptedJob())
+    reference = _runtime(train.PlainJob(adam=adam), solo)
+    reference.run(12)
+    want = copy.deepcopy(reference.state())
+
+    hook = Forwarding(ahead=4, switch=8)
+    leaver = _runtime(train.PlainJob(adam=adam), solo, hook=hook)
+    assert leaver.run(12) is Outcome.HANDED_OFF
+    assert hook.after == [{"step": s + 1, "redone": 0} for s in (4, 5, 6, 7)]
+    joiner = _runtime(train.PlainJob(adam=adam), solo)
+    joiner.load_state(hook.state)
+    for step, inputs in hook.inputs:
+        tree, landing, feed = _land(inputs, piece=64)
+        feeder = threading.Thread(target=feed)
+        feeder.start()
+        joiner.replay_landing(step, tree, landing)
+        feeder.join()
+    assert hook.tail is not None
+    joiner.load_counters(hook.tail["rng"], hook.tail["runtime"])
+    assert joiner.run(12) is Outcome.COMPLETED
+    got = joiner.state()
+    assert got["runtime"] == want["runtime"]
+    mine, theirs = _tensors(got["job"]), _tensors(want["job"])
+    assert mine.keys() == theirs.keys() and len(mine) > 10
+    different = [k for k in mine if not torch.equal(mine[k], theirs[k])]
+    assert not different, different
+
+
+def test_a_transfer_failing_mid_landing_fails_the_apply(solo: JobContext) -> None:
+    train = _plain_example()
+    hook = Forwarding(ahead=2, switch=4)
+    assert _runtime(train.PlainJob(), solo, hook=hook).run(6) is Outcome.HANDED_OFF
+    joiner = _runtime(train.PlainJob(), solo)
+    joiner.load_state(hook.state)
+    tree, landing, _ = _land(hook.inputs[0][1], piece=64)
+    landing.landed(0, 64)
+    threading.Timer(0.05, landing.fail, (TransferError("the leaver died"),)).start()
+    with pytest.raises(TransferError, match="the transfer failed: the leaver died"):
+        joiner.replay_landing(2, tree, landing)
+    with pytest.raises(ValueError, match="is not one of this transfer's"):
+        landing.wait(torch.zeros(3))
 
 
 def test_the_functional_adam_trains_the_bits_of_torch_optim_adam(solo: JobContext) -> None:

@@ -523,6 +523,44 @@ def sc_should_abort(rank: int, t: StateTransport, pids: list[int]) -> dict[str, 
     return _timed_failure(lambda: receive_state(t, should_abort=seen.is_set, on_chunk=slow))
 
 
+def sc_landing(rank: int, t: StateTransport, pids: list[int], abort: bool) -> dict[str, Any]:
+    """The joiner reads each tensor a piece at a time, on a thread of its own, as the pieces
+    land (``Landing``); the leaver aborts after a few chunks if ``abort``."""
+    state = big_state(4, n_small=8)
+    if rank == SENDER:
+        sent = itertools.count()
+        return _timed_failure(lambda: send_state(
+            t, state, chunk_bytes=2**18,
+            should_abort=(lambda: next(sent) > 4) if abort else None))
+    seen: dict[int, list[tuple[int, int, torch.Tensor]]] = {}
+    errors: list[str] = []
+    threads: list[threading.Thread] = []
+
+    def consume(tree: Any) -> None:
+        def run() -> None:
+            try:
+                for i, tensor in enumerate(tree["layers"] + tree["small"]):
+                    seen[i] = [(lo, hi, tensor.view(-1)[lo:hi].clone())
+                               for lo, hi in landing.pieces(tensor)]
+            except TransferError as exc:
+                errors.append(str(exc))
+
+        threads.append(threading.Thread(target=run))
+        threads[0].start()
+
+    landing = transfer.Landing(on_begin=consume)
+    result = _timed_failure(lambda: receive_into(t, None, landing=landing))
+    for thread in threads:
+        thread.join(10)
+    want = state["layers"] + state["small"]
+    covered = {i: [(lo, hi) for lo, hi, _ in pieces] for i, pieces in seen.items()}
+    # each piece held the leaver's values when it was handed out
+    exact = all(torch.equal(got, want[i].view(-1)[lo:hi])
+                for i, pieces in seen.items() for lo, hi, got in pieces)
+    return {**result, "covered": covered, "numel": [w.numel() for w in want], "exact": exact,
+            "consumer_errors": errors}
+
+
 def sc_manifest_cap(rank: int, t: StateTransport, pids: list[int]) -> dict[str, Any]:
     if rank == SENDER:
         return _timed_failure(lambda: send_state(t, {"blob": b"x" * 200_000,
@@ -591,7 +629,7 @@ SCENARIOS: dict[str, Callable[..., Any]] = {
     "receive_into": sc_receive_into, "into_strided": sc_into_strided,
     "corrupt": sc_corrupt, "killed": sc_killed, "should_abort": sc_should_abort,
     "manifest_cap": sc_manifest_cap, "rate": sc_rate, "hostile_manifest": sc_hostile_manifest,
-    "peak_memory": sc_peak_memory,
+    "peak_memory": sc_peak_memory, "landing": sc_landing,
 }
 
 
@@ -721,6 +759,29 @@ def test_should_abort_ends_the_transfer_on_both_ends(pair: _Pair, kind: str) -> 
     assert joiner["error"] and "aborted" in joiner["error"]
     assert leaver["error"]
     assert joiner["seconds"] < PROMPT_S and leaver["seconds"] < PROMPT_S
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_landing_hands_out_each_tensor_in_order_as_its_pieces_land(
+        pair: _Pair, kind: str) -> None:
+    leaver, joiner = pair.ok("landing", kind, abort=False)
+    assert leaver["error"] is None and joiner["error"] is None
+    assert not joiner["consumer_errors"] and joiner["exact"]
+    for i, n in enumerate(joiner["numel"]):
+        pieces = joiner["covered"][i]
+        assert pieces[0][0] == 0 and pieces[-1][1] == n, (i, pieces)
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(pieces)), (i, pieces)
+    # a large tensor comes in chunk-sized pieces (2**18 B: 65536 floats), a small one whole
+    assert max(len(joiner["covered"][i]) for i in range(8)) > 1
+    assert all(joiner["covered"][i] == [(0, 256)] for i in range(8, 16))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_failed_transfer_ends_the_landing_consumers_wait(pair: _Pair, kind: str) -> None:
+    leaver, joiner = pair.ok("landing", kind, abort=True)
+    assert leaver["error"] and joiner["error"]
+    assert joiner["consumer_errors"] and "the transfer failed" in joiner["consumer_errors"][0]
+    assert joiner["exact"], "what was handed out had landed"
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -32,12 +32,15 @@ Where things are:
   a peer's manifest may hold ("Trust");
 * :mod:`.ends`: what both ends share (the chunk-to-tensor mapping, the staging buffer,
   :class:`TransferStats`);
-* :mod:`.sender` and :mod:`.receiver`: the leaver's end and the joiner's.
+* :mod:`.sender` and :mod:`.receiver`: the leaver's end and the joiner's;
+* :mod:`.landing`: the joiner's tensors as they land, for a job that applies a step's inputs
+  while the rest of them is still on the wire.
 """
 
 from __future__ import annotations
 
 from understudy.worker.transfer.ends import TransferStats
+from understudy.worker.transfer.landing import Landing
 from understudy.worker.transfer.receiver import ChunkHook, receive_into, receive_state
 from understudy.worker.transfer.sender import send_state
 from understudy.worker.transfer.transports import (
@@ -74,6 +77,7 @@ __all__ = [
     "VERSION",
     "AbortCheck",
     "ChunkHook",
+    "Landing",
     "PairGroupTransport",
     "Path",
     "Pending",

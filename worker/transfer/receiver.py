@@ -13,6 +13,7 @@ import torch
 
 from understudy.worker import safe_unpickle
 from understudy.worker.transfer.ends import TransferStats, _End, _run, transfer_finished
+from understudy.worker.transfer.landing import Landing
 from understudy.worker.transfer.transports import (
     AbortCheck,
     Pending,
@@ -59,7 +60,8 @@ def receive_into(transport: StateTransport, target: Any, *,
                  max_manifest_bytes: int = DEFAULT_MAX_MANIFEST_BYTES,
                  device: torch.device | str | None = None,
                  should_abort: AbortCheck | None = None,
-                 on_chunk: ChunkHook | None = None) -> tuple[Any, TransferStats]:
+                 on_chunk: ChunkHook | None = None,
+                 landing: Landing | None = None) -> tuple[Any, TransferStats]:
     """Receive a state sent by :func:`send_state`, writing in place into ``target``'s tensors.
 
     ``target`` is a tree like the sender's (for instance ``{"model": model.state_dict(),
@@ -75,6 +77,10 @@ def receive_into(transport: StateTransport, target: Any, *,
     and fault injection (writing to ``landed`` is corruption on the wire); production passes
     None.
 
+    ``landing``: told of each tensor's bytes as they land in place, so that another thread can
+    use them before the transfer ends (:mod:`~understudy.worker.transfer.landing`: CPU tensors
+    only; a device's land all at once, at the end).
+
     Raises:
         TransferError: the manifest is malformed, foreign, over ``max_manifest_bytes`` or
             holds a type outside the allow-list (nothing was written to ``target`` then), a
@@ -85,8 +91,15 @@ def receive_into(transport: StateTransport, target: Any, *,
     stats = TransferStats("receive")
     stats.start_memory()
     dev = torch.device(device) if device is not None else transport.device
-    receiver = _Receiver(transport, stats, dev, on_chunk, should_abort)
-    state = _run(receiver, lambda: receiver.run(target, max_manifest_bytes))
+    receiver = _Receiver(transport, stats, dev, on_chunk, should_abort, landing)
+    try:
+        state = _run(receiver, lambda: receiver.run(target, max_manifest_bytes))
+    except BaseException as exc:
+        if landing is not None:
+            landing.fail(exc)
+        raise
+    if landing is not None:
+        landing.finish()
     stats.seconds = time.perf_counter() - start
     stats.end_memory()
     transfer_finished(stats)
@@ -95,10 +108,13 @@ def receive_into(transport: StateTransport, target: Any, *,
 
 class _Receiver(_End):
     def __init__(self, transport: StateTransport, stats: TransferStats, device: torch.device,
-                 on_chunk: ChunkHook | None, should_abort: AbortCheck | None) -> None:
+                 on_chunk: ChunkHook | None, should_abort: AbortCheck | None,
+                 landing: Landing | None = None) -> None:
         super().__init__(transport, stats, should_abort)
         self.alloc_device = device
         self.on_chunk = on_chunk
+        self.landing = landing
+        self.public: list[torch.Tensor] = []  # the entries as the result holds them
 
     def run(self, target: Any, max_manifest_bytes: int) -> Any:
         header = torch.empty(_HEADER.size, dtype=torch.uint8, device=self.device)
@@ -127,6 +143,8 @@ class _Receiver(_End):
             self._reject(f"the manifest is malformed: {exc}")
         self.wait(self.send(_reply(_OK, "", self.device)))
         chunks, views = self.plan(chunk_bytes)
+        if self.landing is not None:
+            self.landing.begin(state, self.public)
         self._stream(chunks, views)
         return state
 
@@ -152,6 +170,7 @@ class _Receiver(_End):
             else:
                 dev = torch.device("cpu") if e.device_type == "cpu" else self.alloc_device
                 public.append(torch.empty(e.shape, dtype=dtype, device=dev))
+        self.public = public
         self.tensors = [t.detach() for t in public]
         state = safe_unpickle.load(m["skeleton"], public)
         self.stats.entries = len(self.entries)
@@ -202,6 +221,9 @@ class _Receiver(_End):
                 self.digests.wait(chunk.index)
                 self.staging.release()
                 fill()
+            if self.landing is not None and self.device.type == "cpu":
+                for entry, _, end, _ in chunk.segments:
+                    self.landing.landed(entry, end)
         assert table_op is not None, "the table is posted once every chunk is"
         self.wait(table_op)
         failed = [self.describe(c) for c, mine, theirs in zip(
