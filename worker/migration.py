@@ -130,8 +130,10 @@ class SendAhead:
         self.sent: list[tuple[str, TransferStats]] = []
 
     def send(self, tree: dict[str, Any], what: str, *,
-             should_abort: Callable[[], bool] = _send_ahead_failpoint) -> None:
-        """Start sending ``tree`` once the message before it is through.
+             should_abort: Callable[[], bool] = _send_ahead_failpoint,
+             on_sent: Callable[[], None] | None = None) -> None:
+        """Start sending ``tree`` once the message before it is through; ``on_sent`` is
+        called on the sending thread once the joiner holds it.
 
         Raises:
             TransferError: the message before failed.
@@ -145,6 +147,8 @@ class SendAhead:
                 self._error = exc
                 return
             self.sent.append((what, stats))
+            if on_sent is not None:
+                on_sent()
 
         self._thread = threading.Thread(target=run, name="understudy-send-ahead", daemon=True)
         self._thread.start()
@@ -574,14 +578,22 @@ class MigrationHook:
                                     f"{type(exc).__name__}: {exc}") from exc
             message: dict[str, Any] = {"apply": step, "inputs": inputs}
             what = f"step {step}"
-            abort = _send_ahead_failpoint
+            abort, sent = _send_ahead_failpoint, None
             if self._switch_next:
                 self._switch_rng = rng.capture()
                 message["switch"] = {"rng": self._switch_rng, "runtime": after}
-                what, abort = what + SWITCH_WORD, _leaver_send_failpoint
-            self._ahead.send(message, what, should_abort=abort)
+                what, abort, sent = what + SWITCH_WORD, _leaver_send_failpoint, self._handed_off
+            self._ahead.send(message, what, should_abort=abort, on_sent=sent)
         except TransferError as exc:
             self._ahead_failed(exc)
+
+    def _handed_off(self) -> None:
+        """The joiner holds the state and the switch's word: say so at once, on the sending
+        thread, while this rank applies the step it no longer needs (the survivors switch
+        without waiting for that apply)."""
+        failpoints.hit("leaver.handed_off")  # the joiner holds the state; nobody knows yet
+        # The stayers wait for this word (up to their transfer timeout): keep trying as long.
+        self._report(Report.TRANSFERRED.of(self.rank), TRANSFER_OK, within=self.transfer_timeout)
 
     def _ahead_failed(self, exc: TransferError) -> None:
         """The stream to the joiner failed: call the migration off; this rank trains on."""
@@ -685,13 +697,17 @@ class MigrationHook:
         ahead = self._ahead
         try:
             if ahead is not None and self._switch_rng is not None:
-                ahead.wait()  # the last step's inputs carried the switch's word
+                ahead.wait()  # the last step's inputs carried the switch's word, and said so
                 if not rng.same(self._switch_rng, state["rng"]):
-                    raise TransferError("the job's apply drew from the process-global random "
-                                        "generators: the joiner's would differ")
-                stats = ahead.sent[-1][1]
+                    self.log.error("The job's apply drew from the process-global random "
+                                   "generators, which a job that gives apply_inputs must not: "
+                                   "the joiner's differ from this rank's, and the run is no "
+                                   "longer the uninterrupted one bit for bit.")
                 self.log.info(f"Rank {self.rank}: {ahead.summary()}.")
-            elif ahead is not None:  # the joiner holds the job's state: only the rest crosses
+                self.log.info(f"Handed the state of rank {self.rank} off at step {step}: "
+                              f"{ahead.sent[-1][1]}.")
+                return True
+            if ahead is not None:  # the joiner holds the job's state: only the rest crosses
                 ahead.wait()
                 before = ahead.summary()
                 ahead.send({"switch": {"rng": state["rng"], "runtime": state["runtime"]}},
