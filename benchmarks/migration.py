@@ -414,10 +414,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--state-size", type=size_arg, metavar="SIZE",
                    help="the job's state per rank (64MiB, 1GiB, ...: examples/plain_torch/"
                         "train.py --state-size; default: the example's own, about 27 KB)")
-    p.add_argument("--hand-off", choices=("ahead", "whole"), default="ahead",
+    p.add_argument("--hand-off", choices=("ahead", "landing", "whole"), default="ahead",
                    help="the leavers send their state ahead while training goes on, then each "
-                        "step's gradients (default), or the whole state at the switch "
-                        "(train.py --hand-off)")
+                        "step's gradients (default); as ahead, the joiners applying each step "
+                        "as it lands; or the whole state at the switch (train.py --hand-off)")
     p.add_argument("--smoke", action="store_true", help="a minute, not many: for the tests")
     p.outputs(keep="keep daemon logs, etcd data and timings here")
     args = p.parse(argv, {"repeats": (5, 1), "steps": (600, 100), "settle_seconds": (3.0, 0.5),

@@ -424,11 +424,12 @@ class PlainJob(TrainingJob):
         self._replaying = True
 
     @torch.no_grad()
-    def apply_landing(self, step: int, inputs: dict[str, Any], landing: Any) -> None:
-        # Adam is element-wise: each parameter is updated a landed range at a time, with the
-        # arithmetic of the whole update (the single-tensor kernel on CPU), and its step count
-        # goes up once; the schedule steps once all are through. Bit for bit what
-        # load_apply_inputs and apply do, while the rest of the gradients cross.
+    def _apply_as_landed(self, step: int, inputs: dict[str, Any], landing: Any) -> None:
+        # apply_landing, with --hand-off landing (landing_hand_off). Adam is element-wise:
+        # each parameter is updated a landed range at a time, with the arithmetic of the whole
+        # update (the single-tensor kernel on CPU), and its step count goes up once; the
+        # schedule steps once all are through. Bit for bit what load_apply_inputs and apply
+        # do, while the rest of the gradients cross.
         params = list(self.params.values())
         moments = self._adam_moments(params)
         if moments is None:  # the class's lazy state is not there yet: the whole update
@@ -576,9 +577,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "over; the sleep never changes the state)")
     p.add_argument("--step-log", type=Path, help="directory for a line per committed step "
                    "(StepLog), for the benchmarks")
-    p.add_argument("--hand-off", choices=("ahead", "whole"), default="ahead",
+    p.add_argument("--hand-off", choices=("ahead", "landing", "whole"), default="ahead",
                    help="in a planned migration, send the state ahead and then each step's "
-                   "gradients (default), or the whole state at the switch, as a job that "
+                   "gradients (default); as ahead, with the joiner applying each step as its "
+                   "gradients land (apply_landing: for a GPU, where the apply does not take "
+                   "the transfer's CPU); or the whole state at the switch, as a job that "
                    "does not implement apply_inputs does")
     p.add_argument("--shard-optimizer", action="store_true",
                    help="shard the optimizer state over DP (ZeRO-1) with a redundant copy of "
@@ -603,6 +606,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.no_shard_copy and not args.shard_optimizer:
         p.error("--no-shard-copy goes with --shard-optimizer")
+    if args.hand_off == "landing" and args.shard_optimizer:
+        p.error("--hand-off landing applies Adam over whole parameters: not with "
+                "--shard-optimizer")
     if args.adam == "functional" and args.shard_optimizer and not args.slots:
         p.error("--adam functional does not go with --shard-optimizer (ShardedJob steps its "
                 "shards with torch.optim.Adam)")
@@ -750,9 +756,6 @@ class ShardedJob(PlainJob):
             self.buddy[1].step()
             self.buddy[2].step()
         super().apply(step)
-
-    # Its shards' fused Adam is applied whole, once the inputs are through.
-    apply_landing = TrainingJob.apply_landing
 
     def apply_inputs(self, step: int) -> dict[str, Any]:
         return {"grads": [self.shard.grad] + ([self.buddy[0].grad] if self.buddy else [])}
@@ -1041,8 +1044,6 @@ class SlottedShardedJob(SlottedPlainJob):
         n = self._part(slot).stop - self._part(slot).start
         return self.kept[slot][:n]
 
-    apply_landing = TrainingJob.apply_landing  # its slot chunks are applied whole
-
     @torch.no_grad()
     def apply(self, step: int) -> None:
         grads = torch.cat([q.grad.flatten() for q in self.params.values()],  # type: ignore[union-attr]
@@ -1086,11 +1087,22 @@ def whole_hand_off(cls: type[PlainJob]) -> type[PlainJob]:
     """``cls`` without ``apply_inputs``: its state crosses whole at the switch."""
     return type(f"WholeHandOff{cls.__name__}", (cls,),
                 {"apply_inputs": TrainingJob.apply_inputs,
-                 "load_apply_inputs": TrainingJob.load_apply_inputs,
-                 "apply_landing": TrainingJob.apply_landing})
+                 "load_apply_inputs": TrainingJob.load_apply_inputs})
 
 
 WholeHandOffJob = whole_hand_off(PlainJob)
+
+
+def landing_hand_off(cls: type[PlainJob]) -> type[PlainJob]:
+    """``cls`` with ``apply_landing``: a joiner applies each step a range at a time as its
+    gradients land (its torch.optim.Adam or FunctionalAdam over replicated parameters)."""
+    if issubclass(cls, (ShardedJob, SlottedShardedJob)):
+        raise ValueError("--hand-off landing applies Adam over whole parameters: not with "
+                         "--shard-optimizer")
+    return type(f"Landing{cls.__name__}", (cls,), {"apply_landing": PlainJob._apply_as_landed})
+
+
+LandingJob = landing_hand_off(PlainJob)
 
 
 def make_job(args: argparse.Namespace) -> PlainJob:
@@ -1099,6 +1111,8 @@ def make_job(args: argparse.Namespace) -> PlainJob:
                            SlottedPlainJob if args.slots else PlainJob)
     if args.hand_off == "whole":
         cls = whole_hand_off(cls)
+    elif args.hand_off == "landing":
+        cls = landing_hand_off(cls)
     extra = {"copy": not args.no_shard_copy} if args.shard_optimizer else {}
     return cls(features=args.features, hidden=args.hidden, state_bytes=args.state_size,
                layers=args.layers, microbatches=args.microbatches, fail_at=args.fail_at,

@@ -272,15 +272,16 @@ def test_killing_the_joiner_aborts_cleanly_and_a_retry_finishes(etcd: EmbeddedEt
         c.stop_all(timeout=5, drain=False)
 
 
-@pytest.mark.parametrize("hand_off", ["whole", "ahead"])
+@pytest.mark.parametrize("hand_off", ["whole", "landing"])
 def test_killing_the_joiner_mid_stream_leaves_the_leaver_training(etcd: EmbeddedEtcd,
                                                                    reference: Path,
                                                                    tmp_path: Path,
                                                                    hand_off: str) -> None:
     # The joiner on node-s1 stops after the first chunk of the state has landed (a failpoint)
     # and is killed there. "whole": the leaver is inside send_state at the agreed switch,
-    # waiting for its verdict. "ahead": the leaver sends its state ahead while it trains (the
-    # switch is not agreed until the state is through), so it is still before the switch.
+    # waiting for its verdict. "landing": the leaver sends its state ahead while it trains (the
+    # switch is not agreed until the state is through), so it is still before the switch; the
+    # retry's joiner applies each forwarded step as its gradients land (apply_landing).
     armed = {"node-s1": {"UNDERSTUDY_FAILPOINTS": "joiner.receive.chunk=sleep(60)"}}
     c = start(etcd, tmp_path / "cluster", {"node-a": 1, "node-b": 1, "node-c": 1,
                                             "node-d": 1}, ("node-s1", "node-s2"), env=armed)
@@ -309,8 +310,9 @@ def test_killing_the_joiner_mid_stream_leaves_the_leaver_training(etcd: Embedded
         assert job.assignment.epoch == 2
         assert job.assignment.ranks == ("node-a", "node-s2", "node-c", "node-d")
         assert b.log_text().count("Started rank 1 of job mig") == 1
-        if hand_off == "ahead":
-            assert "step(s) as the leaver did" in c.daemons["node-s2"].log_text()
+        if hand_off == "landing":
+            assert "step(s) as the leaver did as their inputs landed" in \
+                c.daemons["node-s2"].log_text()
         assert_bitwise_equal(reference, out, world=4)
     finally:
         c.stop_all(timeout=5, drain=False)

@@ -726,8 +726,10 @@ def test_a_joiner_applying_each_step_as_it_lands_ends_bitwise_equal(
     # The example's apply_landing: Adam a landed range at a time (the pieces here are 64 B, a
     # parameter's gradient lands in many), on another thread than the one writing the bytes.
     train = _plain_example()
-    assert applies_landing(train.PlainJob()) and not applies_landing(train.WholeHandOffJob())
+    assert applies_landing(train.LandingJob()) and not applies_landing(train.PlainJob())
     assert not applies_landing(train.ShardedJob()) and not applies_landing(ScriptedJob())
+    with pytest.raises(ValueError, match="not with --shard-optimizer"):
+        train.landing_hand_off(train.ShardedJob)
     reference = _runtime(train.PlainJob(adam=adam), solo)
     reference.run(12)
     want = copy.deepcopy(reference.state())
@@ -736,7 +738,7 @@ def test_a_joiner_applying_each_step_as_it_lands_ends_bitwise_equal(
     leaver = _runtime(train.PlainJob(adam=adam), solo, hook=hook)
     assert leaver.run(12) is Outcome.HANDED_OFF
     assert hook.after == [{"step": s + 1, "redone": 0} for s in (4, 5, 6, 7)]
-    joiner = _runtime(train.PlainJob(adam=adam), solo)
+    joiner = _runtime(train.LandingJob(adam=adam), solo)
     joiner.load_state(hook.state)
     for step, inputs in hook.inputs:
         tree, landing, feed = _land(inputs, piece=64)
@@ -759,7 +761,7 @@ def test_a_transfer_failing_mid_landing_fails_the_apply(solo: JobContext) -> Non
     train = _plain_example()
     hook = Forwarding(ahead=2, switch=4)
     assert _runtime(train.PlainJob(), solo, hook=hook).run(6) is Outcome.HANDED_OFF
-    joiner = _runtime(train.PlainJob(), solo)
+    joiner = _runtime(train.LandingJob(), solo)
     joiner.load_state(hook.state)
     tree, landing, _ = _land(hook.inputs[0][1], piece=64)
     landing.landed(0, 64)
