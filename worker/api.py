@@ -408,6 +408,15 @@ class TrainingJob(abc.ABC):
         leaver's, already done: a job skips them for a step loaded this way."""
         raise NotImplementedError(f"{type(self).__name__} does not load apply inputs")
 
+    def handed_off(self, step: int) -> None:
+        """Optional, with :meth:`apply_inputs`: called *instead of* :meth:`apply` on a leaver
+        whose joiner took ``step``'s inputs with the rank (the vote agreed the switch after
+        it): this process leaves without training again, so the update is wasted work (on a
+        shared machine, work the survivors wait for). Do what :meth:`apply` does besides
+        changing the state (a log line for the committed step), or nothing. The default
+        applies the step, as before."""
+        self.apply(step)
+
     def apply_landing(self, step: int, inputs: dict[str, Any], landing: Landing) -> None:
         """Optional, with :meth:`apply_inputs`: on a joiner following its leaver, apply
         ``step`` from the leaver's apply inputs *while they land*, instead of

@@ -130,10 +130,8 @@ class SendAhead:
         self.sent: list[tuple[str, TransferStats]] = []
 
     def send(self, tree: dict[str, Any], what: str, *,
-             should_abort: Callable[[], bool] = _send_ahead_failpoint,
-             on_sent: Callable[[], None] | None = None) -> None:
-        """Start sending ``tree`` once the message before it is through; ``on_sent`` is
-        called on the sending thread once the joiner holds it.
+             should_abort: Callable[[], bool] = _send_ahead_failpoint) -> None:
+        """Start sending ``tree`` once the message before it is through.
 
         Raises:
             TransferError: the message before failed.
@@ -147,8 +145,6 @@ class SendAhead:
                 self._error = exc
                 return
             self.sent.append((what, stats))
-            if on_sent is not None:
-                on_sent()
 
         self._thread = threading.Thread(target=run, name="understudy-send-ahead", daemon=True)
         self._thread.start()
@@ -386,9 +382,6 @@ class MigrationHook:
         #: replays: ``api.replays``), rather than the whole state at the switch
         self.send_ahead_enabled = send_ahead
         self._ahead: SendAhead | None = None
-        #: the RNG states the last step's inputs carried to the joiner, with the counters
-        #: (the switch agreed, the switch's word went with them): None until then
-        self._switch_rng: dict[str, Any] | None = None
         #: every rank agreed in a step's vote that the job stops (``understudy stop``): the
         #: rank ends at its next boundary, a finished run (``on_finish`` runs)
         self.stop_agreed = False
@@ -452,7 +445,6 @@ class MigrationHook:
         if self._plan is None:
             self._plan = plan
             self._prepared, self._reported_prepared, self._switch_next = [], False, False
-            self._switch_rng = None
             self._reports = DaemonClient(f"{self.job}/migration/{plan.id}",
                                          epoch=plan.from_epoch, timeout=10)
         else:
@@ -469,7 +461,6 @@ class MigrationHook:
         self.log.info(f"Migration {self._plan.id} ended ({why}); staying on current groups.")
         self._finished.add(self._plan.id)
         self._plan, self._prepared, self._switch_next = None, [], False
-        self._switch_rng = None
         if self._reports is not None:
             self._reports.close()
             self._reports = None
@@ -561,14 +552,19 @@ class MigrationHook:
         self.log.info(f"Sending the state of rank {self.rank} ahead to its joiner while step "
                       f"{step} computes.", migration=self._plan.id)
 
-    def before_apply(self, step: int, job: Any, after: dict[str, Any]) -> None:
+    def before_apply(self, step: int, job: Any, after: dict[str, Any]) -> bool:
         """The vote committed ``step``: once the state sent ahead is through (it changes in
-        ``apply``), forward the step's apply inputs while this rank applies them too. The vote
-        agreed on the switch at the next boundary: the RNG states and ``after`` (the
-        runtime's counters once the step applied) go with them, so that the word at the switch
-        waits for no apply (the job's apply draws no random number: ``api.apply_inputs``)."""
+        ``apply``), forward the step's apply inputs while this rank applies them too.
+
+        The vote agreed on the switch at the next boundary: the RNG states and ``after`` (the
+        runtime's counters once the step applied) go with the inputs, this rank waits for the
+        joiner to hold them and says so, and returns True: it leaves without applying the step
+        (``job.handed_off``), which the joiner applies (its apply draws no random number:
+        ``api.apply_inputs``), so that the survivors wait for no apply of a leaver's. If
+        they do not get through, the migration is called off and this rank applies and
+        trains on."""
         if self._ahead is None:
-            return
+            return False
         try:
             self._ahead.wait()
             try:
@@ -578,22 +574,22 @@ class MigrationHook:
                                     f"{type(exc).__name__}: {exc}") from exc
             message: dict[str, Any] = {"apply": step, "inputs": inputs}
             what = f"step {step}"
-            abort, sent = _send_ahead_failpoint, None
-            if self._switch_next:
-                self._switch_rng = rng.capture()
-                message["switch"] = {"rng": self._switch_rng, "runtime": after}
-                what, abort, sent = what + SWITCH_WORD, _leaver_send_failpoint, self._handed_off
-            self._ahead.send(message, what, should_abort=abort, on_sent=sent)
+            if not self._switch_next:
+                self._ahead.send(message, what)
+                return False
+            message["switch"] = {"rng": rng.capture(), "runtime": after}
+            self._ahead.send(message, what + SWITCH_WORD, should_abort=_leaver_send_failpoint)
+            self._ahead.wait()
         except TransferError as exc:
             self._ahead_failed(exc)
-
-    def _handed_off(self) -> None:
-        """The joiner holds the state and the switch's word: say so at once, on the sending
-        thread, while this rank applies the step it no longer needs (the survivors switch
-        without waiting for that apply)."""
+            return False
+        self.log.info(f"Rank {self.rank}: {self._ahead.summary()}.")
+        self.log.info(f"Handed the state of rank {self.rank} off at step {step + 1}: "
+                      f"{self._ahead.sent[-1][1]}.")
         failpoints.hit("leaver.handed_off")  # the joiner holds the state; nobody knows yet
         # The stayers wait for this word (up to their transfer timeout): keep trying as long.
         self._report(Report.TRANSFERRED.of(self.rank), TRANSFER_OK, within=self.transfer_timeout)
+        return True
 
     def _ahead_failed(self, exc: TransferError) -> None:
         """The stream to the joiner failed: call the migration off; this rank trains on."""
@@ -687,7 +683,6 @@ class MigrationHook:
                       epoch=self._plan.to_epoch)
         self._finished.add(self._plan.id)
         self._plan, self._prepared, self._switch_next = None, [], False
-        self._switch_rng = None
 
     def hand_off(self, step: int, state: dict[str, Any]) -> bool:
         """Stream the state to the joiner. True: handed off, this rank leaves. False: the
@@ -696,17 +691,6 @@ class MigrationHook:
         pair = pair_name(self.rank, self._plan.version)
         ahead = self._ahead
         try:
-            if ahead is not None and self._switch_rng is not None:
-                ahead.wait()  # the last step's inputs carried the switch's word, and said so
-                if not rng.same(self._switch_rng, state["rng"]):
-                    self.log.error("The job's apply drew from the process-global random "
-                                   "generators, which a job that gives apply_inputs must not: "
-                                   "the joiner's differ from this rank's, and the run is no "
-                                   "longer the uninterrupted one bit for bit.")
-                self.log.info(f"Rank {self.rank}: {ahead.summary()}.")
-                self.log.info(f"Handed the state of rank {self.rank} off at step {step}: "
-                              f"{ahead.sent[-1][1]}.")
-                return True
             if ahead is not None:  # the joiner holds the job's state: only the rest crosses
                 ahead.wait()
                 before = ahead.summary()

@@ -118,9 +118,11 @@ class BoundaryHook(Protocol):
         ...
 
     # Optional (the runtime looks them up): send_ahead(step, state) -> None, on
-    # Action.SEND_AHEAD; before_apply(step, job, after) -> None, once the vote committed
+    # Action.SEND_AHEAD; before_apply(step, job, after) -> bool, once the vote committed
     # ``step`` and before ``job.apply(step)`` (a leaver forwards the step's apply inputs
-    # there), ``after`` the runtime's counters once it applied (``state()["runtime"]``).
+    # there), ``after`` the runtime's counters once it applied (``state()["runtime"]``):
+    # True when the joiner took the step with the rank, and this rank leaves without
+    # applying it (``job.handed_off(step)`` instead; the run ends HANDED_OFF).
 
     def on_vote(self, step: int, flag: int) -> None:
         """The flag every rank gave for ``step`` if they all gave the same, else 0."""
@@ -194,6 +196,9 @@ class Runtime:
         self.announce: str | None = None
         #: called with the runtime after every committed step (snapshots)
         self.after_commit: list[Callable[[Runtime], None]] = []
+        #: this rank handed its last committed step off with its state (``before_apply``
+        #: said so): it left the run, its own state one step behind
+        self.left = False
         #: a step computed here whose vote aborted: (step, RNG before compute, RNG after)
         self.pending: tuple[int, dict[str, Any], dict[str, Any]] | None = None
         self._log = logs.get("understudy.worker", job=ctx.job, rank=ctx.rank)
@@ -319,6 +324,8 @@ class Runtime:
             attempt += 1
             if self._attempt(step, attempt, t0, action.value):
                 attempt = 0
+                if self.left:
+                    return Outcome.HANDED_OFF
             elif attempt >= self.max_attempts:
                 last = self._last_error
                 mine = (f"this rank's last error was {last}" if last else
@@ -481,18 +488,26 @@ class Runtime:
         t3 = self._clock()
         if committed:
             before_apply = getattr(self.hook, "before_apply", None)
-            if before_apply is not None:
-                before_apply(step, self.job, {"step": step + 1, "redone": self.redone})
-            self.job.apply(step)
-            self.step = step + 1
-            if self.log_every and self.step % self.log_every == 0:
-                self._log.info(f"{self.step} steps committed on rank {self.ctx.rank}")
-            if self.announce is not None:
-                self._log.info(f"{self.announce}: step {step} committed on rank "
-                               f"{self.ctx.rank}.", step=step)
-                self.announce = None
-            for callback in self.after_commit:
-                callback(self)
+            if before_apply is not None and before_apply(
+                    step, self.job, {"step": step + 1, "redone": self.redone}):
+                # The joiner took this step's inputs with the rank: this rank leaves without
+                # the update (its state is nobody's now; run() ends HANDED_OFF).
+                self.job.handed_off(step)
+                self.step = step + 1
+                self.left = True
+                self._log.info("this rank handed the committed step off with its state and "
+                               "leaves the run", step=step)
+            else:
+                self.job.apply(step)
+                self.step = step + 1
+                if self.log_every and self.step % self.log_every == 0:
+                    self._log.info(f"{self.step} steps committed on rank {self.ctx.rank}")
+                if self.announce is not None:
+                    self._log.info(f"{self.announce}: step {step} committed on rank "
+                                   f"{self.ctx.rank}.", step=step)
+                    self.announce = None
+                for callback in self.after_commit:
+                    callback(self)
         else:
             self._roll_back(step, before)
             self.redone += 1

@@ -408,6 +408,12 @@ class PlainJob(TrainingJob):
         if self.step_log is not None and not replayed:  # the leaver logged a replayed step
             self.step_log.committed(self.ctx.rank, step, self._loss)
 
+    def handed_off(self, step: int) -> None:
+        # The joiner applies this step with the rank; this process leaves: the line only.
+        self.committed = step + 1
+        if self.step_log is not None:
+            self.step_log.committed(self.ctx.rank, step, self._loss)
+
     def apply_inputs(self, step: int) -> dict[str, Any]:
         # What apply reads from compute: the averaged gradients (the schedule follows from
         # the step count, which apply keeps).

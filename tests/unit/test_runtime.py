@@ -757,6 +757,43 @@ def test_a_joiner_applying_each_step_as_it_lands_ends_bitwise_equal(
     assert not different, different
 
 
+class HandingOff(Forwarding):
+    """:class:`Forwarding`, whose hook says the joiner took the step before ``switch`` with the
+    rank (``before_apply`` returns True there), as MigrationHook does once the switch's word
+    went with that step's inputs."""
+
+    def before_apply(self, step: int, job: TrainingJob, after: dict[str, Any]) -> bool:
+        super().before_apply(step, job, after)
+        return step == self.switch - 1
+
+
+def test_a_leaver_whose_joiner_took_the_step_leaves_without_applying_it(
+        solo: JobContext) -> None:
+    train = _plain_example()
+    reference = _runtime(train.PlainJob(), solo)
+    reference.run(7)  # the leaver applies steps 0..6; step 7 is the joiner's
+    hook = HandingOff(ahead=4, switch=8)
+    leaver = _runtime(train.PlainJob(), solo, hook=hook)
+    assert leaver.run(12) is Outcome.HANDED_OFF and leaver.left
+    assert leaver.step == 8 and leaver.job.committed == 8  # the step counts as committed
+    assert [t.step for t in leaver.timings if t.committed][-1] == 7
+    assert hook.tail is None, "no hand-off at a boundary: the rank left at step 7's apply"
+    mine, theirs = _tensors(leaver.state()["job"]["params"]), \
+        _tensors(reference.state()["job"]["params"])
+    assert all(torch.equal(mine[k], theirs[k]) for k in theirs), "step 7 was not applied here"
+    # and the joiner, replaying 4..7, ends where an uninterrupted run does
+    want = _runtime(train.PlainJob(), solo)
+    want.run(12)
+    joiner = _runtime(train.PlainJob(), solo)
+    joiner.load_state(hook.state)
+    for step, inputs in hook.inputs:
+        joiner.replay(step, inputs)
+    joiner.load_counters(leaver.state()["rng"], hook.after[-1])
+    assert joiner.run(12) is Outcome.COMPLETED
+    got, exp = _tensors(joiner.state()["job"]), _tensors(want.state()["job"])
+    assert not [k for k in exp if not torch.equal(got[k], exp[k])]
+
+
 def test_a_transfer_failing_mid_landing_fails_the_apply(solo: JobContext) -> None:
     train = _plain_example()
     hook = Forwarding(ahead=2, switch=4)

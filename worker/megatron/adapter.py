@@ -374,6 +374,12 @@ class MegatronJob(TrainingJob):
         if self._loss is not None:
             self.losses[step] = self._loss
 
+    def handed_off(self, step: int) -> None:
+        # The joiner applies this step with the rank; this process leaves: its loss only.
+        self.committed = step + 1
+        if self._loss is not None:
+            self.losses[step] = self._loss
+
     def apply_inputs(self, step: int) -> dict[str, Any]:
         """What apply takes from compute: the averaged gradients, the loss it logs, and the TP
         tracker's streams as compute left them (compute advances them; apply does not)."""
