@@ -13,6 +13,8 @@ votes in between, so that a step applies on every rank or on none::
     state() / load_state(state)        the rank's full state, to hand to a standby
     apply_inputs / load_apply_inputs   optional: what apply takes from compute, so that a
                                        joiner follows its leaver step by step (below)
+    handed_off                         optional with them: what a leaver does instead of
+                                       apply for the step its joiner took (default: apply)
     apply_landing                      optional with them: the joiner applies a step while
                                        its inputs land
     compute_slot / gradients           instead of compute, in a SlottedJob: the runtime owns
@@ -68,9 +70,10 @@ hangs or fails. (Megatron-core modules hold their groups; their adapter deals wi
 ``apply_inputs`` and ``load_apply_inputs`` (the plain-torch example does) has its leaver send
 its state while training goes on, during one step's compute (which must not change the state,
 as for every job), then each committed step's apply inputs; its joiner applies each step as the
-leaver did. The last step's inputs carry the RNG states and the step counters, so the leaver's
-word that the state is through waits for no apply, and the joiner's last apply overlaps the
-survivors' own. A job that also implements ``apply_landing`` (the example's ``--hand-off
+leaver did. The last step's inputs carry the RNG states and the step counters, and the leaver
+leaves once its joiner holds them, calling ``handed_off`` rather than ``apply`` for that step
+(the joiner applies it), so that the switch waits for no apply of the leaver's and the
+joiner's last apply overlaps the survivors' own. A job that also implements ``apply_landing`` (the example's ``--hand-off
 landing``) applies each step on the joiner *as its inputs land*, a range at a time, so that
 even that apply runs alongside the transfer: on a GPU, where the apply does not take the
 transfer's CPU, the switch then waits for neither. A job without them hands its whole state
