@@ -73,11 +73,11 @@ as for every job), then each committed step's apply inputs; its joiner applies e
 leaver did. The last step's inputs carry the RNG states and the step counters, and the leaver
 leaves once its joiner holds them, calling ``handed_off`` rather than ``apply`` for that step
 (the joiner applies it), so that the switch waits for no apply of the leaver's and the
-joiner's last apply overlaps the survivors' own. A job that also implements ``apply_landing`` (the example's ``--hand-off
-landing``) applies each step on the joiner *as its inputs land*, a range at a time, so that
-even that apply runs alongside the transfer: on a GPU, where the apply does not take the
-transfer's CPU, the switch then waits for neither. A job without them hands its whole state
-off at the switch, as before.
+joiner's last apply overlaps the survivors' own. A job that also implements
+``apply_landing`` (the example's ``--hand-off landing``) applies each step on the joiner *as
+its inputs land*, a range at a time, so that even that apply runs alongside the transfer: on a
+GPU, where the apply does not take the transfer's CPU, the switch then waits for neither. A
+job without them hands its whole state off at the switch, as before.
 
 **Data-parallel slots (opt-in).** A :class:`SlottedJob` trains ``ctx.data_slots`` slots, its
 DP degree at submission, on however many replicas it has: the runtime computes each slot the
