@@ -35,6 +35,7 @@ state draws what the lost rank would have.
 from __future__ import annotations
 
 import enum
+import inspect
 import time
 from collections import deque
 from collections.abc import Callable
@@ -487,9 +488,7 @@ class Runtime:
             raise
         t3 = self._clock()
         if committed:
-            before_apply = getattr(self.hook, "before_apply", None)
-            if before_apply is not None and before_apply(
-                    step, self.job, {"step": step + 1, "redone": self.redone}):
+            if self._before_apply(step):
                 # The joiner took this step's inputs with the rank: this rank leaves without
                 # the update (its state is nobody's now; run() ends HANDED_OFF).
                 self.job.handed_off(step)
@@ -519,6 +518,17 @@ class Runtime:
             step=step, attempt=attempt, boundary=t1 - t0, compute=t2 - t1, vote=t3 - t2,
             apply=t4 - t3, committed=committed, error=self._last_error, action=action))
         return committed
+
+    def _before_apply(self, step: int) -> bool:
+        """The hook's ``before_apply``, if it has one: True if this rank leaves without
+        applying ``step``. A hook written for the two-argument form (step, job) still works."""
+        before_apply = getattr(self.hook, "before_apply", None)
+        if before_apply is None:
+            return False
+        if len(inspect.signature(before_apply).parameters) < 3:
+            before_apply(step, self.job)
+            return False
+        return bool(before_apply(step, self.job, {"step": step + 1, "redone": self.redone}))
 
     def _vote(self, *, ok: bool, step: int) -> bool:
         # One all-reduce carries the commit decision and the hook's flag: MIN of [ok, f, -f]

@@ -794,6 +794,19 @@ def test_a_leaver_whose_joiner_took_the_step_leaves_without_applying_it(
     assert not [k for k in exp if not torch.equal(got[k], exp[k])]
 
 
+def test_a_hook_with_the_two_argument_before_apply_still_works(solo: JobContext) -> None:
+    class Old(NoMigration):
+        def __init__(self) -> None:
+            self.seen: list[int] = []
+
+        def before_apply(self, step: int, job: TrainingJob) -> None:
+            self.seen.append(step)
+
+    hook = Old()
+    runtime = _runtime(_plain_example().PlainJob(), solo, hook=hook)
+    assert runtime.run(3) is Outcome.COMPLETED and hook.seen == [0, 1, 2]
+
+
 def test_a_transfer_failing_mid_landing_fails_the_apply(solo: JobContext) -> None:
     train = _plain_example()
     hook = Forwarding(ahead=2, switch=4)
