@@ -14,6 +14,7 @@ Pass ``failpoints=False`` or ``socket_group=""`` for daemons as production runs 
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import json
 import os
@@ -42,6 +43,36 @@ class ClusterTimeout(UnderstudyError):
     """A local-cluster condition did not become true in time."""
 
 
+class _LogFiles:
+    """The text of log files that only grow, each byte read once: a call reads what was
+    appended since the last (a file replaced or truncated is read afresh; one gone is empty).
+    Tests poll the logs up to twenty times a second while they wait; reading every file whole
+    each time kept a core busy through a long wait."""
+
+    def __init__(self) -> None:
+        self._files: dict[Path, tuple[int, int, str, codecs.IncrementalDecoder]] = {}
+        self._lock = threading.Lock()
+
+    def text(self, path: Path) -> str:
+        with self._lock:
+            try:
+                with open(path, "rb") as f:
+                    st = os.fstat(f.fileno())
+                    known = self._files.get(path)
+                    if known is None or known[0] != st.st_ino or st.st_size < known[1]:
+                        known = (st.st_ino, 0, "",
+                                 codecs.getincrementaldecoder("utf-8")(errors="replace"))
+                    ino, size, text, decoder = known
+                    f.seek(size)
+                    new = f.read()
+            except OSError:  # not there yet, or rotated away meanwhile
+                self._files.pop(path, None)
+                return ""
+            text += decoder.decode(new)
+            self._files[path] = (ino, size + len(new), text, decoder)
+            return text
+
+
 @dataclass
 class DaemonProcess:
     name: str
@@ -50,6 +81,8 @@ class DaemonProcess:
     log_path: Path
     env: dict[str, str]
     proc: subprocess.Popen[bytes] | None = None
+    #: what was read of each log file: tests poll the logs many times a second
+    _logs: _LogFiles = field(default_factory=lambda: _LogFiles(), repr=False)
 
     def start(self) -> DaemonProcess:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -85,15 +118,14 @@ class DaemonProcess:
     def log_text(self) -> str:
         """What the node logged: the daemon's own log, then its workers' (each process's file
         under ``<run_dir>/logs``, the default ``rank_logs.dir``: ``daemon/ranklogs.py``)."""
-        parts = [self.log_path.read_text(errors="replace") if self.log_path.exists() else ""]
+        parts = [self.daemon_log_text()]
         for f in sorted((self.run_dir / "logs").rglob("*.log*")):
-            with contextlib.suppress(OSError):  # rotated away meanwhile
-                parts.append(f.read_text(errors="replace"))
+            parts.append(self._logs.text(f))
         return "".join(p if p.endswith("\n") or not p else p + "\n" for p in parts)
 
     def daemon_log_text(self) -> str:
         """The daemon's own log alone."""
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return self._logs.text(self.log_path)
 
     @property
     def metrics_port(self) -> int:
@@ -197,7 +229,7 @@ class LocalCluster:
         loop.close()
 
     def wait_for(self, what: str, predicate: Callable[[ClusterStatus], bool],
-                 timeout: float = 30.0, interval: float = 0.05) -> float:
+                 timeout: float = 30.0, interval: float = 0.1) -> float:
         """Poll until ``predicate(status)`` holds; returns the seconds it took."""
         t0 = time.monotonic()
         last: ClusterStatus | None = None

@@ -180,11 +180,11 @@ class SendAhead:
 
     def summary(self) -> str:
         """The messages sent before the switch, in words: the state's figures, then the steps'
-        in total (the last step's, which carried the switch's word, apart: the hand-off's)."""
+        in total (the last of them may have carried the switch's word: the hand-off's
+        figures are that message's)."""
         if not self.sent:
             return "nothing sent ahead"
-        (what, first) = self.sent[0]
-        steps = [s for w, s in self.sent[1:] if not w.endswith(SWITCH_WORD)]
+        (what, first), steps = self.sent[0], [s for _, s in self.sent[1:]]
         out = f"{what} sent ahead: {first}"
         if steps:
             nbytes = sum(s.payload_bytes for s in steps)

@@ -108,7 +108,7 @@ def wait_log(d: DaemonProcess, text: str, timeout: float = 60, times: int = 1) -
     deadline = time.monotonic() + timeout
     while d.log_text().count(text) < times:
         assert time.monotonic() < deadline, f"{d.name} never logged {text!r} {times} time(s)"
-        time.sleep(0.02)
+        time.sleep(0.05)
 
 
 def events(c: LocalCluster) -> list[dict[str, Any]]:

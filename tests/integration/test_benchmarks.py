@@ -120,7 +120,8 @@ def test_migration_smoke(tmp_path: Path) -> None:
         assert set(rep["transfers"]) == {"2", "3"}
         for t in rep["transfers"].values():
             # The example sends its state ahead: at a step before the switch, then each
-            # committed step's gradients; at the switch only the RNGs and counters.
+            # committed step's gradients, the last of them with the RNGs and counters (the
+            # switch's word: the hand-off's figures are that message's).
             assert t["sent_ahead"] and t["step"] < rep["switch_step"] == t["switch_step"]
             assert t["steps_forwarded"] == rep["switch_step"] - t["step"]
             assert 0 < t["at_switch_bytes"] < t["payload_bytes"]
