@@ -535,21 +535,32 @@ def sc_landing(rank: int, t: StateTransport, pids: list[int], abort: bool) -> di
     seen: dict[int, list[tuple[int, int, torch.Tensor]]] = {}
     errors: list[str] = []
     threads: list[threading.Thread] = []
+    first_piece = threading.Event()
 
     def consume(tree: Any) -> None:
         def run() -> None:
             try:
                 for i, tensor in enumerate(tree["layers"] + tree["small"]):
-                    seen[i] = [(lo, hi, tensor.view(-1)[lo:hi].clone())
-                               for lo, hi in landing.pieces(tensor)]
+                    seen[i] = []
+                    for lo, hi in landing.pieces(tensor):
+                        seen[i].append((lo, hi, tensor.view(-1)[lo:hi].clone()))
+                        first_piece.set()
             except TransferError as exc:
                 errors.append(str(exc))
+            finally:
+                first_piece.set()
 
         threads.append(threading.Thread(target=run))
         threads[0].start()
 
+    def pace(index: int, landed: torch.Tensor) -> None:
+        # The second chunk lands once the consumer took the first: the first large tensor
+        # comes in two pieces at least, however the threads are scheduled.
+        if index == 1:
+            first_piece.wait(5)
+
     landing = transfer.Landing(on_begin=consume)
-    result = _timed_failure(lambda: receive_into(t, None, landing=landing))
+    result = _timed_failure(lambda: receive_into(t, None, landing=landing, on_chunk=pace))
     for thread in threads:
         thread.join(10)
     want = state["layers"] + state["small"]
@@ -771,8 +782,10 @@ def test_a_landing_hands_out_each_tensor_in_order_as_its_pieces_land(
         pieces = joiner["covered"][i]
         assert pieces[0][0] == 0 and pieces[-1][1] == n, (i, pieces)
         assert all(a[1] == b[0] for a, b in itertools.pairwise(pieces)), (i, pieces)
-    # a large tensor comes in chunk-sized pieces (2**18 B: 65536 floats), a small one whole
-    assert max(len(joiner["covered"][i]) for i in range(8)) > 1
+    # a large tensor comes in pieces of whole chunks (2**18 B: 65536 floats), a small one whole
+    assert joiner["covered"][0][0] == (0, 65536) and len(joiner["covered"][0]) > 1
+    assert all(hi % 65536 == 0 or hi == joiner["numel"][i]
+               for i in range(8) for _, hi in joiner["covered"][i])
     assert all(joiner["covered"][i] == [(0, 256)] for i in range(8, 16))
 
 
