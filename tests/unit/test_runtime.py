@@ -688,7 +688,11 @@ def test_a_joiner_that_replays_its_leavers_steps_ends_bitwise_equal(solo: JobCon
         joiner.load_counters(hook.tail["rng"], {**hook.tail["runtime"], "step": 9})
     joiner.load_counters(hook.tail["rng"], hook.tail["runtime"])
     assert joiner.run(12) is Outcome.COMPLETED
-    got = joiner.state()
+    _assert_same_run(joiner.state(), want)
+
+
+def _assert_same_run(got: dict[str, Any], want: dict[str, Any]) -> None:
+    """Two runtimes' states are the same run: counters, and every tensor bit for bit."""
     assert got["runtime"] == want["runtime"]
     mine, theirs = _tensors(got["job"]), _tensors(want["job"])
     assert mine.keys() == theirs.keys() and len(mine) > 10
@@ -749,12 +753,7 @@ def test_a_joiner_applying_each_step_as_it_lands_ends_bitwise_equal(
     assert hook.tail is not None
     joiner.load_counters(hook.tail["rng"], hook.tail["runtime"])
     assert joiner.run(12) is Outcome.COMPLETED
-    got = joiner.state()
-    assert got["runtime"] == want["runtime"]
-    mine, theirs = _tensors(got["job"]), _tensors(want["job"])
-    assert mine.keys() == theirs.keys() and len(mine) > 10
-    different = [k for k in mine if not torch.equal(mine[k], theirs[k])]
-    assert not different, different
+    _assert_same_run(joiner.state(), want)
 
 
 class HandingOff(Forwarding):
@@ -790,8 +789,7 @@ def test_a_leaver_whose_joiner_took_the_step_leaves_without_applying_it(
         joiner.replay(step, inputs)
     joiner.load_counters(leaver.state()["rng"], hook.after[-1])
     assert joiner.run(12) is Outcome.COMPLETED
-    got, exp = _tensors(joiner.state()["job"]), _tensors(want.state()["job"])
-    assert not [k for k in exp if not torch.equal(got[k], exp[k])]
+    _assert_same_run(joiner.state(), want.state())
 
 
 def test_a_hook_with_the_two_argument_before_apply_still_works(solo: JobContext) -> None:
