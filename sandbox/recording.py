@@ -504,10 +504,9 @@ class RecordingHook:
     def send_ahead(self, step: int, state: dict[str, Any]) -> None:
         self.inner.send_ahead(step, state)  # type: ignore[attr-defined]
 
-    def before_apply(self, step: int, job: Any, after: dict[str, Any]) -> None:
+    def before_apply(self, step: int, job: Any, after: dict[str, Any]) -> bool:
         before_apply = getattr(self.inner, "before_apply", None)
-        if before_apply is not None:
-            before_apply(step, job, after)
+        return bool(before_apply(step, job, after)) if before_apply is not None else False
 
     def on_vote(self, step: int, flag: int) -> None:
         self.inner.on_vote(step, flag)

@@ -99,10 +99,6 @@ def _send_ahead_failpoint() -> bool:
     return False
 
 
-#: how :class:`SendAhead` names the last step's message, which carries the switch's word
-SWITCH_WORD = " and the switch"
-
-
 def pair_name(rank: int, version: int) -> str:
     """The transfer pair of one attempt: a new group each time (the rank that joined through
     one pair may be the leaver of the next)."""
@@ -578,7 +574,8 @@ class MigrationHook:
                 self._ahead.send(message, what)
                 return False
             message["switch"] = {"rng": rng.capture(), "runtime": after}
-            self._ahead.send(message, what + SWITCH_WORD, should_abort=_leaver_send_failpoint)
+            self._ahead.send(message, f"{what} and the switch",
+                             should_abort=_leaver_send_failpoint)
             self._ahead.wait()
         except TransferError as exc:
             self._ahead_failed(exc)

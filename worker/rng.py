@@ -122,14 +122,3 @@ def _numpy_state(numpy: Any) -> dict[str, Any]:
 def _copy(value: Any) -> Any:
     return value.clone() if isinstance(value, torch.Tensor) else value
 
-
-def same(a: Any, b: Any) -> bool:
-    """Whether two states :func:`capture` returned are the same, bit for bit."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-                and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
-    return bool(a == b)

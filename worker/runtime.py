@@ -35,6 +35,7 @@ state draws what the lost rank would have.
 from __future__ import annotations
 
 import enum
+import functools
 import inspect
 import time
 from collections import deque
@@ -254,10 +255,7 @@ class Runtime:
         Raises:
             ValueError: ``step`` is not the next step to apply here.
         """
-        self._require_built()
-        if step != self.step:
-            raise ValueError(f"step {step} cannot be replayed here: the next step is "
-                             f"{self.step}")
+        self._next_to_replay(step)
         self.job.load_apply_inputs(step, inputs)
         self.job.apply(step)
         self.step = step + 1
@@ -271,12 +269,15 @@ class Runtime:
             ValueError: ``step`` is not the next step to apply here.
             TransferError: the transfer failed (from ``landing``).
         """
+        self._next_to_replay(step)
+        self.job.apply_landing(step, inputs, landing)
+        self.step = step + 1
+
+    def _next_to_replay(self, step: int) -> None:
         self._require_built()
         if step != self.step:
             raise ValueError(f"step {step} cannot be replayed here: the next step is "
                              f"{self.step}")
-        self.job.apply_landing(step, inputs, landing)
-        self.step = step + 1
 
     def load_counters(self, rng_state: dict[str, Any], counters: dict[str, Any]) -> None:
         """A joiner at the switch, its job's state already exact: take the leaver's RNG states
@@ -525,7 +526,10 @@ class Runtime:
         before_apply = getattr(self.hook, "before_apply", None)
         if before_apply is None:
             return False
-        if len(inspect.signature(before_apply).parameters) < 3:
+        method = getattr(before_apply, "__func__", None)  # its signature asked once, not each step
+        takes_after = (_positional(method) >= 4 if method is not None  # (self, step, job, after)
+                       else len(inspect.signature(before_apply).parameters) >= 3)
+        if not takes_after:
             before_apply(step, self.job)
             return False
         return bool(before_apply(step, self.job, {"step": step + 1, "redone": self.redone}))
@@ -549,6 +553,12 @@ class Runtime:
     def _require_built(self) -> None:
         if not self._built:
             raise RuntimeError("call Runtime.build() first")
+
+
+@functools.cache
+def _positional(fn: Callable[..., Any]) -> int:
+    """How many parameters ``fn`` takes (a hook's method, self included), asked once."""
+    return len(inspect.signature(fn).parameters)
 
 
 def compute(job: TrainingJob, ctx: JobContext, step: int) -> float | None:
