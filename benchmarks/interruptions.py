@@ -244,9 +244,13 @@ def finish(cluster: LocalCluster) -> dict[str, Any]:
     Raises:
         BenchmarkError: the job failed, or there was no recovery.
     """
-    m = wait_done(cluster, JOB, timeout=900).migration
+    job = wait_done(cluster, JOB, timeout=900)
+    m = job.migration
     if m is None or m.kind != "recovery":
-        raise BenchmarkError(f"the job's last migration is no recovery: {m}")
+        raise BenchmarkError(f"the job's last migration is no recovery ({m}); it ended "
+                             f"{job.status.reason if job.status else 'done'!r}. A job that "
+                             "reached its last step before the failure needs more --steps "
+                             "past --crash-at on a machine this loaded")
     return {"id": m.id, "phase": str(m.phase), "ranks": list(m.ranks),
             "joiners": list(m.joiners), "donors": list(m.donors), "reason": m.reason,
             "created_at": m.created_at,
@@ -393,10 +397,13 @@ def worker_crash(cfg: RecoveryConfig, base: Path) -> dict[str, Any]:
         submit(cluster, cfg, out)
         epoch, nodes = rank_nodes(cluster)
         d = cluster.daemons[nodes[VICTIM]]
-        wait_log(d, f"{cfg.crash_at} steps committed on rank {VICTIM}",
-                 timeout=steps_timeout(cfg.crash_at))
+        # Everything the kill needs is found first: between the step's line and the kill the
+        # job runs on (a loaded machine's harness once let it finish first).
+        wait_log(d, f"Started rank {VICTIM} of job {JOB}", timeout=steps_timeout(0))
         pid = worker_pid(d, f"{JOB}.r{VICTIM}")
         controller = cluster.status().controller
+        wait_log(d, f"{cfg.crash_at} steps committed on rank {VICTIM}",
+                 timeout=steps_timeout(cfg.crash_at))
         kill_at = time.time()
         os.kill(pid, signal.SIGKILL)
         recovery = finish(cluster)
@@ -437,14 +444,17 @@ def node_loss(cfg: RecoveryConfig, base: Path, silent: bool = False) -> dict[str
             bring_up(cluster)
             submit(cluster, cfg, out)
             _, nodes = rank_nodes(cluster)
-            for r, n in enumerate(nodes):
-                wait_log(cluster.daemons[n], f"{cfg.crash_at} steps committed on rank {r}",
-                         timeout=steps_timeout(cfg.crash_at))
+            # Everything the kill needs is found first (as in worker_crash).
             lost = tuple(r for r, n in enumerate(nodes) if n == LOST_NODE)
             d = cluster.daemons[LOST_NODE]
+            for r in lost:
+                wait_log(d, f"Started rank {r} of job {JOB}", timeout=steps_timeout(0))
             pids = {worker_pid(d, f"{JOB}.r{r}") for r in lost}
             pids |= {p.pid for p in train_processes(cluster, (LOST_NODE,))}
             controller = cluster.status().controller
+            for r, n in enumerate(nodes):
+                wait_log(cluster.daemons[n], f"{cfg.crash_at} steps committed on rank {r}",
+                         timeout=steps_timeout(cfg.crash_at))
             sig = signal.SIGSTOP if silent else signal.SIGKILL
             if silent:
                 frozen = [d.pid, *pids]

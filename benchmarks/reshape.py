@@ -92,10 +92,12 @@ def run_variant(variant: str, args: Any, base: Path) -> dict[str, Any]:
         if run.returncode != 0:
             raise BenchmarkError(f"understudy run failed: {run.stderr.strip()}")
         d = cluster.daemons["node-a"]
+        wait_log(d, f"Started rank {VICTIM} of job {JOB}", timeout=steps_timeout(0))
+        pid = worker_pid(d, f"{JOB}.r{VICTIM}")  # found first: the job runs on meanwhile
         wait_log(d, f"{args.crash_at} steps committed on rank {VICTIM}",
                  timeout=steps_timeout(args.crash_at))
         kill_at = time.time()
-        os.kill(worker_pid(d, f"{JOB}.r{VICTIM}"), signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
         time.sleep(max(0.0, kill_at + args.gap - time.time()))
         back_at = time.time()
         for n in STANDBYS:

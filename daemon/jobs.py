@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from understudy.common import env, logs
+from understudy.common import env, failpoints, logs
 from understudy.common.errors import RecordError, StoreError
 from understudy.common.keys import Keys
 from understudy.common.records import (
@@ -806,6 +806,9 @@ class JobRunner:
         """Record how a rank's process ended. Retried until etcd takes it (an outage of any
         length) or the daemon stops: the rank is in ``_ended`` already, so an exit that never
         reached etcd would leave the job waiting for a rank nobody runs."""
+        if not failed:
+            # A fault test's node lost as its ranks end, before it reports them (exit(N))
+            failpoints.hit("daemon.rank-exit.clean")
         record = RankExit(job=job, rank=rank, epoch=epoch, node=self.node, returncode=code,
                           failed=failed, description=description, time=self.wall(),
                           error_type=error_type)

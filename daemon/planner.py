@@ -292,6 +292,9 @@ def _plan_job(name: str, job: JobView, view: ClusterView, now: float) -> list[Ac
         return restarts().plan_restart_only(job, job.assignment, view, now)
     gone = _gone_ranks(job, job.assignment, view, now)
     if gone:
+        ended = _end_after_finish(name, job, job.assignment, gone)
+        if ended is not None:
+            return ended
         return _plan_recovery(job, job.assignment, gone, view, now)
     migration = _plan_migration(job, job.assignment, view, now)
     if migration is not None:
@@ -364,6 +367,34 @@ def _gone_ranks(job: JobView, a: Assignment, view: ClusterView,
         if lost(view, n, now) and r not in job.exits:
             gone[r] = f"node {n} holding rank {r} is gone"
     return dict(sorted(gone.items()))
+
+
+def _finished(job: JobView) -> list[int]:
+    """Ranks of the current epoch whose process ended cleanly: a rank ends so only once the
+    job's last step is committed, by every rank (the step vote)."""
+    return sorted(r for r, e in job.exits.items() if not e.failed)
+
+
+def _end_after_finish(name: str, job: JobView, a: Assignment,
+                      gone: dict[int, str]) -> list[Action] | None:
+    """A job with ranks gone after one finished is at its end: its last step is committed,
+    and no group can be rebuilt with a rank that left, so nothing is recovered. It ends once
+    every rank finished or is gone: failed if a rank's process failed, done if the others'
+    node went before it reported them (their last step is committed; what they did after it,
+    ``on_finish``, is not known). None: no rank finished, a recovery is planned as usual."""
+    finished = _finished(job)
+    if not finished:
+        return None
+    if len(finished) + len(gone) < len(a.ranks):
+        return []  # the others are finishing
+    crashed = [r for r in gone if r in job.exits]
+    if crashed:
+        return [SetJobState(name, JobState.FAILED, f"{gone[crashed[0]]}, after rank "
+                                                   f"{finished[0]} finished the job's last step")]
+    return [SetJobState(name, JobState.DONE,
+                        f"every rank reached the job's last step (rank {finished[0]} finished "
+                        f"it); rank(s) {_ranks(list(gone))} went before reporting their exit: "
+                        f"{'; '.join(gone.values())}")]
 
 
 def _free_standbys(job: JobView, a: Assignment, view: ClusterView) -> list[str]:
@@ -702,6 +733,12 @@ def _advance_migration(job: JobView, m: Migration, view: ClusterView,
             not any(e.failed for e in job.exits.values()):
         return [AdvanceMigration(m.job, m.id, MigrationPhase.ABORTED,
                                  "every rank finished the job first")]
+    if m.recovery and (finished := _finished(job)):
+        # Its loss came as the job ended (the plan raced the survivors' exit reports): no
+        # group can be rebuilt with a rank that left; the next round ends the job.
+        return [AdvanceMigration(m.job, m.id, MigrationPhase.ABORTED,
+                                 f"rank {finished[0]} finished the job's last step: no group "
+                                 "can be rebuilt with it")]
     gone = [n for n in m.joiners if lost(view, n, now)]
     if gone and m.phase != MigrationPhase.SWITCHING:
         return [AdvanceMigration(m.job, m.id, MigrationPhase.ABORTED,

@@ -96,8 +96,10 @@ def test_a_killed_rank_is_replaced_from_its_replica_and_the_result_is_bitwise_id
 def test_a_crashed_node_is_found_by_its_closed_probe_port_and_replaced(
         etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:
     # node-a leads: the controller's own node is not probed (its loss is the TTL's, and an
-    # election's), and this test is about a node the controller probes.
-    with training(etcd, tmp_path, {"node-a": 2, "node-b": 2}, STANDBYS,
+    # election's), and this test is about a node the controller probes. At the end, node-s2
+    # dies as its rank finishes, before it reports the exit (a failpoint).
+    armed = {"node-s2": {"UNDERSTUDY_FAILPOINTS": "daemon.rank-exit.clean=exit(9)"}}
+    with training(etcd, tmp_path, {"node-a": 2, "node-b": 2}, STANDBYS, armed=armed,
                   leader="node-a") as (c, out):
         _wait_steps(c.daemons["node-b"], 2, 50)
         ranks = [worker_pid(c.daemons["node-b"], f"mig.r{r}") for r in (2, 3)]
@@ -115,9 +117,15 @@ def test_a_crashed_node_is_found_by_its_closed_probe_port_and_replaced(
         planned = next(e for e in evs if e["kind"] == "migration-planned")
         assert "rank 2 -> node-s1 (state from rank 0)" in planned["message"]
         assert "rank 3 -> node-s2 (state from rank 1)" in planned["message"]
+        # node-s2 lost as the job ends: its rank had finished (the others did), so nothing is
+        # recovered, and the job is done, saying which rank went unreported.
         job = _finish(c)
         assert job.assignment.epoch == 2
         assert job.assignment.ranks == ("node-a", "node-a", "node-s1", "node-s2")
+        assert "rank(s) 3 went before reporting their exit: node node-s2 holding rank 3 is " \
+            "gone" in job.status.reason, job.status
+        assert c.daemons["node-s2"].wait(timeout=10) == 9
+        assert sum(e["kind"] == "migration-planned" for e in events(c)) == 1
         assert c.daemons["node-a"].log_text().count("Started rank 0 of job mig") == 1
         assert_bitwise_equal(reference, out, world=4)
 

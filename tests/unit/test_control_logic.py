@@ -905,6 +905,38 @@ def test_a_job_that_finishes_during_a_drain_ends_done_and_plans_no_more() -> Non
     assert end == SetJobState("j", JobState.DONE, "every rank finished")
 
 
+def test_a_rank_gone_after_another_finished_ends_the_job_and_is_never_recovered() -> None:
+    def finished(rank: int) -> RankExit:
+        return RankExit(job="j", rank=rank, epoch=3, node="a", returncode=0, failed=False,
+                        description="exited cleanly", time=2.0)
+
+    # Node b went as the job ended: its ranks' exits were never reported. Ranks 0 and 1
+    # finished, so the last step is committed everywhere, and a recovery could only wait for
+    # groups nobody is left to build: the job is done, and the reason names the ranks.
+    one = _recovery_view({0: finished(0)}, drop=("b",))
+    assert [x for x in plan(one, 5.0) if not isinstance(x, MarkFailed)] == []  # rank 1 ends
+    view = _recovery_view({0: finished(0), 1: finished(1)}, drop=("b",))
+    (done,) = [x for x in plan(view, 5.0) if isinstance(x, SetJobState)]
+    assert done.state == JobState.DONE and not any(isinstance(x, StartMigration)
+                                                    for x in plan(view, 5.0))
+    assert done.reason == ("every rank reached the job's last step (rank 0 finished it); "
+                           "rank(s) 2, 3 went before reporting their exit: node b holding "
+                           "rank 2 is gone; node b holding rank 3 is gone")
+    # A rank whose process failed after another finished fails the job, with its cause.
+    (failed,) = plan(_recovery_view({0: finished(0), 1: finished(1), 2: _crash(2, "b"),
+                                     3: finished(3)}), 5.0)
+    assert failed == SetJobState("j", JobState.FAILED, "rank 2 failed on b: killed by SIGKILL, "
+                                 "after rank 0 finished the job's last step")
+    # A recovery planned before the finished ranks' reports arrived is called off at once.
+    (start,) = [x for x in plan(_recovery_view(drop=("b",)), 5.0)
+                if isinstance(x, StartMigration)]
+    racing = dataclasses.replace(view.jobs["j"], migration=start.migration)
+    (abort,) = [x for x in plan(dataclasses.replace(view, jobs={"j": racing}), 6.0)
+                if not isinstance(x, MarkFailed)]
+    assert isinstance(abort, AdvanceMigration) and abort.phase == MigrationPhase.ABORTED
+    assert abort.reason == "rank 0 finished the job's last step: no group can be rebuilt with it"
+
+
 def test_a_pause_ends_when_a_recovery_is_planned_after_it() -> None:
     """The worker's reading of "paused" (worker.migration._paused): the status says so after
     the assignment and after the job's migration was planned, unless that one aborted."""
