@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
+import resource
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -85,3 +88,27 @@ def etcd(tmp_path: Path) -> Iterator[EmbeddedEtcd]:
         yield server
     finally:
         server.cleanup()
+
+
+#: ``UNDERSTUDY_TEST_CPU=FILE``: each test's CPU seconds, its own process's and its reaped
+#: children's (the daemons it started, their workers, a benchmark's processes), are appended
+#: to FILE as a JSON line. The suite is CPU-bound on two cores: this says which tests to trim.
+CPU_LOG = os.environ.get("UNDERSTUDY_TEST_CPU")
+
+
+def _cpu_seconds() -> float:
+    own, children = (resource.getrusage(who) for who in (resource.RUSAGE_SELF,
+                                                         resource.RUSAGE_CHILDREN))
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    if not CPU_LOG:
+        yield
+        return
+    cpu, wall = _cpu_seconds(), time.monotonic()
+    yield
+    with open(CPU_LOG, "a") as f:
+        f.write(json.dumps({"test": item.nodeid, "cpu_s": round(_cpu_seconds() - cpu, 2),
+                            "wall_s": round(time.monotonic() - wall, 2)}) + "\n")
