@@ -85,7 +85,7 @@ def run_understudy(cfg: BenchConfig, base: Path) -> dict[str, Any]:
                           "--save", str(base / "out"), *harness.example_options(cfg.smoke))
         if run.returncode != 0:
             raise BenchmarkError(f"understudy run failed: {run.stderr.strip()}")
-        harness.wait_done(cluster, JOB, timeout=900, interval=0.5)
+        harness.wait_done(cluster, JOB, timeout=900)
         tracebacks = sum(harness.tracebacks(cluster).values())
     return {"wall_s": time.monotonic() - t0, "records": read_records(base / "steps"),
             "runtime_split_s": runtime_split(base / "out", cfg.warmup),
