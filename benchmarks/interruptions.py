@@ -251,6 +251,12 @@ def finish(cluster: LocalCluster) -> dict[str, Any]:
                              f"{job.status.reason if job.status else 'done'!r}. A job that "
                              "reached its last step before the failure needs more --steps "
                              "past --crash-at on a machine this loaded")
+    if m.phase != MigrationPhase.DONE:
+        # Called off: the job then ended some other way (a loss as it finished ends it done).
+        raise BenchmarkError(f"recovery {m.id} of ranks {list(m.ranks)} was {m.phase} "
+                             f"({m.outcome or 'no reason recorded'}); the job ended "
+                             f"{job.status.state if job.status else 'done'}: "
+                             f"{job.status.reason if job.status else ''!r}")
     return {"id": m.id, "phase": str(m.phase), "ranks": list(m.ranks),
             "joiners": list(m.joiners), "donors": list(m.donors), "reason": m.reason,
             "created_at": m.created_at,

@@ -324,7 +324,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = harness.Parser("recovery", __doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, help="repeats of each scenario, each on a fresh "
                    "cluster (default 5; smoke 1)")
-    p.add_argument("--steps", type=int, help="steps of the job (default 300; smoke 90)")
+    p.add_argument("--steps", type=int, help="steps of the job (default 300; smoke 150: "
+                   "with 90 a loaded machine's harness can see the crash step too late, as "
+                   "the job ends)")
     p.add_argument("--step-sleep", type=float, default=0.04,
                    help="seconds of stand-in work per step (default 0.04, as the e2e tests)")
     p.add_argument("--crash-at", type=int, default=LOG_EVERY,
@@ -345,7 +347,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the job shards its Adam state over DP, each shard's redundant copy on "
                         "the next DP rank (train.py --shard-optimizer), the cold start too")
     p.outputs(keep="keep daemon logs, etcd data and states here")
-    args = p.parse(argv, {"repeats": (5, 1), "steps": (300, 90)})
+    args = p.parse(argv, {"repeats": (5, 1), "steps": (300, 150)})
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
     if args.crash_at < LOG_EVERY or args.crash_at % LOG_EVERY:

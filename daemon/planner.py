@@ -739,8 +739,13 @@ def _advance_migration(job: JobView, m: Migration, view: ClusterView,
         return [AdvanceMigration(m.job, m.id, MigrationPhase.ABORTED,
                                  f"rank {finished[0]} finished the job's last step: no group "
                                  "can be rebuilt with it")]
+    # Phase 2: the ranks agreed on the switch step. This pass may be the first to see their
+    # word (the phase still reads ready), and a leaver that dies streaming its state may be in
+    # the same pass: the switch, not the record's phase, decides what a loss means.
+    switching = m.phase == MigrationPhase.SWITCHING or (
+        m.phase == MigrationPhase.READY and Report.SWITCHING in job.progress)
     gone = [n for n in m.joiners if lost(view, n, now)]
-    if gone and m.phase != MigrationPhase.SWITCHING:
+    if gone and not switching:
         return [AdvanceMigration(m.job, m.id, MigrationPhase.ABORTED,
                                  f"joiner node {gone[0]} is gone")]
     assert job.assignment is not None
@@ -748,7 +753,7 @@ def _advance_migration(job: JobView, m: Migration, view: ClusterView,
     # the next round recovers the job; a recovery starts over with the new loss included.
     failed = {r: why for r, why in _gone_ranks(job, job.assignment, view, now).items()
               if not (m.recovery and r in m.ranks)}
-    if failed and m.phase != MigrationPhase.SWITCHING:
+    if failed and not switching:
         return [AdvanceMigration(m.job, m.id, MigrationPhase.ABORTED,
                                  f"{next(iter(failed.values()))} during the migration")]
     # In phase 2 only a leaver that died before its state reached the joiner stops it; the
@@ -770,7 +775,7 @@ def _advance_migration(job: JobView, m: Migration, view: ClusterView,
     # send reports it and the migration is called off.)
     dead_joiners = {r for r, j in zip(m.ranks, m.joiners, strict=True)
                     if lost(view, j, now) or (r in job.next_exits and job.next_exits[r].failed)}
-    if now > m.deadline and m.phase != MigrationPhase.SWITCHING:
+    if now > m.deadline and not switching:
         return [AdvanceMigration(
             m.job, m.id, MigrationPhase.ABORTED,
             f"the deadline passed ({m.phase} {now - m.created_at:.1f} s after it was planned)")]

@@ -811,6 +811,35 @@ def test_a_leaver_dead_in_phase_2_is_named_as_the_cause_over_its_joiner_giving_u
     assert "rank 2" in abort.reason and "before its state reached the joiner" in abort.reason
 
 
+def test_a_loss_in_the_pass_that_first_sees_the_switch_agreed_counts_as_phase_2() -> None:
+    # The ranks agreed on the switch step and the leaver of rank 2 died streaming its state;
+    # the controller sees both in one pass, the record still in phase ready (the CI run of
+    # 2026-11-27 named the death "during the migration", as if before the switch).
+    view, _ = _migrating_view(frozenset({"switching"}), phase="ready")
+    job = dataclasses.replace(view.jobs["j"],
+                              exits={2: dataclasses.replace(_crash(2, node="b"), epoch=1)})
+    (abort,) = [x for x in plan(dataclasses.replace(view, jobs={"j": job}), now=10.0)
+                if isinstance(x, AdvanceMigration)]
+    assert abort.phase == MigrationPhase.ABORTED
+    assert "rank 2" in abort.reason and "in phase 2, before its state reached the joiner" in \
+        abort.reason
+    # A rank that stays, lost in that pass, calls nothing off: the ranks are switching, and it
+    # is recovered once the joiners hold theirs. Nor does a deadline past: the record moves on
+    # to switching.
+    job = dataclasses.replace(view.jobs["j"],
+                              exits={0: dataclasses.replace(_crash(0, node="a"), epoch=1)})
+    (on,) = [x for x in plan(dataclasses.replace(view, jobs={"j": job}), now=1000.0)
+             if isinstance(x, AdvanceMigration)]
+    assert on.phase == MigrationPhase.SWITCHING
+    # Before the switch is agreed, the same stayer's loss calls the migration off.
+    view, _ = _migrating_view(phase="ready")
+    job = dataclasses.replace(view.jobs["j"],
+                              exits={0: dataclasses.replace(_crash(0, node="a"), epoch=1)})
+    (abort,) = [x for x in plan(dataclasses.replace(view, jobs={"j": job}), now=10.0)
+                if isinstance(x, AdvanceMigration)]
+    assert abort.phase == MigrationPhase.ABORTED and "during the migration" in abort.reason
+
+
 def test_a_joiner_dying_in_phase_2_after_its_state_was_sent_commits_the_migration() -> None:
     # The leaver of rank 3 sent its state and handed off; the joiner died before it said it
     # switched. Nobody else holds rank 3 under epoch 1 any more: the migration is committed,
