@@ -83,7 +83,7 @@ import steplog
 from baseline.elastic import ElasticRun, TorchrunConfig, TorchrunError, torchrun_setup
 from baseline.torchft_run import TorchftConfig, TorchftRun
 from harness import (
-    ONE_THREAD,
+    PROCESS_ENV,
     TRAIN,
     BenchmarkError,
     RecordTail,
@@ -232,7 +232,7 @@ def run_understudy(variant: str, args: Any, dips: list[Dip], length: float,
     joined: list[str] = []
     with local_cluster(base, args.ttl) as (_, cluster):
         bring_up(cluster, standbys=())
-        env = [f"--env={k}={v}" for k, v in ONE_THREAD.items()]
+        env = [f"--env={k}={v}" for k, v in PROCESS_ENV.items()]
         run = cluster.cli("run", "--job", JOB, "--tp", str(TP), "--dp", str(SLOTS),
                           "--standby", "0", *(["--reshape"] if variant == "reshape" else []),
                           *env, "--", sys.executable, str(TRAIN), "--slots", str(SLOTS),
@@ -543,7 +543,7 @@ def parse_args(argv: list[str] | None = None) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    os.environ.update(ONE_THREAD)
+    os.environ.update(PROCESS_ENV)
     dips, length = trace(args.seed, args.dips, args.mean_up, args.mean_down)
     scratch = harness.Scratch(args.keep_dir, "understudy-bench-capacity-")
 

@@ -53,7 +53,7 @@ def run(base: Path) -> tuple[list[tuple[float, dict[str, Scrape]]], list[tuple[f
             c.add(n, "standby")
         for n in c.daemons:
             c.wait_state(n, "standby" if n.startswith("node-s") else "active")
-        env = [f"--env={k}={v}" for k, v in harness.ONE_THREAD.items()]
+        env = [f"--env={k}={v}" for k, v in harness.PROCESS_ENV.items()]
         run = c.cli("run", "--job", JOB, "--tp", "2", "--dp", "2", "--standby", "2", *env,
                     "--", sys.executable, str(harness.TRAIN), "--steps", "800",
                     "--step-sleep", "0.05", "--adam", "functional")

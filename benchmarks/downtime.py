@@ -86,7 +86,7 @@ from baseline.elastic import (
     torchrun_setup,
 )
 from baseline.torchft_run import TorchftConfig, TorchftRun
-from harness import ONE_THREAD, BenchmarkError, Table, ratio, read_records, summarize
+from harness import PROCESS_ENV, BenchmarkError, Table, ratio, read_records, summarize
 from interruptions import LOG_EVERY, LOST_NODE, TP, VICTIM, WORLD
 from steplog import compare_losses, losses
 
@@ -727,7 +727,7 @@ def main(argv: list[str] | None = None) -> int:
                       systems=args.systems, torchft_heartbeat_ms=args.torchft_heartbeat_ms,
                       silent_limit=args.silent_limit, state_bytes=args.state_size,
                       hand_off=args.hand_off)
-    os.environ.update(ONE_THREAD)  # every process it starts inherits it
+    os.environ.update(PROCESS_ENV)  # every process it starts inherits it
     scratch = harness.Scratch(args.keep_dir, "understudy-bench-down-")
     repeats = scratch.repeats("downtime benchmark", cfg.repeats,
                               lambda i, d: run_repeat(i, cfg, d),

@@ -53,7 +53,7 @@ import psutil
 import steplog
 import volatile
 from baseline.elastic import ElasticRun, TorchrunConfig, TorchrunError, torchrun_setup
-from harness import ONE_THREAD, BenchmarkError, RecordTail, Table, ratio, summarize, wait
+from harness import PROCESS_ENV, BenchmarkError, RecordTail, Table, ratio, summarize, wait
 from interruptions import JOB, TP, WORLD
 from steplog import compare_losses, losses
 
@@ -599,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
                       ckpt_every=args.ckpt_every, ckpt_mode=args.ckpt_mode, ttl=args.ttl,
                       keepalive_interval_s=args.keepalive[0],
                       keepalive_attempts=args.keepalive[1], smoke=args.smoke)
-    os.environ.update(ONE_THREAD)  # every process it starts inherits it
+    os.environ.update(PROCESS_ENV)  # every process it starts inherits it
     scratch = harness.Scratch(args.keep_dir, "understudy-bench-goodput-")
     schedule = make_schedule(cfg)
     print(f"goodput: {len(schedule)} events over {cfg.duration:.0f} s per system: "

@@ -77,8 +77,12 @@ def example_options(smoke: bool, job_args: tuple[str, ...] = ()) -> tuple[str, .
     return SMOKE_EXAMPLE if smoke and "--shard-optimizer" not in job_args else ()
 
 
-#: One thread per process: the benchmarks run many of them on few cores.
-ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+#: What every process a benchmark starts is given, understudy's and the baselines' alike: one
+#: thread (the benchmarks run many processes on few cores), and torch's CPU allocator on huge
+#: pages, which understudy's daemon gives its workers by default (``daemon/jobs.huge_pages``):
+#: torchrun and torchft then train on the same allocator (``benchmarks/huge_pages.py`` measures
+#: what it changes).
+PROCESS_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "THP_MEM_ALLOC_ENABLE": "1"}
 MIB = 1024 * 1024
 
 T = TypeVar("T")
@@ -570,11 +574,12 @@ def read_records(directory: Path) -> list[dict[str, Any]]:
 
 
 def standalone_step(base: Path, label: str, cfg: Mapping[str, Any], ranks: int,
-                    job_args: tuple[str, ...]) -> dict[str, Any]:
+                    job_args: tuple[str, ...],
+                    env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """One standalone run of the plain example (``ranks`` processes bootstrapped through a file
-    store, no daemons) with ``job_args`` added: rank 0's median interval between committed
-    steps (``step_s``) and the intervals, the first ``cfg["warmup"]`` left out. ``cfg`` gives
-    ``steps``, ``state_size``, ``warmup``, ``smoke`` and ``timeout`` (seconds)."""
+    store, no daemons) with ``job_args`` added (and ``env``): rank 0's median interval between
+    committed steps (``step_s``) and the intervals, the first ``cfg["warmup"]`` left out.
+    ``cfg`` gives ``steps``, ``state_size``, ``warmup``, ``smoke`` and ``timeout`` (seconds)."""
     base.mkdir(parents=True, exist_ok=True)
     steps = base / "steps"
     procs = []
@@ -585,7 +590,8 @@ def standalone_step(base: Path, label: str, cfg: Mapping[str, Any], ranks: int,
                  "--store", str(base / "store"), "--steps", str(cfg["steps"]),
                  "--state-size", str(cfg["state_size"]), "--step-log", str(steps), *job_args,
                  *example_options(cfg["smoke"], job_args)],
-                env={**os.environ, **ONE_THREAD}, stdout=subprocess.DEVNULL, stderr=log))
+                env={**os.environ, **PROCESS_ENV, **(env or {})}, stdout=subprocess.DEVNULL,
+                stderr=log))
     codes = [p.wait(timeout=cfg["timeout"]) for p in procs]
     if any(codes):
         tail = (base / "rank0.log").read_text(errors="replace")[-1500:]
@@ -618,7 +624,7 @@ def reference_run(base: Path, world: int, tp: int, steps: int, smoke: bool,
                      "--save", str(base / "out"), "--rank", str(r), "--world-size", str(world),
                      "--tp", str(tp), "--pp", "1", "--store", str(base / "store"), *job_args,
                      *example_options(smoke, job_args)],
-                    env={**os.environ, **ONE_THREAD}, stdout=subprocess.DEVNULL,
+                    env={**os.environ, **PROCESS_ENV}, stdout=subprocess.DEVNULL,
                     stderr=log))
         deadline = time.monotonic() + 120 + 0.1 * steps
         for r, p in enumerate(procs):
@@ -718,9 +724,11 @@ def overhead_summary(result: dict[str, Any], rows: tuple[tuple[str, str], ...], 
 
 def overhead_run(args: argparse.Namespace, name: str, label: str, variants: tuple[str, str],
                  measure: Callable[[dict[str, Any], Path], list[dict[str, Any]]],
-                 config: dict[str, Any], summary: Callable[[dict[str, Any]], None]) -> int:
+                 config: dict[str, Any], summary: Callable[[dict[str, Any]], None],
+                 more: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None) -> int:
     """Run an overhead benchmark (``measure(cfg, base)``: its repeats, from
-    :func:`alternating`) and report it; ``variants`` is (measured, baseline)."""
+    :func:`alternating`) and report it; ``variants`` is (measured, baseline); ``more(repeats)``
+    adds to the summary."""
     measured, baseline = variants
     cfg = {"state_size": args.state_size, "dp": args.dp, "repeats": args.repeats,
            "steps": args.steps, "warmup": args.warmup, "smoke": args.smoke,
@@ -737,7 +745,8 @@ def overhead_run(args: argparse.Namespace, name: str, label: str, variants: tupl
         "summary": {measured: summarize([r[measured]["step_s"] for r in repeats]),
                     baseline: summarize([r[baseline]["step_s"] for r in repeats]),
                     "overhead": summarize([r["overhead"] for r in repeats]),
-                    "pooled_overhead": pooled_overhead(repeats, measured, baseline)},
+                    "pooled_overhead": pooled_overhead(repeats, measured, baseline),
+                    **(more(repeats) if more is not None else {})},
         "repeats": repeats,
     }
     report(result, args.out, summary)

@@ -30,7 +30,7 @@ from typing import Any
 
 import psutil
 from harness import (
-    ONE_THREAD,
+    PROCESS_ENV,
     TRAIN,
     BenchmarkError,
     etcd_store,
@@ -176,7 +176,7 @@ def submit(cluster: LocalCluster, cfg: RecoveryConfig, out: Path) -> None:
     Raises:
         BenchmarkError: ``understudy run`` failed, or the standbys did not warm up.
     """
-    extra = dict(ONE_THREAD)
+    extra = dict(PROCESS_ENV)
     if cfg.sandbox:
         extra["UNDERSTUDY_RECORDINGS"] = str(out.parent / "recordings")
     env = [f"--env={k}={v}" for k, v in extra.items()]

@@ -50,7 +50,7 @@ import harness
 import psutil
 from harness import (
     MIB,
-    ONE_THREAD,
+    PROCESS_ENV,
     TRAIN,
     BenchmarkError,
     Table,
@@ -139,7 +139,7 @@ def run_repeat(i: int, cfg: BenchConfig, base: Path) -> dict[str, Any]:
                      ("node-s2", "standby")):
             cluster.wait_state(n, s, timeout=60)
         cluster.wait_for("a controller", lambda s: s.controller is not None, timeout=60)
-        env = [f"--env={k}={v}" for k, v in ONE_THREAD.items()]
+        env = [f"--env={k}={v}" for k, v in PROCESS_ENV.items()]
         run = cluster.cli("run", "--job", JOB, "--tp", "2", "--dp", "2", "--standby", "2", *env,
                           "--", sys.executable, str(TRAIN), "--steps", str(cfg.steps),
                           "--step-sleep", str(cfg.step_sleep), "--save", str(out),
@@ -436,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = BenchConfig(repeats=args.repeats, steps=args.steps, step_sleep=args.step_sleep,
                       settle_seconds=args.settle_seconds, p2p_iters=args.p2p_iters,
                       smoke=args.smoke, state_bytes=args.state_size, hand_off=args.hand_off)
-    os.environ.update(ONE_THREAD)  # the daemons, their workers and the p2p peers inherit it
+    os.environ.update(PROCESS_ENV)  # the daemons, their workers and the p2p peers inherit it
     scratch = harness.Scratch(args.keep_dir, "understudy-bench-mig-")
 
     def run(i: int, base: Path) -> dict[str, Any]:

@@ -47,7 +47,7 @@ import harness
 import psutil
 import steplog
 from baseline.elastic import ElasticRun, TorchrunConfig, TorchrunError
-from harness import ONE_THREAD, TRAIN, BenchmarkError, Table, read_records, summarize
+from harness import PROCESS_ENV, TRAIN, BenchmarkError, Table, read_records, summarize
 
 from understudy.common.errors import UnderstudyError
 
@@ -78,7 +78,7 @@ def run_understudy(cfg: BenchConfig, base: Path) -> dict[str, Any]:
         for n in ACTIVE:
             cluster.wait_state(n, "active", timeout=60)
         cluster.wait_for("a controller", lambda s: s.controller is not None, timeout=60)
-        env = [f"--env={k}={v}" for k, v in ONE_THREAD.items()]
+        env = [f"--env={k}={v}" for k, v in PROCESS_ENV.items()]
         run = cluster.cli("run", "--job", JOB, "--tp", str(TP), "--dp", str(WORLD // TP), *env,
                           "--", sys.executable, str(TRAIN), "--steps", str(cfg.steps),
                           "--step-sleep", str(cfg.step_sleep), "--step-log", str(base / "steps"),
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = BenchConfig(repeats=args.repeats, steps=args.steps, step_sleep=args.step_sleep,
                       warmup=args.warmup, ckpt_every=args.ckpt_every, ckpt_mode=args.ckpt_mode,
                       smoke=args.smoke)
-    os.environ.update(ONE_THREAD)  # every process it starts inherits it
+    os.environ.update(PROCESS_ENV)  # every process it starts inherits it
     scratch = harness.Scratch(args.keep_dir, "understudy-bench-ovh-")
     repeats = scratch.repeats("overhead benchmark", cfg.repeats,
                               lambda i, d: run_repeat(i, cfg, d),

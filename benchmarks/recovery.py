@@ -60,7 +60,7 @@ from typing import Any
 
 import harness
 import psutil
-from harness import ONE_THREAD, REPO, TRAIN, BenchmarkError, Table, summarize, summarize_some
+from harness import PROCESS_ENV, REPO, TRAIN, BenchmarkError, Table, summarize, summarize_some
 from interruptions import (
     LOG_EVERY,
     LOST_NODE,
@@ -89,7 +89,7 @@ def spawn_all(argvs: list[list[str]], base: Path, name: str) -> list[dict[str, A
     """Start the commands at once (stdout and stderr to files under ``base``); returns each one's
     Popen time, exit time (polled every 5 ms), exit code and stdout. Every process is killed
     should this be cut short."""
-    env = {**os.environ, **ONE_THREAD}
+    env = {**os.environ, **PROCESS_ENV}
     procs: list[tuple[float, subprocess.Popen[bytes]]] = []
     try:
         for i, argv in enumerate(argvs):
@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
                          crash_at=args.crash_at, ttl=args.ttl, smoke=args.smoke,
                          sandbox=not args.no_sandbox, state_bytes=args.state_size,
                          shard_optimizer=args.shard_optimizer)
-    os.environ.update(ONE_THREAD)  # the daemons, their workers and the cold ranks inherit it
+    os.environ.update(PROCESS_ENV)  # the daemons, their workers and the cold ranks inherit it
     scratch = harness.Scratch(args.keep_dir, "understudy-bench-rec-")
 
     def run(i: int, base: Path) -> dict[str, Any]:

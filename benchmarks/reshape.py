@@ -49,7 +49,7 @@ import harness
 import psutil
 import torch
 from harness import (
-    ONE_THREAD,
+    PROCESS_ENV,
     TRAIN,
     BenchmarkError,
     RecordTail,
@@ -81,7 +81,7 @@ def run_variant(variant: str, args: Any, base: Path) -> dict[str, Any]:
         for n in STANDBYS:
             if cluster.cli("cordon", n).returncode != 0:
                 raise BenchmarkError(f"could not cordon {n}")
-        env = [f"--env={k}={v}" for k, v in ONE_THREAD.items()]
+        env = [f"--env={k}={v}" for k, v in PROCESS_ENV.items()]
         size = ["--state-size", str(args.state_size)] if args.state_size else []
         run = cluster.cli("run", "--job", JOB, "--tp", str(TP), "--dp", str(SLOTS),
                           "--standby", "0", *(["--reshape"] if variant == "reshape" else []),
@@ -254,7 +254,7 @@ def parse_args(argv: list[str] | None = None) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    os.environ.update(ONE_THREAD)
+    os.environ.update(PROCESS_ENV)
     scratch = harness.Scratch(args.keep_dir, "understudy-bench-reshape-")
     repeats = scratch.repeats("reshape benchmark", args.repeats,
                               lambda i, base: run_repeat(i, args, base),

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from baseline.elastic import JOB_SCRIPT, TorchrunConfig
-from harness import ONE_THREAD, BenchmarkError, RecordTail, local_cluster, wait, wait_done
+from harness import PROCESS_ENV, BenchmarkError, RecordTail, local_cluster, wait, wait_done
 from harness import worker_pid as newest_worker
 from interruptions import LOST_NODE, VICTIM, WORLD, bring_up, finish_timeout, steps_timeout
 
@@ -44,7 +44,7 @@ def run(event: str, tcfg: TorchrunConfig, event_step: int, ttl: int,
     with local_cluster(base, ttl) as (_, cluster):
         try:
             bring_up(cluster)
-            env = [f"--env={k}={v}" for k, v in ONE_THREAD.items()]
+            env = [f"--env={k}={v}" for k, v in PROCESS_ENV.items()]
             out = cluster.cli("run", "--job", JOB, "--tp", "1", "--dp", str(WORLD), "--standby",
                               "2", "--restart-only", "--max-restarts", "10", *env, "--",
                               sys.executable, str(JOB_SCRIPT), *tcfg.job_args(base))

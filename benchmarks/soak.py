@@ -67,7 +67,7 @@ import psutil
 import soak_plan
 import steplog
 import volatile
-from harness import ONE_THREAD, TRAIN, log_records, read_records
+from harness import PROCESS_ENV, TRAIN, log_records, read_records
 from interruptions import JOB, TP, WORLD
 from soak_plan import Hit, Picture, Planned
 
@@ -280,7 +280,7 @@ class Soak:
         self.steps_dir.mkdir(parents=True, exist_ok=True)
         harness.start_etcd(self.etcd, self.cluster)
         interruptions.bring_up(self.cluster)
-        env = {**ONE_THREAD, "UNDERSTUDY_RECORDINGS": str(self.base / "recordings")}
+        env = {**PROCESS_ENV, "UNDERSTUDY_RECORDINGS": str(self.base / "recordings")}
         run = self.cluster.cli(
             "run", "--job", JOB, "--tp", str(TP), "--dp", str(WORLD // TP), "--standby",
             str(STANDBY), *(f"--env={k}={v}" for k, v in env.items()), "--", sys.executable,
@@ -952,7 +952,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = SoakConfig(seed=args.seed, faults=args.faults, steps=args.steps,
                      step_sleep=args.step_sleep, gap_s=args.gap, hang_s=args.hang_timeout,
                      serve_timeout_s=args.serve_timeout, ttl=args.ttl, smoke=args.smoke)
-    os.environ.update(ONE_THREAD)  # the daemons and their workers inherit it
+    os.environ.update(PROCESS_ENV)  # the daemons and their workers inherit it
     scratch = harness.Scratch(args.keep_dir, "understudy-soak-")
 
     def work() -> dict[str, Any]:

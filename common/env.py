@@ -72,6 +72,9 @@ TORCHELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"
 TORCHELASTIC_USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
 TORCH_NCCL_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 OMP_NUM_THREADS = "OMP_NUM_THREADS"
+#: torch's CPU allocator puts each allocation of 2 MiB or more on transparent huge pages
+#: ("1"): the daemon sets it for its workers unless the job's or its own environment does
+THP_MEM_ALLOC_ENABLE = "THP_MEM_ALLOC_ENABLE"
 
 # Set by systemd for Type=notify services.
 NOTIFY_SOCKET = "NOTIFY_SOCKET"

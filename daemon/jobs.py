@@ -64,6 +64,22 @@ def standby_child(job: str) -> str:
     return f"{job}.standby"
 
 
+def huge_pages(job_env: Mapping[str, str], inherited: Mapping[str, str]) -> dict[str, str]:
+    """What a worker is given for torch's CPU allocator: ``THP_MEM_ALLOC_ENABLE=1`` (each
+    allocation of 2 MiB or more on transparent huge pages, where the kernel allows them), unless
+    the job's ``--env`` or the daemon's environment (``inherited``) says otherwise.
+
+    A rank holding gigabytes of state in host memory steps faster on them (Adam and the copies
+    touch 512 times fewer pages: at 256 MiB a rank, a step of the example took 0.96-1.04 s
+    against 1.42-1.52 here) and, once killed, is gone sooner: the kernel frees its memory before
+    it closes its sockets and before the daemon can reap it, and with huge pages it had freed 4
+    GiB in 0.02-0.03 s against 0.14-0.19 s (``docs/recovery.md``). Numbers are unchanged: where
+    memory lies changes no result."""
+    if env.THP_MEM_ALLOC_ENABLE in job_env or env.THP_MEM_ALLOC_ENABLE in inherited:
+        return {}
+    return {env.THP_MEM_ALLOC_ENABLE: "1"}
+
+
 @dataclass
 class _Job:
     spec: JobSpec | None = None
@@ -615,6 +631,7 @@ class JobRunner:
             name = rank_child(spec.name, rank)
         else:
             name = standby_child(spec.name)
+        worker_env.update(huge_pages(spec.env, os.environ))
         if self.agent.cfg.addresses:  # where its servers (a snapshot holder) bind
             worker_env[env.NODE_ADDRESS] = self.agent.cfg.addresses[0]
         worker_env.update(extra or {})  # a restart-only rank's torchrun variables

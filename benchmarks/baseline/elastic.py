@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from harness import ONE_THREAD, REPO, RecordTail, wait
+from harness import PROCESS_ENV, REPO, RecordTail, wait
 
 JOB_SCRIPT = Path(__file__).resolve().parent / "torchrun_job.py"
 #: Workers get a store of their own each round (rank 0 hosts it), not the agent's shared one:
@@ -148,7 +148,7 @@ class BaselineRun:
             t = time.time()
             proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True,
-                                    env={**os.environ, **ONE_THREAD, **env})
+                                    env={**os.environ, **PROCESS_ENV, **env})
         agent = Agent(len(self.agents), proc, t, log_path)
         self.agents.append(agent)
         return agent

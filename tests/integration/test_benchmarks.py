@@ -150,7 +150,8 @@ def test_migration_smoke(tmp_path: Path) -> None:
 
 #: The side-by-side overhead benchmarks: script, measured variant, baseline, summary line.
 OVERHEADS = [("shard_copies.py", "copies", "no copies", "overhead of the copies"),
-             ("slots.py", "slots", "all-reduce", "overhead of the slots")]
+             ("slots.py", "slots", "all-reduce", "overhead of the slots"),
+             ("huge_pages.py", "huge pages", "4 KiB pages", "step on huge pages against 4 KiB")]
 
 
 @pytest.mark.timeout(120)
@@ -179,6 +180,10 @@ def test_side_by_side_smoke(tmp_path: Path, script: str, measured: str, baseline
         slack = 0.5e-6 + 0.5e-6 * (1 + with_ / without) / without
         assert rep["overhead"] == pytest.approx(with_ / without - 1, abs=slack)
     assert data["summary"]["overhead"]["n"] == 1
+    if script == "huge_pages.py":  # and a killed one-rank run's kill -> reap, each variant
+        assert all(rep[v]["gone_after_kill_s"] > 0 for rep in data["repeats"]
+                   for v in (measured, baseline))
+        assert data["summary"]["gone_huge"]["n"] == data["summary"]["gone_4k"]["n"] == 1
 
 
 @pytest.mark.timeout(600)

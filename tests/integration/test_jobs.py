@@ -64,6 +64,8 @@ def test_job_runs_on_the_assigned_nodes_and_finishes(cluster: LocalCluster,
     for rank, node in enumerate(["node-a", "node-a", "node-b", "node-b"]):
         coords = _kv(etcd, f"{cluster.prefix}/kv/j1/probe/rank{rank}")
         assert coords == f"4,2,2,{rank % 2},{rank // 2},{node}".encode()
+        # torch's CPU allocator on huge pages, the daemon's default (daemon/jobs.huge_pages)
+        assert _kv(etcd, f"{cluster.prefix}/kv/j1/probe/thp{rank}") == b"1"
     status = json.loads(cluster.cli("status", "--json").stdout)
     (job,) = status["jobs"]
     assert job["epoch"] == 1 and job["standbys"] == ["node-s"]
@@ -119,11 +121,12 @@ def test_submissions_that_cannot_be_satisfied_change_nothing(cluster: LocalClust
         assert _kv(etcd, f"{cluster.prefix}/jobs/{job}/resize") is None
 
 
-def test_workers_see_their_job_and_a_stale_epoch_is_refused(cluster: LocalCluster) -> None:
+def test_workers_see_their_job_and_a_stale_epoch_is_refused(cluster: LocalCluster,
+                                                             etcd: EmbeddedEtcd) -> None:
     from understudy.common.daemon_client import DaemonClient, DaemonError
 
     out = cluster.cli("run", "--job", "j3", "--tp", "1", "--dp", "1", "--env", "PROBE_SLEEP=30",
-                      "--", sys.executable, PROBE)
+                      "--env", "THP_MEM_ALLOC_ENABLE=0", "--", sys.executable, PROBE)
     assert out.returncode == 0, out.stderr
     sock = str(cluster.daemons["node-a"].run_dir / "understudyd.sock")
     cluster.wait_for("j3 running", lambda s: s.job("j3") is not None
@@ -138,6 +141,8 @@ def test_workers_see_their_job_and_a_stale_epoch_is_refused(cluster: LocalCluste
         time.sleep(0.1)
     assert info is not None and info["assignment"]["epoch"] == 1
     assert info["status"]["state"] == "running" and info["migration"] is None
+    # The job's own allocator setting wins over the daemon's default.
+    assert _kv(etcd, f"{cluster.prefix}/kv/j3/probe/thp0") == b"0"
     with pytest.raises(DaemonError, match="epoch 0 refused: job j3 is at epoch 1"):
         DaemonClient("j3/tp/v1", epoch=0, path=sock, timeout=5)
 

@@ -1197,3 +1197,12 @@ def test_a_restart_only_rank_gets_the_environment_torchrun_gives_its_workers() -
     assert (three["LOCAL_RANK"], three["GROUP_RANK"], three["OMP_NUM_THREADS"]) == ("0", "2", "4")
     own = dataclasses.replace(spec, env={"OMP_NUM_THREADS": "2"})
     assert "OMP_NUM_THREADS" not in torchrun_env(own, a, 0, rdzv, {})  # the job's own stays
+
+
+def test_workers_get_torchs_allocator_on_huge_pages_unless_the_job_or_daemon_says_otherwise(
+        ) -> None:
+    from understudy.daemon.jobs import huge_pages
+
+    assert huge_pages({}, {"PATH": "/bin"}) == {"THP_MEM_ALLOC_ENABLE": "1"}
+    assert huge_pages({"THP_MEM_ALLOC_ENABLE": "0"}, {}) == {}  # the job's --env
+    assert huge_pages({}, {"THP_MEM_ALLOC_ENABLE": "0"}) == {}  # the daemon's environment

@@ -1,5 +1,6 @@
-"""A tiny worker for control-plane tests: reports its coordinates through the daemon's
-key-value service, then exits with the code given in PROBE_EXIT_RANK (rank:code)."""
+"""A tiny worker for control-plane tests: reports its coordinates (and the allocator's
+huge-pages setting it was given) through the daemon's key-value service, then exits with the
+code given in PROBE_EXIT_RANK (rank:code)."""
 
 import os
 import sys
@@ -17,6 +18,7 @@ def main() -> int:
                           ("WORLD_SIZE", "TP", "DP", "TP_INDEX", "DP_INDEX", "NODE"))
         client.set(f"rank{rank}", coords.encode())
         client.set(f"pid{rank}", str(os.getpid()).encode())
+        client.set(f"thp{rank}", os.environ.get("THP_MEM_ALLOC_ENABLE", "unset").encode())
     time.sleep(float(os.environ.get("PROBE_SLEEP", "0")))
     fail = os.environ.get("PROBE_FAIL_RANK")
     if fail is not None and int(fail) == rank:
