@@ -592,16 +592,37 @@ def standalone_step(base: Path, label: str, cfg: Mapping[str, Any], ranks: int,
                  *example_options(cfg["smoke"], job_args)],
                 env={**os.environ, **PROCESS_ENV, **(env or {})}, stdout=subprocess.DEVNULL,
                 stderr=log))
-    codes = [p.wait(timeout=cfg["timeout"]) for p in procs]
+    codes, peaks = zip(*(reap(p, cfg["timeout"]) for p in procs), strict=True)
     if any(codes):
         tail = (base / "rank0.log").read_text(errors="replace")[-1500:]
-        raise BenchmarkError(f"{label}: the job exited {codes}: {tail}")
+        raise BenchmarkError(f"{label}: the job exited {list(codes)}: {tail}")
     times = sorted(r["t"] for r in read_records(steps)
                    if r.get("rank") == 0 and r.get("kind", "step") == "step")
     intervals = [b - a for a, b in itertools.pairwise(times)][cfg["warmup"]:]
     if not intervals:
         raise BenchmarkError(f"{label}: too few steps logged ({len(times)})")
-    return {"step_s": statistics.median(intervals), "intervals": intervals}
+    return {"step_s": statistics.median(intervals), "intervals": intervals,
+            "peak_rss_mib": [peak / MIB for peak in peaks]}
+
+
+def reap(proc: subprocess.Popen[bytes], timeout: float | None = None) -> tuple[int, int]:
+    """Wait for ``proc`` to end: its exit code (``-N`` for signal N) and its peak resident
+    memory in bytes (the kernel's ``ru_maxrss`` of that one child, from ``wait4``).
+    ``timeout``: seconds, polled every 50 ms; None waits in ``wait4`` itself (a kill's reap,
+    timed to the moment).
+
+    Raises:
+        subprocess.TimeoutExpired: it ran past ``timeout`` (it is left running).
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        pid, status, usage = os.wait4(proc.pid, 0 if deadline is None else os.WNOHANG)
+        if pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            return proc.returncode, usage.ru_maxrss * 1024
+        if deadline is not None and time.monotonic() > deadline:
+            raise subprocess.TimeoutExpired(proc.args, timeout or 0.0)
+        time.sleep(0.05)
 
 
 def reference_run(base: Path, world: int, tp: int, steps: int, smoke: bool,

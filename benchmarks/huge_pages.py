@@ -15,6 +15,8 @@ repeat to repeat:
   that is also when its peers' sockets reset and when a daemon can see the exit: the start of a
   crash's detection.
 
+Each run's peak resident memory is taken too (``wait4``'s ``ru_maxrss`` of each process).
+
 ``--state-size`` is the replicated job's state per rank (parameters and both Adam moments).
 
     .venv/bin/python benchmarks/huge_pages.py [--state-size 256MiB] [--dp 2] [--repeats 3]
@@ -39,9 +41,10 @@ THP = "THP_MEM_ALLOC_ENABLE"
 VARIANTS = {"huge pages": {THP: "1"}, "4 KiB pages": {THP: "0"}}
 
 
-def gone_after_kill(base: Path, cfg: dict[str, Any], env: dict[str, str]) -> float:
-    """Seconds from the SIGKILL of a one-rank run of the example, once it committed its second
-    step, to its reap."""
+def gone_after_kill(base: Path, cfg: dict[str, Any], env: dict[str, str]) -> dict[str, float]:
+    """A one-rank run of the example killed with SIGKILL once it committed its second step:
+    seconds from the kill to its reap (``gone_after_kill_s``), and its peak resident memory
+    (``peak_rss_mib``)."""
     base.mkdir(parents=True, exist_ok=True)
     steps = base / "steps"
     with open(base / "rank0.log", "wb") as log:
@@ -61,8 +64,8 @@ def gone_after_kill(base: Path, cfg: dict[str, Any], env: dict[str, str]) -> flo
         wait("the one-rank run's second step", committed, cfg["timeout"], interval=0.05)
         at = time.perf_counter()
         os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-        return time.perf_counter() - at
+        _, peak = harness.reap(proc)
+        return {"gone_after_kill_s": time.perf_counter() - at, "peak_rss_mib": peak / harness.MIB}
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -72,7 +75,9 @@ def gone_after_kill(base: Path, cfg: dict[str, Any], env: dict[str, str]) -> flo
 def measure(cfg: dict[str, Any], base: Path) -> list[dict[str, Any]]:
     def run(directory: Path, variant: str, env: dict[str, str]) -> dict[str, Any]:
         out = harness.standalone_step(directory, variant, cfg, cfg["dp"], ("--tp", "1"), env)
-        out["gone_after_kill_s"] = gone_after_kill(directory / "killed", cfg, env)
+        killed = gone_after_kill(directory / "killed", cfg, env)
+        out["gone_after_kill_s"] = killed["gone_after_kill_s"]
+        out["killed_peak_rss_mib"] = killed["peak_rss_mib"]
         return out
 
     def says(i: int, runs: dict[str, Any]) -> str:
@@ -93,6 +98,9 @@ def print_summary(result: dict[str, Any]) -> None:
     table.header("a killed one-rank run, kill -> reap")
     for label, key in (("4 KiB pages", "gone_4k"), ("huge pages", "gone_huge")):
         table.row(label, result["summary"][key], "s", fmt=".3f")
+    table.header("rank 0's peak RSS in the step's run")
+    for label, key in (("4 KiB pages", "rss_4k"), ("huge pages", "rss_huge")):
+        table.row(label, result["summary"][key], "MiB", fmt=".0f")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -102,8 +110,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def gone(repeats: list[dict[str, Any]]) -> dict[str, Any]:
-    return {key: summarize([r[variant]["gone_after_kill_s"] for r in repeats])
-            for key, variant in (("gone_4k", "4 KiB pages"), ("gone_huge", "huge pages"))}
+    """The kill -> reap figures, and the peak RSS of rank 0 of the step's run, per variant."""
+    out = {}
+    for tag, variant in (("4k", "4 KiB pages"), ("huge", "huge pages")):
+        out[f"gone_{tag}"] = summarize([r[variant]["gone_after_kill_s"] for r in repeats])
+        out[f"rss_{tag}"] = summarize([r[variant]["peak_rss_mib"][0] for r in repeats])
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -408,8 +408,14 @@ def worker_crash(cfg: RecoveryConfig, base: Path) -> dict[str, Any]:
         wait_log(d, f"Started rank {VICTIM} of job {JOB}", timeout=steps_timeout(0))
         pid = worker_pid(d, f"{JOB}.r{VICTIM}")
         controller = cluster.status().controller
-        wait_log(d, f"{cfg.crash_at} steps committed on rank {VICTIM}",
-                 timeout=steps_timeout(cfg.crash_at))
+        # In any daemon's log: the rank may have moved since (as in node_loss).
+        wait(f"rank {VICTIM} to commit {cfg.crash_at} steps", lambda: any(
+            f"{cfg.crash_at} steps committed on rank {VICTIM}" in x.log_text()
+            for x in cluster.daemons.values()), steps_timeout(cfg.crash_at), 0.02)
+        if rank_nodes(cluster)[0] != epoch:  # it moved: its worker now
+            epoch, nodes = rank_nodes(cluster)
+            d = cluster.daemons[nodes[VICTIM]]
+            pid = worker_pid(d, f"{JOB}.r{VICTIM}")
         kill_at = time.time()
         os.kill(pid, signal.SIGKILL)
         recovery = finish(cluster)
@@ -449,18 +455,32 @@ def node_loss(cfg: RecoveryConfig, base: Path, silent: bool = False) -> dict[str
         try:
             bring_up(cluster)
             submit(cluster, cfg, out)
-            _, nodes = rank_nodes(cluster)
-            # Everything the kill needs is found first (as in worker_crash).
-            lost = tuple(r for r, n in enumerate(nodes) if n == LOST_NODE)
+            epoch, nodes = rank_nodes(cluster)
             d = cluster.daemons[LOST_NODE]
-            for r in lost:
-                wait_log(d, f"Started rank {r} of job {JOB}", timeout=steps_timeout(0))
-            pids = {worker_pid(d, f"{JOB}.r{r}") for r in lost}
-            pids |= {p.pid for p in train_processes(cluster, (LOST_NODE,))}
+
+            def victims() -> tuple[tuple[int, ...], set[int]]:
+                """The ranks on the lost node, and its workers' pids."""
+                lost = tuple(r for r, n in enumerate(nodes) if n == LOST_NODE)
+                for r in lost:
+                    wait_log(d, f"Started rank {r} of job {JOB}", timeout=steps_timeout(0))
+                pids = {worker_pid(d, f"{JOB}.r{r}") for r in lost}
+                return lost, pids | {p.pid for p in train_processes(cluster, (LOST_NODE,))}
+
+            # Everything the kill needs is found first (as in worker_crash).
+            lost, pids = victims()
             controller = cluster.status().controller
-            for r, n in enumerate(nodes):
-                wait_log(cluster.daemons[n], f"{cfg.crash_at} steps committed on rank {r}",
-                         timeout=steps_timeout(cfg.crash_at))
+            for r in range(WORLD):
+                # In any daemon's log: a rank may have moved since (a machine short of memory
+                # once saw the kernel's OOM killer take one, and the job recover it).
+                wait(f"rank {r} to commit {cfg.crash_at} steps", lambda r=r: any(
+                    f"{cfg.crash_at} steps committed on rank {r}" in x.log_text()
+                    for x in cluster.daemons.values()), steps_timeout(cfg.crash_at), 0.02)
+            if rank_nodes(cluster)[0] != epoch:  # the job moved meanwhile: look again
+                epoch, nodes = rank_nodes(cluster)
+                lost, pids = victims()
+                if not lost:
+                    raise BenchmarkError(f"{LOST_NODE} holds no rank of the job any more "
+                                         f"(epoch {epoch}: {nodes})")
             sig = signal.SIGSTOP if silent else signal.SIGKILL
             if silent:
                 frozen = [d.pid, *pids]

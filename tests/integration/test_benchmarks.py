@@ -174,6 +174,9 @@ def test_side_by_side_smoke(tmp_path: Path, script: str, measured: str, baseline
             # every step interval past the warm-up, each a real positive duration
             assert len(rep[variant]["intervals"]) == cfg["steps"] - 1 - cfg["warmup"]
             assert all(i > 0 for i in rep[variant]["intervals"])
+            # each process's peak RSS, from the kernel at its reap
+            assert len(rep[variant]["peak_rss_mib"]) == cfg["dp"]
+            assert all(m > 10 for m in rep[variant]["peak_rss_mib"])
         # The JSON holds every figure rounded to 1e-6 s (harness.rounded): a ratio of two
         # rounded step times of a few milliseconds is off by up to ~1e-6 / step_s.
         with_, without = rep[measured]["step_s"], rep[baseline]["step_s"]
