@@ -70,11 +70,11 @@ def huge_pages(job_env: Mapping[str, str], inherited: Mapping[str, str]) -> dict
     the job's ``--env`` or the daemon's environment (``inherited``) says otherwise.
 
     A rank holding gigabytes of state in host memory steps faster on them (Adam and the copies
-    touch 512 times fewer pages: at 256 MiB a rank, a step of the example took 0.96-1.04 s
-    against 1.42-1.52 here) and, once killed, is gone sooner: the kernel frees its memory before
-    it closes its sockets and before the daemon can reap it, and with huge pages it had freed 4
-    GiB in 0.02-0.03 s against 0.14-0.19 s (``docs/recovery.md``). Numbers are unchanged: where
-    memory lies changes no result."""
+    touch 512 times fewer pages) and, once killed, is gone sooner: the kernel frees its memory
+    before it closes its sockets and before the daemon can reap it. At 1 GiB of state a rank,
+    the example's step took 3.80 s against 5.07 s on 4 KiB pages, and a killed rank was reaped
+    0.031 s after SIGKILL against 0.152 s (``benchmarks/huge_pages.py``, ``docs/recovery.md``).
+    Results are bitwise the same: where memory lies changes no number."""
     if env.THP_MEM_ALLOC_ENABLE in job_env or env.THP_MEM_ALLOC_ENABLE in inherited:
         return {}
     return {env.THP_MEM_ALLOC_ENABLE: "1"}
