@@ -11,7 +11,7 @@ repeat to repeat:
   0's median interval between committed steps, the first ``--warmup`` left out;
 - **gone after a kill**: one more process of the example (world size 1, the same state) is
   killed with SIGKILL once it committed its second step, and the time from the kill to its reap
-  is taken (``waitpid``). The kernel frees a process's memory before it closes its files, so
+  is taken (``wait4``). The kernel frees a process's memory before it closes its files, so
   that is also when its peers' sockets reset and when a daemon can see the exit: the start of a
   crash's detection.
 

@@ -235,6 +235,16 @@ def train_processes(cluster: LocalCluster, nodes: tuple[str, ...]) -> list[psuti
     return out
 
 
+def wait_committed(cluster: LocalCluster, rank: int, steps: int) -> None:
+    """Wait until ``rank`` logged ``steps`` committed steps, in any daemon's log: the rank may
+    have moved since the job started (a machine short of memory once saw the kernel's OOM killer
+    take one, and the job recover it onto a standby)."""
+    line = f"{steps} steps committed on rank {rank}"
+    wait(f"rank {rank} to commit {steps} steps",
+         lambda: any(line in d.log_text() for d in cluster.daemons.values()),
+         steps_timeout(steps), interval=0.02)
+
+
 # -- a recovery ------------------------------------------------------------------------------
 
 
@@ -408,10 +418,7 @@ def worker_crash(cfg: RecoveryConfig, base: Path) -> dict[str, Any]:
         wait_log(d, f"Started rank {VICTIM} of job {JOB}", timeout=steps_timeout(0))
         pid = worker_pid(d, f"{JOB}.r{VICTIM}")
         controller = cluster.status().controller
-        # In any daemon's log: the rank may have moved since (as in node_loss).
-        wait(f"rank {VICTIM} to commit {cfg.crash_at} steps", lambda: any(
-            f"{cfg.crash_at} steps committed on rank {VICTIM}" in x.log_text()
-            for x in cluster.daemons.values()), steps_timeout(cfg.crash_at), 0.02)
+        wait_committed(cluster, VICTIM, cfg.crash_at)
         if rank_nodes(cluster)[0] != epoch:  # it moved: its worker now
             epoch, nodes = rank_nodes(cluster)
             d = cluster.daemons[nodes[VICTIM]]
@@ -470,11 +477,7 @@ def node_loss(cfg: RecoveryConfig, base: Path, silent: bool = False) -> dict[str
             lost, pids = victims()
             controller = cluster.status().controller
             for r in range(WORLD):
-                # In any daemon's log: a rank may have moved since (a machine short of memory
-                # once saw the kernel's OOM killer take one, and the job recover it).
-                wait(f"rank {r} to commit {cfg.crash_at} steps", lambda r=r: any(
-                    f"{cfg.crash_at} steps committed on rank {r}" in x.log_text()
-                    for x in cluster.daemons.values()), steps_timeout(cfg.crash_at), 0.02)
+                wait_committed(cluster, r, cfg.crash_at)
             if rank_nodes(cluster)[0] != epoch:  # the job moved meanwhile: look again
                 epoch, nodes = rank_nodes(cluster)
                 lost, pids = victims()
