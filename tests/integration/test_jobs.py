@@ -141,8 +141,13 @@ def test_workers_see_their_job_and_a_stale_epoch_is_refused(cluster: LocalCluste
         time.sleep(0.1)
     assert info is not None and info["assignment"]["epoch"] == 1
     assert info["status"]["state"] == "running" and info["migration"] is None
-    # The job's own allocator setting wins over the daemon's default.
-    assert _kv(etcd, f"{cluster.prefix}/kv/j3/probe/thp0") == b"0"
+    # The job's own allocator setting wins over the daemon's default (the probe writes it once
+    # it started, which may come after the job's view above).
+    deadline = time.monotonic() + 10
+    while (thp := _kv(etcd, f"{cluster.prefix}/kv/j3/probe/thp0")) is None and \
+            time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert thp == b"0"
     with pytest.raises(DaemonError, match="epoch 0 refused: job j3 is at epoch 1"):
         DaemonClient("j3/tp/v1", epoch=0, path=sock, timeout=5)
 
