@@ -37,7 +37,8 @@ from typing import Any
 import harness
 from harness import PROCESS_ENV, TRAIN, BenchmarkError, read_records, summarize, wait
 
-THP = "THP_MEM_ALLOC_ENABLE"
+from understudy.common.env import THP_MEM_ALLOC_ENABLE as THP
+
 VARIANTS = {"huge pages": {THP: "1"}, "4 KiB pages": {THP: "0"}}
 
 
