@@ -94,6 +94,11 @@ from understudy.common.errors import UnderstudyError
 from understudy.common.sizes import size_arg
 
 EVENTS = ("planned-drain", "worker-crash", "node-loss", "silent-node")
+#: The earliest --event-at: the steps before it give the normal step, its first ones left out.
+MIN_EVENT_AT = steplog.WARMUP_STEPS + 5
+#: Steps a run goes on past its event, at least: a drain switches after phase 1 (at 1 GiB per
+#: rank some 20 s, a few steps); a failure's run may redo a torchrun checkpoint interval first.
+RUN_ON_DRAIN, RUN_ON = 60, 20
 SYSTEMS = ("understudy", "restart-only", "torchrun", "torchft")
 #: The baselines whose downtime is divided by understudy's, per event type.
 BASELINES = ("torchrun", "torchft")
@@ -134,6 +139,10 @@ class BenchConfig:
     state_bytes: int | None = None
     #: understudy's drain: the leaver's state sent ahead, or whole at the switch
     hand_off: str = "ahead"
+    #: seconds from the commit of step ``event_at`` to understudy's event (mid-step)
+    event_delay: float = 0.0
+    #: understudy's job stops its compute at an autograd operation once it recovers
+    interruptible: bool = False
 
 
 # -- understudy --------------------------------------------------------------------------------
@@ -148,10 +157,10 @@ def understudy_drain(rcfg: interruptions.RecoveryConfig, base: Path) -> dict[str
     with harness.local_cluster(base, rcfg.ttl) as (_, cluster):
         interruptions.bring_up(cluster)
         interruptions.submit(cluster, rcfg, out)
-        _, nodes = interruptions.rank_nodes(cluster)
-        for r, n in enumerate(nodes):
-            harness.wait_log(cluster.daemons[n], f"{rcfg.crash_at} steps committed on rank {r}",
-                             timeout=interruptions.steps_timeout(rcfg.crash_at))
+        steps = interruptions.step_log_of(rcfg, out)
+        for r in range(WORLD):
+            interruptions.wait_committed(cluster, r, rcfg.crash_at, steps)
+        time.sleep(rcfg.event_delay)
         drain_at = time.time()
         drain = cluster.cli("drain", LOST_NODE, "--deadline", "300", "--wait", timeout=360)
         if drain.returncode != 0:
@@ -169,7 +178,9 @@ def run_understudy(event: str, cfg: BenchConfig, base: Path) -> dict[str, Any]:
     rcfg = interruptions.RecoveryConfig(repeats=1, steps=cfg.steps, step_sleep=cfg.step_sleep,
                                         crash_at=cfg.event_at, ttl=cfg.ttl, smoke=cfg.smoke,
                                         sandbox=True, step_log=True,
-                                        state_bytes=cfg.state_bytes, hand_off=cfg.hand_off)
+                                        state_bytes=cfg.state_bytes, hand_off=cfg.hand_off,
+                                        event_delay=cfg.event_delay,
+                                        interruptible=cfg.interruptible)
     if event == "planned-drain":
         res = understudy_drain(rcfg, base)
         event_at = res["drain_at"]
@@ -602,7 +613,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
         med = [max(s[e][system]["downtime_s"]["median"], 1e-3) for e in events]
         lo = [m - max(s[e][system]["downtime_s"]["min"], 1e-3) for e, m in zip(events, med,
                                                                                 strict=True)]
-        hi = [s[e][system]["downtime_s"]["max"] - m for e, m in zip(events, med, strict=True)]
+        # A near-instant switch can measure a little below zero (noise): the log scale shows
+        # it at the floor, whiskers included.
+        hi = [max(s[e][system]["downtime_s"]["max"], 1e-3) - m
+              for e, m in zip(events, med, strict=True)]
         xs = [i + (j - (len(systems) - 1) / 2) * width for i in range(len(events))]
         ax.bar(xs, med, width, yerr=[lo, hi], capsize=3, color=colors[system], label=system)
     tops = [max(s[e][x]["downtime_s"]["max"] for x in systems) for e in events]
@@ -665,8 +679,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds of stand-in work per step (default 0.04, as the other "
                         "benchmarks)")
     p.add_argument("--event-at", type=int, default=LOG_EVERY,
-                   help=f"the event comes once this many steps are committed, a multiple of "
-                        f"{LOG_EVERY} (default {LOG_EVERY})")
+                   help=f"the event comes once this many steps are committed (default "
+                        f"{LOG_EVERY}; at least {MIN_EVENT_AT}, for a normal step before it)")
     p.add_argument("--ckpt-every", type=int, default=20,
                    help="torchrun's checkpoint cadence in steps (default 20: an event at step "
                         "50 lands halfway through an interval, the mean loss of a random one)")
@@ -686,6 +700,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="understudy's drain: the leavers send their state ahead while training "
                         "goes on, then each step's gradients (default), or the whole state at "
                         "the switch (train.py --hand-off)")
+    p.add_argument("--event-delay", type=float, default=0.0, metavar="SECONDS",
+                   help="understudy's event comes this long after the commit of --event-at "
+                        "(default 0): a failure in the middle of the survivors' step; "
+                        "understudy only (the baselines' events are not delayed)")
+    p.add_argument("--interruptible", action="store_true",
+                   help="understudy's job stops its compute at its next autograd operation once "
+                        "it recovers (train.py --interruptible), to compare with the default")
     p.add_argument("--smoke", action="store_true", help="one repeat, short runs: for the tests")
     p.outputs(keep="keep logs, step lines and checkpoints here", chart="chart")
     args = p.parse(argv, {"repeats": (5, 1), "steps": (300, 120),
@@ -708,11 +729,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--torchft-heartbeat-ms must be at least 100, got {args.torchft_heartbeat_ms}")
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
-    if args.event_at < LOG_EVERY or args.event_at % LOG_EVERY:
-        p.error(f"--event-at must be a positive multiple of {LOG_EVERY}, got {args.event_at}")
-    if args.steps < args.event_at + 60:
-        p.error(f"--steps must be at least --event-at + 60 for the interruption to end mid-run "
-                f"(a drain switches after phase 1), got {args.steps}")
+    if args.event_at < MIN_EVENT_AT:
+        p.error(f"--event-at must be at least {MIN_EVENT_AT} (a normal step is measured on the "
+                f"steps before the event, the first {steplog.WARMUP_STEPS} left out), got "
+                f"{args.event_at}")
+    if "planned-drain" in args.events:
+        after, why = RUN_ON_DRAIN, "a drain switches after phase 1"
+    else:
+        after = max(RUN_ON, args.ckpt_every + 10)
+        why = f"torchrun redoes up to --ckpt-every ({args.ckpt_every}) steps first"
+    if args.steps < args.event_at + after:
+        p.error(f"--steps must be at least --event-at + {after} for the interruption to end "
+                f"mid-run ({why}), got {args.steps}")
+    if args.event_delay < 0:
+        p.error(f"--event-delay must be >= 0, got {args.event_delay}")
+    if args.event_delay and args.systems != ("understudy",):
+        p.error("--event-delay delays understudy's events only: run it with --systems "
+                "understudy")
     harness.check_side_by_side(p, args)
     return args
 
@@ -726,7 +759,8 @@ def main(argv: list[str] | None = None) -> int:
                       keepalive_attempts=args.keepalive[1], smoke=args.smoke,
                       systems=args.systems, torchft_heartbeat_ms=args.torchft_heartbeat_ms,
                       silent_limit=args.silent_limit, state_bytes=args.state_size,
-                      hand_off=args.hand_off)
+                      hand_off=args.hand_off, event_delay=args.event_delay,
+                      interruptible=args.interruptible)
     os.environ.update(PROCESS_ENV)  # every process it starts inherits it
     scratch = harness.Scratch(args.keep_dir, "understudy-bench-down-")
     repeats = scratch.repeats("downtime benchmark", cfg.repeats,

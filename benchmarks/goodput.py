@@ -371,13 +371,26 @@ def run_system(system: str, events: list[volatile.Event], cfg: BenchConfig,
                   f"{rec['served_at'] - rec['fired_at']:.1f}s; load {os.getloadavg()[0]:.1f}",
                   file=sys.stderr, flush=True)
         time.sleep(max(0.0, end - time.time()) + 1.0)  # the window, and a step past it
-        records = sut.records()
+        records = list(sut.records())  # a copy: the tail's list grows as it is polled
+        later = records
+        # An event served near the window's end (torchrun's restart under load) is measured
+        # once the job is past the step it was at when the event came: the run goes on until
+        # then, SERVE_TIMEOUT at most. The goodput is the window's alone.
+        deadline = time.monotonic() + SERVE_TIMEOUT
+        while not _past_every_event(later, fired) and time.monotonic() < deadline:
+            time.sleep(0.5)
+            later = list(sut.records())
     finally:
         extra = sut.stop()
         machine_load = load.stop()
     done = steplog.completions(records, WORLD)
     figures = volatile.goodput(done, start, end, fired)
     by_index = {e["index"]: e for e in figures.pop("events")}
+    if later is not records:
+        for e in volatile.goodput(steplog.completions(later, WORLD), start, end,
+                                  fired)["events"]:
+            if "error" in by_index[e["index"]] and "error" not in e:
+                by_index[e["index"]] = {**e, "measured_after_the_window": True}
     for rec in fired:
         rec.update({k: v for k, v in by_index[rec["index"]].items() if k not in rec})
         for k in ("scheduled_at", "fired_at", "served_at", "capacity_back_at",
@@ -392,6 +405,17 @@ def run_system(system: str, events: list[volatile.Event], cfg: BenchConfig,
     return {"system": system, **figures, "events_scheduled": len(events), "events": fired,
             "losses": losses(records), "wall_s": time.monotonic() - t0, "load": machine_load,
             **extra, "timeline": timeline}
+
+
+def _past_every_event(records: Any, fired: list[dict[str, Any]]) -> bool:
+    """Whether the job completed, after each fired event, a step past the last one it had
+    completed before it."""
+    done = sorted(steplog.completions(records, WORLD), key=lambda c: c.t)
+    for rec in fired:
+        before = [c for c in done if c.t < rec["fired_at"]]
+        if before and not any(c.step > before[-1].step for c in done[len(before):]):
+            return False
+    return True
 
 
 def make_schedule(cfg: BenchConfig) -> list[volatile.Event]:

@@ -33,6 +33,7 @@ from harness import (
     PROCESS_ENV,
     TRAIN,
     BenchmarkError,
+    RecordTail,
     etcd_store,
     example_options,
     local_cluster,
@@ -54,7 +55,8 @@ WORLD, TP = 4, 2
 ACTIVE, STANDBYS = ("node-a", "node-b"), ("node-s1", "node-s2")
 VICTIM = 1  # the rank whose worker is killed (on node-a; its TP partner is rank 0)
 LOST_NODE = "node-b"  # the node lost in a node loss (ranks 2 and 3)
-#: The runtime logs "N steps committed on rank R" every this many steps.
+#: The runtime logs "N steps committed on rank R" every this many steps: a failure's step is a
+#: multiple of it, unless the job keeps a step log (``RecoveryConfig.step_log``), which says each.
 LOG_EVERY = 50
 #: A recovery's phases, each from the previous milestone (see :func:`analyse_recovery`).
 PHASES = ("detection", "planning", "settle", "rebuild_transfer", "first_step")
@@ -125,6 +127,11 @@ class RecoveryConfig:
     #: the job shards its Adam state over DP with a redundant copy of each shard on the next
     #: DP rank (``train.py --shard-optimizer``)
     shard_optimizer: bool = False
+    #: seconds from the commit of step ``crash_at`` to the event: lands it mid-step
+    event_delay: float = 0.0
+    #: the job's compute stops at its next autograd operation once it recovers (False:
+    #: ``train.py --interruptible``; else at its next collective)
+    interruptible: bool = False
 
 
 # -- the cluster and the job -------------------------------------------------------------------
@@ -186,6 +193,13 @@ def submit(cluster: LocalCluster, cfg: RecoveryConfig, out: Path) -> None:
     step_log += ["--hand-off", cfg.hand_off]
     if cfg.shard_optimizer:
         step_log.append("--shard-optimizer")
+    if cfg.interruptible:
+        step_log.append("--interruptible")
+    # The ranks record their first iterations for the standbys' sandbox, then hold until the
+    # standbys are warm: on a loaded machine their warm-up (imports, the replay) once took
+    # longer than the job's steps, which ended before the event came.
+    warm = out.parent / "standbys-warm"
+    step_log += ["--hold-until", str(warm)]
     run = cluster.cli("run", "--job", JOB, "--tp", str(TP), "--dp", str(WORLD // TP),
                       "--standby", "2", *env, "--", sys.executable, str(TRAIN),
                       "--steps", str(cfg.steps), "--step-sleep", str(cfg.step_sleep),
@@ -200,6 +214,7 @@ def submit(cluster: LocalCluster, cfg: RecoveryConfig, out: Path) -> None:
         wait("both standby workers to warm up in their sandbox", lambda: all(
             "Standby is warm (" in cluster.daemons[n].log_text() for n in STANDBYS),
             timeout=240, interval=0.2)
+    warm.touch()
 
 
 def rank_nodes(cluster: LocalCluster) -> tuple[int, tuple[str, ...]]:
@@ -235,14 +250,27 @@ def train_processes(cluster: LocalCluster, nodes: tuple[str, ...]) -> list[psuti
     return out
 
 
-def wait_committed(cluster: LocalCluster, rank: int, steps: int) -> None:
-    """Wait until ``rank`` logged ``steps`` committed steps, in any daemon's log: the rank may
+def wait_committed(cluster: LocalCluster, rank: int, steps: int,
+                   step_log: RecordTail | None = None) -> None:
+    """Wait until ``rank`` committed ``steps`` steps, as its lines in ``step_log`` say (any
+    step), or else as any daemon's log says (a multiple of :data:`LOG_EVERY`): the rank may
     have moved since the job started (a machine short of memory once saw the kernel's OOM killer
     take one, and the job recover it onto a standby)."""
-    line = f"{steps} steps committed on rank {rank}"
-    wait(f"rank {rank} to commit {steps} steps",
-         lambda: any(line in d.log_text() for d in cluster.daemons.values()),
-         steps_timeout(steps), interval=0.02)
+    if step_log is not None:
+        def committed() -> bool:
+            step_log.poll()
+            return step_log.newest.get(rank, (0.0, -1))[1] >= steps - 1
+    else:
+        line = f"{steps} steps committed on rank {rank}"
+
+        def committed() -> bool:
+            return any(line in d.log_text() for d in cluster.daemons.values())
+    wait(f"rank {rank} to commit {steps} steps", committed, steps_timeout(steps), interval=0.02)
+
+
+def step_log_of(cfg: RecoveryConfig, out: Path) -> RecordTail | None:
+    """The job's step lines (``submit`` gives ``--step-log`` beside ``out``), if it keeps them."""
+    return RecordTail(out.parent / "steps") if cfg.step_log else None
 
 
 # -- a recovery ------------------------------------------------------------------------------
@@ -418,11 +446,12 @@ def worker_crash(cfg: RecoveryConfig, base: Path) -> dict[str, Any]:
         wait_log(d, f"Started rank {VICTIM} of job {JOB}", timeout=steps_timeout(0))
         pid = worker_pid(d, f"{JOB}.r{VICTIM}")
         controller = cluster.status().controller
-        wait_committed(cluster, VICTIM, cfg.crash_at)
+        wait_committed(cluster, VICTIM, cfg.crash_at, step_log_of(cfg, out))
         if rank_nodes(cluster)[0] != epoch:  # it moved: its worker now
             epoch, nodes = rank_nodes(cluster)
             d = cluster.daemons[nodes[VICTIM]]
             pid = worker_pid(d, f"{JOB}.r{VICTIM}")
+        time.sleep(cfg.event_delay)
         kill_at = time.time()
         os.kill(pid, signal.SIGKILL)
         recovery = finish(cluster)
@@ -476,8 +505,9 @@ def node_loss(cfg: RecoveryConfig, base: Path, silent: bool = False) -> dict[str
             # Everything the kill needs is found first (as in worker_crash).
             lost, pids = victims()
             controller = cluster.status().controller
+            steps = step_log_of(cfg, out)
             for r in range(WORLD):
-                wait_committed(cluster, r, cfg.crash_at)
+                wait_committed(cluster, r, cfg.crash_at, steps)
             if rank_nodes(cluster)[0] != epoch:  # the job moved meanwhile: look again
                 epoch, nodes = rank_nodes(cluster)
                 lost, pids = victims()
@@ -487,6 +517,7 @@ def node_loss(cfg: RecoveryConfig, base: Path, silent: bool = False) -> dict[str
             sig = signal.SIGSTOP if silent else signal.SIGKILL
             if silent:
                 frozen = [d.pid, *pids]
+            time.sleep(cfg.event_delay)
             kill_at = time.time()
             os.kill(d.pid, sig)
             for pid in pids:  # each worker leads a process group of its own
@@ -542,9 +573,14 @@ def analyse_drain(out_dir: Path, events: list[dict[str, Any]],
     firsts = {r: saved[r]["timings"][0]["step"] for r in LEAVERS}
     switch = firsts[LEAVERS[0]]
     if switch == 0 or len(set(firsts.values())) != 1:
+        # What became of the migration (called off, or still preparing as the job ended) is
+        # the events' to say: a CI run keeps no logs.
+        story = [f"{e['kind']}: {e['message']}" for e in events
+                 if e["kind"].startswith(("migration-", "job-", "node-failed"))]
         raise BenchmarkError(f"the joiners' first steps {firsts} do not show one switch step "
                              f"mid-run: the job finished before the migration switched "
-                             f"(raise --steps)")
+                             f"(raise --steps if it was still under way); the events: "
+                             f"{'; '.join(story) or 'none of a migration'}")
     kinds = {e["kind"]: e for e in events}
     done = kinds.get("migration-done")
     if done is None:

@@ -3,6 +3,7 @@ one run, and a chart of each event kind's downtime against the size, per system.
 
     python benchmarks/state_sizes.py [--sizes 27KB,64MiB,256MiB,1GiB] [--events E,...]
                                      [--systems S,...] [--repeats N] [--smoke] [--out F]
+    python benchmarks/state_sizes.py --combine RESULT.json [RESULT.json ...] --out F
 
 Each size is one ``downtime.py --state-size SIZE`` run (its own JSON next to ``--out``, named
 by the size), the systems side by side inside it as ``downtime.py`` runs them: understudy,
@@ -11,6 +12,13 @@ picks its hidden width so that a rank holds about SIZE of parameters and Adam st
 sizes below 64 MiB are the example's own (about 27 KB). The combined JSON keeps each size's
 summary and the path of its full result; the chart has one panel per event kind, downtime
 (median, with min-max bars) against state size on log axes, one line per system.
+
+``--combine`` runs nothing: it makes the table and the chart of several earlier runs' results
+(say, the small sizes with every event in one run, 1 GiB's drain in another and its failures
+in a third, where a step takes seconds), each size and event from the last file that has it.
+Every file must have run the same systems; an event no run of a size measured is left out of
+that size's point. The combined JSON names the source of each size's events (the command,
+commit and start of each run).
 
 The 24 GiB machine fits 1 GiB per rank: four ranks and two standbys of understudy (each a
 built model), the holder's snapshot copies, and the baselines, which run after it.
@@ -56,6 +64,8 @@ def run_size(size: int, args: Any, out: Path) -> dict[str, Any]:
         argv.append("--smoke")
     if args.steps is not None:
         argv += ["--steps", str(args.steps)]
+    if args.event_at is not None:
+        argv += ["--event-at", str(args.event_at)]
     argv += ["--hand-off", args.hand_off]
     if args.keep_dir is not None:
         argv += ["--keep-dir", str(args.keep_dir / str(size))]
@@ -66,12 +76,17 @@ def run_size(size: int, args: Any, out: Path) -> dict[str, Any]:
     return json.loads(out.read_text())
 
 
+def with_event(result: dict[str, Any], event: str) -> list[dict[str, Any]]:
+    """The sizes whose run measured ``event`` (a combined result's may not all have)."""
+    return [size for size in result["sizes"] if event in size["summary"]]
+
+
 def print_summary(result: dict[str, Any]) -> None:
     systems = result["config"]["systems"]
     for event in result["config"]["events"]:
         print(f"\n  {event}: downtime, median (min-max) s")
         print(f"  {'state per rank':<16}" + "".join(f"{s:>24}" for s in systems))
-        for size in result["sizes"]:
+        for size in with_event(result, event):
             cells = "".join(
                 f"{f['median']:>10.3f} ({f['min']:.3f}-{f['max']:.3f})"
                 for f in (size["summary"][event][s]["downtime_s"] for s in systems))
@@ -82,10 +97,11 @@ def plot(result: dict[str, Any], png: Path) -> None:
     plt = harness.pyplot()
     events = result["config"]["events"]
     fig, axes = plt.subplots(1, len(events), figsize=(4.2 * len(events), 3.6), squeeze=False)
-    xs = [s["state_bytes"] for s in result["sizes"]]
     for ax, event in zip(axes[0], events, strict=True):
+        sizes = with_event(result, event)
+        xs = [s["state_bytes"] for s in sizes]
         for system in result["config"]["systems"]:
-            fig_s = [s["summary"][event][system]["downtime_s"] for s in result["sizes"]]
+            fig_s = [s["summary"][event][system]["downtime_s"] for s in sizes]
             med = [max(f["median"], 1e-3) for f in fig_s]
             lo = [m - max(f["min"], 1e-3) for m, f in zip(med, fig_s, strict=True)]
             hi = [max(f["max"], 1e-3) - m for m, f in zip(med, fig_s, strict=True)]
@@ -114,10 +130,16 @@ def parse_args(argv: list[str] | None = None) -> Any:
     p.add_argument("--repeats", type=int, help="repeats per size (default 3; smoke 1)")
     p.add_argument("--steps", type=int, help="downtime.py's --steps (default: its own, 300; "
                    "smoke 120): at 1 GiB a step of the four ranks on two cores takes seconds")
+    p.add_argument("--event-at", type=int, help="downtime.py's --event-at (default: its own, "
+                   "50): the failures at 1 GiB may come at 30 of 60 steps, torchrun's "
+                   "checkpoint then 10 steps behind as at 50")
     p.add_argument("--hand-off", choices=("ahead", "whole"), default="ahead",
                    help="downtime.py's --hand-off: understudy's drain sends the state ahead "
                         "(default) or whole at the switch")
     p.add_argument("--smoke", action="store_true", help="two small sizes, one event")
+    p.add_argument("--combine", nargs="+", type=Path, metavar="RESULT",
+                   help="run nothing: the table and chart of earlier runs' results (their "
+                        "JSON), each size from the last file that has it")
     p.outputs(keep="keep each size's logs here, under the size in bytes (downtime.py "
               "--keep-dir)", chart="chart")
     args = p.parse(argv, {"sizes": (DEFAULT_SIZES, "27KB,64MiB"), "events": (EVENTS,
@@ -131,12 +153,72 @@ def parse_args(argv: list[str] | None = None) -> Any:
         p.error("--sizes names no size")
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
+    if args.combine:
+        given = [a.split("=")[0] for a in (sys.argv[1:] if argv is None else argv)]
+        runs = sorted({"--sizes", "--events", "--systems", "--repeats", "--steps", "--smoke",
+                       "--event-at", "--hand-off", "--keep-dir"} & set(given))
+        if runs:
+            p.error(f"--combine runs nothing: {', '.join(runs)} would not be used")
     return args
+
+
+def combine(paths: list[Path]) -> dict[str, Any]:
+    """The ``config`` and ``sizes`` of earlier runs' results taken together, each size and
+    event from the last file that has it (a size's ``runs`` name each event's source).
+
+    Raises:
+        BenchmarkError: a file is not a state-size result, or the files ran other systems.
+    """
+    by_size: dict[int, dict[str, Any]] = {}
+    events: list[str] = []
+    systems: list[str] | None = None
+    for path in paths:
+        try:
+            data = json.loads(path.read_text())
+            config, sizes = data["config"], data["sizes"]
+            theirs, ran = list(config["systems"]), list(config["events"])
+            run = {"file": str(path), "command": data.get("command"),
+                   "started_at": data.get("started_at"),
+                   "git_commit": data.get("machine", {}).get("git_commit"),
+                   "repeats": config.get("repeats"), "steps": config.get("steps"),
+                   "event_at": config.get("event_at")}
+            for size in sizes:  # every figure the table and the chart read
+                int(size["state_bytes"])
+                for event in size["summary"]:
+                    for system in theirs:
+                        float(size["summary"][event][system]["downtime_s"]["median"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise BenchmarkError(f"{path} is not a state_sizes.py result: "
+                                 f"{type(exc).__name__}: {exc}") from exc
+        if systems is not None and theirs != systems:
+            raise BenchmarkError(f"{path} ran the systems {theirs}, the files before it "
+                                 f"{systems}: a chart compares the same systems")
+        systems = theirs
+        events += [e for e in ran if e not in events]
+        for size in sizes:
+            kept = by_size.setdefault(int(size["state_bytes"]), {
+                "state_bytes": int(size["state_bytes"]), "job_state": size.get("job_state"),
+                "summary": {}, "runs": {}})
+            for event, figures in size["summary"].items():
+                kept["summary"][event] = figures
+                kept["runs"][event] = {**run, "result": size.get("result")}
+    assert systems is not None  # argparse gives at least one path
+    return {"config": {"sizes": sorted(by_size), "events": events, "systems": systems,
+                       "combined": [str(p) for p in paths]},
+            "sizes": [by_size[size] for size in sorted(by_size)]}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = harness.header("state_sizes", time.strftime("%Y-%m-%dT%H:%M:%S%z"), torch=True)
+    if args.combine:
+        try:
+            result = {**started, **combine(args.combine)}
+        except BenchmarkError as exc:
+            print(f"state-size benchmark failed: {exc}", file=sys.stderr)
+            return 1
+        harness.report(result, args.out, print_summary, plot, args.png)
+        return 0
     sizes = []
     try:
         for size in args.size_list:
@@ -152,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {**started,
               "config": {"sizes": args.size_list, "events": args.events.split(","),
                          "systems": args.systems.split(","), "repeats": args.repeats,
-                         "steps": args.steps, "hand_off": args.hand_off,
+                         "steps": args.steps, "event_at": args.event_at,
+                         "hand_off": args.hand_off,
                          "smoke": args.smoke},
               "sizes": sizes}
     harness.report(result, args.out, print_summary, plot, args.png)

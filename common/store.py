@@ -158,10 +158,15 @@ class EtcdStore:
             credentials=self._credentials,
             options={
                 "grpc.max_receive_message_length": _MAX_MESSAGE,
-                # Detect a dead server on an idle connection (partitions send no reset).
-                "grpc.keepalive_time_ms": 2000,
+                # Detect a dead server under a call that waits (a watch: partitions send no
+                # reset); a unary call has its own deadline. Within etcd's default keep-alive
+                # policy (--grpc-keepalive-min-time 5 s, no pings without a call): a client
+                # that pinged every 2 s, with or without calls, was sent GOAWAY
+                # "too_many_pings" once idle for some 8 s, and its next call failed with
+                # "Stream removed" (a benchmark's harness, waiting on log lines for a minute).
+                "grpc.keepalive_time_ms": 5000,
                 "grpc.keepalive_timeout_ms": 1000,
-                "grpc.keepalive_permit_without_calls": 1,
+                "grpc.keepalive_permit_without_calls": 0,
                 "grpc.initial_reconnect_backoff_ms": 100,
                 "grpc.max_reconnect_backoff_ms": 1000,
             },

@@ -207,17 +207,26 @@ class LocalCluster:
 
     def _read(self, read: Callable[[EtcdStore, Keys], Awaitable[T]]) -> T:
         """``read`` on the harness's own client, made on first use; any error drops it (an
-        etcd restarted or cut off gets a fresh connection on the next read)."""
+        etcd restarted or cut off gets a fresh connection on the next read). A read that fails
+        is tried once more on a fresh connection: it changes nothing, and a connection the
+        server closed between two reads (a benchmark's harness once got GOAWAY from etcd while
+        it waited a minute on log lines) must not end a run."""
         with self._reader_lock:
-            if self._reader is None:
-                loop = asyncio.new_event_loop()
-                self._reader = (loop, EtcdStore(self.etcd_config()))
-            loop, store = self._reader
-            try:
-                return loop.run_until_complete(read(store, Keys(self.prefix)))
-            except BaseException:
-                self._close_reader()
-                raise
+            for attempt in (1, 2):
+                if self._reader is None:
+                    loop = asyncio.new_event_loop()
+                    self._reader = (loop, EtcdStore(self.etcd_config()))
+                loop, store = self._reader
+                try:
+                    return loop.run_until_complete(read(store, Keys(self.prefix)))
+                except StoreError:
+                    self._close_reader()
+                    if attempt == 2:
+                        raise
+                except BaseException:
+                    self._close_reader()
+                    raise
+            raise AssertionError("unreachable")
 
     def _close_reader(self) -> None:
         if self._reader is None:

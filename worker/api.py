@@ -199,6 +199,11 @@ class JobContext:
                              f"({self.poll_interval}) must be positive")
 
     @property
+    def aborts(self) -> bool:
+        """Whether anything tells this rank to abort (``should_abort`` was given)."""
+        return self.should_abort is not _never
+
+    @property
     def layout(self) -> Layout:
         """Raises: ValueError: ``tp * pp`` does not divide the world."""
         return Layout(self.world_size, self.tp, self.pp)
@@ -302,6 +307,13 @@ class TrainingJob(abc.ABC):
     step on every rank (the runtime records it and votes no); it must not be raised while a peer
     still waits in one of this rank's collectives, or that peer waits until its timeout.
     """
+
+    #: Opt in to having ``compute`` stopped at its next autograd operation (forward or
+    #: backward) once the job is recovering, rather than at its next collective
+    #: (:mod:`understudy.worker.interrupt`): the survivors of a failure then stop within one
+    #: operation, however far their next collective is. The job must bear an exception at any
+    #: tensor operation its compute records for autograd; :meth:`discard` is called after it.
+    interruptible: bool = False
 
     @abc.abstractmethod
     def build(self, ctx: JobContext) -> None:
@@ -548,6 +560,12 @@ def restages(job: TrainingJob) -> TypeGuard[SlottedJob]:
 def reseeds(job: TrainingJob) -> bool:
     """Whether ``job`` implements :meth:`TrainingJob.reseed`."""
     return type(job).reseed is not TrainingJob.reseed
+
+
+def interrupts(job: TrainingJob) -> bool:
+    """Whether ``job``'s compute may be stopped at an autograd operation
+    (:attr:`TrainingJob.interruptible`)."""
+    return getattr(job, "interruptible", False) is True
 
 
 def replays(job: TrainingJob) -> bool:

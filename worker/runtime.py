@@ -58,10 +58,12 @@ from understudy.worker.api import (
     TrainingError,
     TrainingJob,
     allreduce_options,
+    interrupts,
     reseeds,
     restages,
     slotted,
 )
+from understudy.worker.interrupt import ComputeInterrupted, Tripwire, interruptible
 
 
 class StepFailed(TrainingError):
@@ -469,12 +471,28 @@ class Runtime:
         before = rng.capture()
         t1 = self._clock()
         error: Exception | None = None
+        wire: Tripwire | None = None
         try:
-            compute(self.job, self.ctx, step)
+            if interrupts(self.job) and self.ctx.aborts:
+                with interruptible(self.ctx.should_abort, poll_s=self.ctx.poll_interval) as wire:
+                    compute(self.job, self.ctx, step)
+                if wire.tripped:
+                    # The job caught the interruption and went on: what it computed is not the
+                    # step. No vote: a peer could commit the step with this rank's gradients.
+                    raise ComputeInterrupted("compute stopped: the job is recovering (the job "
+                                             "caught the interruption)",
+                                             what="the step's compute")
+            else:
+                compute(self.job, self.ctx, step)
         except CollectiveAborted:
             self._roll_back(step, before)
             raise
         except Exception as exc:  # any failure of user code is this rank's "no" (style #6)
+            if wire is not None and wire.tripped:  # the job caught the interruption and raised
+                self._roll_back(step, before)
+                raise ComputeInterrupted(f"compute stopped: the job is recovering (the job "
+                                         f"raised {type(exc).__name__}: {exc})",
+                                         what="the step's compute") from exc
             error = exc
             self._log.warning("compute failed on this rank; voting no", step=step,
                               attempt=attempt, error=f"{type(exc).__name__}: {exc}")

@@ -177,8 +177,13 @@ class PlainJob(TrainingJob):
                  freeze_at: int | None = None, marker_dir: Path | None = None,
                  step_sleep: float = 0.0, step_log: Path | None = None,
                  step_sleep_off: Path | None = None, adam: str = "class",
-                 rng_by_layer: bool = False) -> None:
+                 rng_by_layer: bool = False, hold: tuple[int, Path] | None = None,
+                 interruptible: bool = False) -> None:
         self.features, self.hidden, self.batch = features, hidden, batch
+        #: compute may stop at its next autograd operation once the job recovers (worker/
+        #: interrupt.py; --interruptible): nothing it consumes outlives a discard, the batch
+        #: follows from the step
+        self.interruptible = interruptible
         #: draw each block's dropout mask from (seed, TP index, slot or DP index, step, layer,
         #: micro-batch) rather than the rank's stream: the masks then do not depend on which
         #: stage runs a block, which a job whose stages change needs (``restage``)
@@ -196,6 +201,8 @@ class PlainJob(TrainingJob):
         self.fail_at, self.freeze_at, self.marker_dir = fail_at, freeze_at, marker_dir
         self._failed = False
         self.step_sleep, self.step_sleep_off = step_sleep, step_sleep_off
+        #: (step, file): no step from that one on starts before the file exists (--hold-until)
+        self.hold = hold
         self.step_log = StepLog(step_log) if step_log is not None else None
         self._loss: float | None = None  # the last compute's, for the step log
         self._replaying = False  # the next apply replays a leaver's step (load_apply_inputs)
@@ -349,8 +356,13 @@ class PlainJob(TrainingJob):
         loss = F.mse_loss(h @ p["head_w"].T + p["head_b"], y[rows]) / self.microbatches
         return loss / self.loss_parts if self.loss_parts > 1 else loss
 
-    def _sleep(self) -> None:
-        """The step's stand-in work (``--step-sleep``), until ``--step-sleep-off`` exists."""
+    def _sleep(self, step: int) -> None:
+        """The step's stand-in work (``--step-sleep``), until ``--step-sleep-off`` exists; from
+        step ``--hold-at`` on, first a wait for ``--hold-until``."""
+        if self.hold is not None and step >= self.hold[0]:
+            while not self.hold[1].exists():
+                time.sleep(0.02)
+            self.hold = None  # it stays: no need to look again
         if self.step_sleep and not (self.step_sleep_off and self.step_sleep_off.exists()):
             time.sleep(self.step_sleep)
 
@@ -366,7 +378,7 @@ class PlainJob(TrainingJob):
 
     def compute(self, step: int) -> float | None:
         ctx, p = self.ctx, self.params
-        self._sleep()
+        self._sleep(step)
         losses = self._forward_backward(step)
         grads = [q.grad for q in p.values()]
         assert all(g is not None for g in grads), "every parameter takes part in the loss"
@@ -581,6 +593,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--step-sleep-off", type=Path, help="no more step sleep once this file "
                    "exists (a test lets the job run out at full speed once its faults are "
                    "over; the sleep never changes the state)")
+    p.add_argument("--hold-until", type=Path, metavar="FILE",
+                   help="from step --hold-at on, start no step before FILE exists (a benchmark "
+                   "holds the job until its standbys are warm: under load they may take longer "
+                   "than the job's steps; holding never changes the state)")
+    p.add_argument("--hold-at", type=int, default=2,
+                   help="the first step --hold-until holds (default 2: after the iterations "
+                   "the standbys' sandbox records)")
+    p.add_argument("--interruptible", action="store_true",
+                   help="once the job recovers, compute stops at its next autograd operation "
+                   "rather than running on to its next collective (TrainingJob.interruptible)")
     p.add_argument("--step-log", type=Path, help="directory for a line per committed step "
                    "(StepLog), for the benchmarks")
     p.add_argument("--hand-off", choices=("ahead", "landing", "whole"), default="ahead",
@@ -618,6 +640,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.adam == "functional" and args.shard_optimizer and not args.slots:
         p.error("--adam functional does not go with --shard-optimizer (ShardedJob steps its "
                 "shards with torch.optim.Adam)")
+    if args.hold_at < 0:
+        p.error(f"--hold-at must be a step, 0 or more, got {args.hold_at}")
     if args.slots is not None:
         if args.slots < 1:
             p.error(f"--slots must be at least 1, got {args.slots}")
@@ -864,7 +888,7 @@ class SlottedPlainJob(SlottedJob, PlainJob):
             self._slot_losses = []
         # The stand-in work is a slot's: a replica holding two slots (after a shrink) does
         # twice the work of one, as it would on real hardware.
-        self._sleep()
+        self._sleep(step)
         losses = self._forward_backward(step, slot)
         loss = float(sum(losses)) if self.ctx.last_stage else None
         if loss is not None:
@@ -1124,7 +1148,9 @@ def make_job(args: argparse.Namespace) -> PlainJob:
                layers=args.layers, microbatches=args.microbatches, fail_at=args.fail_at,
                freeze_at=args.freeze_at, marker_dir=args.save, step_sleep=args.step_sleep,
                step_log=args.step_log, step_sleep_off=args.step_sleep_off, adam=args.adam,
-               rng_by_layer=args.rng_by_layer, **extra)
+               rng_by_layer=args.rng_by_layer,
+               hold=None if args.hold_until is None else (args.hold_at, args.hold_until),
+               interruptible=args.interruptible, **extra)
 
 
 @record

@@ -842,3 +842,31 @@ def test_the_functional_adam_trains_the_bits_of_torch_optim_adam(solo: JobContex
     fresh = train.PlainJob(adam="functional")
     fresh.build(solo)
     assert all(not torch.equal(fresh.params[n], fn["params"][n]) for n in names)
+
+
+def test_a_held_job_starts_no_step_from_the_hold_on_until_its_file_exists(
+        solo: JobContext, tmp_path: Path) -> None:
+    # examples/plain_torch/train.py --hold-until (the benchmarks hold their job once the
+    # standbys' recording is taken, until the standbys are warm): it never changes the state.
+    train = _plain_example()
+    gate = tmp_path / "go"
+    held = _runtime(train.PlainJob(adam="functional", hold=(2, gate)), solo)
+    runner = threading.Thread(target=held.run, args=(6,), daemon=True)
+    runner.start()
+    deadline = time.monotonic() + 20  # steps 0 and 1 run, however loaded the machine
+    while held.step < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.5)
+    assert held.step == 2 and runner.is_alive()  # step 2 waits
+    gate.touch()
+    runner.join(timeout=20)
+    assert not runner.is_alive() and held.step == 6
+    plain = _runtime(train.PlainJob(adam="functional"), solo)
+    plain.run(6)
+    a, b = held.state()["job"], plain.state()["job"]
+    assert list(a["params"]) == list(b["params"])
+    assert all(torch.equal(a["params"][n], b["params"][n]) for n in a["params"])
+    with pytest.raises(SystemExit):
+        train.parse_args(["--steps", "3", "--hold-at", "-1"])
+    args = train.parse_args(["--steps", "3", "--hold-until", str(gate)])
+    assert args.hold_at == 2 and args.hold_until == gate
