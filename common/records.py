@@ -299,6 +299,10 @@ class Assignment(Record):
     #: a restart-only job: the restarts after failures so far (``TORCHELASTIC_RESTART_COUNT``
     #: of the epoch's ranks)
     restarts: int = 0
+    #: the migration (recovery, reshape, restart) that made this epoch; empty for the job's
+    #: first. A rank that lags can see the job's next migration planned before it saw its own
+    #: committed: this says its own was (``worker.migration.committed``)
+    migration: str = ""
 
     def ranks_on(self, node: str) -> list[int]:
         return [r for r, n in enumerate(self.ranks) if n == node]

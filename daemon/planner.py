@@ -572,7 +572,7 @@ def _advance_reshape(job: JobView, m: Migration, view: ClusterView,
         ranks = reshaped_nodes(layout, a.ranks, m.replicas, m.ranks, m.joiners)
         kept = tuple(n for n in a.standbys if n not in m.joiners)
         spare = _freed_by_reshape(a, ranks, view)
-        after = Assignment(job=a.job, epoch=m.to_epoch, ranks=ranks,
+        after = Assignment(job=a.job, epoch=m.to_epoch, ranks=ranks, migration=m.id,
                            standbys=(*kept, *(n for n in spare if n not in kept)),
                            reason=f"reshape {m.id}: {m.reason}", updated_at=now)
         also = f"; {', '.join(spare)} stand by for it now" if spare else ""
@@ -799,7 +799,7 @@ def _advance_migration(job: JobView, m: Migration, view: ClusterView,
         ranks = list(a.ranks)
         for r, joiner in zip(m.ranks, m.joiners, strict=True):
             ranks[r] = joiner
-        new = Assignment(job=a.job, epoch=m.to_epoch, ranks=tuple(ranks),
+        new = Assignment(job=a.job, epoch=m.to_epoch, ranks=tuple(ranks), migration=m.id,
                          standbys=tuple(n for n in a.standbys if n not in m.joiners),
                          reason=f"migration {m.id}: {m.reason}", updated_at=now)
         return [AdvanceMigration(m.job, m.id, MigrationPhase.DONE, "the joiners took over",

@@ -149,7 +149,7 @@ def advance_restart(job: JobView, m: Migration, view: ClusterView, now: float) -
     down = [r for r, n in enumerate(a.ranks) if r in job.exits or lost(view, n, now)]
     if len(down) < len(a.ranks):
         return []
-    after = Assignment(job=a.job, epoch=m.to_epoch, ranks=m.joiners,
+    after = Assignment(job=a.job, epoch=m.to_epoch, ranks=m.joiners, migration=m.id,
                        standbys=tuple(n for n in a.standbys if n not in m.joiners),
                        reason=f"restart {m.id}: {m.reason}", updated_at=now,
                        restarts=m.restarts)

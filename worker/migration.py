@@ -286,6 +286,16 @@ class Plan:
         return tuple(out)
 
 
+def committed(info: dict[str, Any] | None, plan: Plan) -> bool:
+    """Whether the controller committed ``plan``: the job's assignment is the one it made. A
+    rank that lags the controller can find the job's next migration planned before it saw its
+    own done (a recovery commits once the joiners hold their ranks, and a survivor may still
+    wait for the donor's ``transferred``, which travels through another daemon): its own plan
+    is then done, not called off, and the rank must finish it."""
+    a = (info or {}).get("assignment") or {}
+    return a.get("migration") == plan.id and a.get("epoch") == plan.to_epoch
+
+
 def _paused(info: dict[str, Any]) -> bool:
     """Whether the job waits for a standby to recover a rank: its status says so, and says it
     after the current assignment was written and after the job's migration (unless aborted)
@@ -659,9 +669,12 @@ class MigrationHook:
                 if time.monotonic() > deadline:
                     return f"no word from the leaver: {exc}"
             with contextlib.suppress(DaemonError):
-                plan = Plan.from_info(self.control.job())
+                info = self.control.job()
+                plan = Plan.from_info(info)
                 if plan is None or plan.id != self._plan.id or plan.phase == "aborted":
-                    return "the migration was called off"
+                    # committed: the joiners took over, so they hold the state
+                    return TRANSFER_OK.decode() if committed(info, self._plan) else \
+                        "the migration was called off"
 
     def switch_groups(self, step: int) -> None:
         assert self._plan is not None

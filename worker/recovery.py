@@ -46,7 +46,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from understudy.common import logs
+from understudy.common import failpoints, logs
 from understudy.common.daemon_client import DaemonClient, DaemonError
 from understudy.common.layout import Layout
 from understudy.common.records import CANNOT_RESHAPE, NO_REPLICA_COPY, TRANSFER_OK, Report
@@ -57,6 +57,7 @@ from understudy.worker.migration import (
     JobGroups,
     MigrationHook,
     Plan,
+    committed,
     group_members,
     member,
     pair_name,
@@ -254,9 +255,12 @@ class _Survivor:
     def _committed(self) -> bool:
         """Whether the controller committed this reshape; CalledOff once it called it off."""
         try:
-            plan = Plan.from_info(self.hook.control.job())
+            info = self.hook.control.job()
         except DaemonError:
             return False
+        plan = Plan.from_info(info)
+        if committed(info, self.plan):
+            return True
         if plan is None or plan.id != self.plan.id or plan.phase == "aborted":
             raise CalledOff("aborted" if plan is not None and plan.id == self.plan.id
                             else "replaced")
@@ -356,12 +360,16 @@ class _Survivor:
             except (TransferError, GroupError) as exc:
                 self._set(Report.TRANSFERRED.of(r), f"failed: {exc}".encode())
                 raise CalledOff(f"the state did not reach rank {r}'s joiner: {exc}") from exc
+            # the joiner holds the state and may commit the plan before the others hear of it
+            failpoints.hit("donor.transferred")
             self._set(Report.TRANSFERRED.of(r), TRANSFER_OK)
             self.log.info(f"Gave rank {r}'s joiner the state of step {committed}: {stats}.")
 
     def _wait_transferred(self) -> None:
         for r in self.plan.moves:
-            value = self._wait_for(Report.TRANSFERRED.of(r), f"rank {r}'s state transfer")
+            # committed: the joiners took over, so they hold the state
+            value = self._wait_for(Report.TRANSFERRED.of(r), f"rank {r}'s state transfer",
+                                   if_committed=TRANSFER_OK)
             if value != TRANSFER_OK:
                 raise CalledOff(f"rank {r}'s state transfer failed: {value[:200]!r}")
 
@@ -373,24 +381,32 @@ class _Survivor:
         except DaemonError as exc:
             raise CalledOff(f"could not report {key}: {exc}") from exc
 
-    def _check_plan(self) -> None:
+    def _check_plan(self) -> bool:
+        """CalledOff once the plan was called off; True once the controller committed it (the
+        job may have moved on to its next migration: this rank still finishes its part)."""
         try:
-            plan = Plan.from_info(self.hook.control.job())
+            info = self.hook.control.job()
         except DaemonError:
-            return
+            return False
+        plan = Plan.from_info(info)
+        if committed(info, self.plan):
+            return True
         if plan is None or plan.id != self.plan.id or plan.phase == "aborted":
             raise CalledOff("aborted" if plan is not None and plan.id == self.plan.id
                             else "replaced")
+        return False
 
-    def _wait_for(self, key: str, what: str) -> bytes:
-        """The value of report ``key``, waiting while the plan stands (up to the timeout)."""
+    def _wait_for(self, key: str, what: str, if_committed: bytes | None = None) -> bytes:
+        """The value of report ``key``, waiting while the plan stands (up to the timeout);
+        ``if_committed`` instead, if given, once the controller committed the plan."""
         deadline = time.monotonic() + self.timeout
         while True:
             try:
                 return self.reports.get(key, timeout=0.2)
             except DaemonError:
                 pass
-            self._check_plan()
+            if self._check_plan() and if_committed is not None:
+                return if_committed
             if time.monotonic() > deadline:
                 raise CalledOff(f"no word of {what} in {self.timeout:g} s")
 

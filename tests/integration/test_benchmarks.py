@@ -428,10 +428,15 @@ def test_downtime_smoke(tmp_path: Path, event: str, baselines: tuple[str, ...]) 
             assert {"median", "min", "max", "spread", "n"} <= set(s[system][fig])
     for base in baselines:
         r = s[f"ratio_{base}_over_understudy"]
-        assert r["downtime"] == pytest.approx(
-            s[base]["downtime_s"]["median"] / s["understudy"]["downtime_s"]["median"],
-            rel=1e-3)
-        assert r["time_lost"] > 0
+        for fig, key in (("downtime_s", "downtime"), ("time_lost_s", "time_lost")):
+            ours, theirs = s["understudy"][fig]["median"], s[base][fig]["median"]
+            assert theirs > 0, (base, fig, theirs)
+            # A 27 KB drain's switch step can come in under the median step on a loaded machine
+            # (CI's run: -0.006 s): no ratio then, rather than a negative one.
+            if ours > 0:
+                assert r[key] == pytest.approx(theirs / ours, rel=1e-3)
+            else:
+                assert r[key] is None and event == "planned-drain", (fig, ours)
     assert s["losses_identical"] is True
 
 

@@ -257,11 +257,17 @@ def test_a_rank_crashing_during_a_drain_aborts_it_recovers_then_the_drain_comple
     # under way: rank 0, a stayer, or rank 2, one of the drained node's leavers. Slow steps
     # leave the retried drain time to finish before the job. (The ranks train and the
     # standbys are up once `training` yields: the drain comes at once.)
+    # When the stayer dies, its donor (rank 2, node-b) reports its transfer 3 s late: the
+    # joiner takes over, the controller commits the recovery and plans the drain again before
+    # the other survivors heard the transfer went well. They must take their recovery for done,
+    # not for replaced by the drain (which left them waiting for a recovery that never came).
     node, child, rank = ("node-a", "mig.r0", 0) if victim == "stayer" else ("node-b", "mig.r2", 2)
     hold = {"UNDERSTUDY_FAILPOINTS": "joiner.prepared=sleep(5)"}
+    armed = {"node-s1": hold, "node-s2": hold}
+    if victim == "stayer":
+        armed["node-b"] = {"UNDERSTUDY_FAILPOINTS": "donor.transferred=sleep(3)"}
     with training(etcd, tmp_path, {"node-a": 2, "node-b": 2}, (*STANDBYS, "node-s3"),
-                  armed={"node-s1": hold, "node-s2": hold}, standby=3,
-                  step_sleep=0.4) as (c, out):
+                  armed=armed, standby=3, step_sleep=0.4) as (c, out):
         a = c.daemons["node-a"]
         assert c.cli("drain", "node-b", "--deadline", "240").returncode == 0
         wait_log(c.daemons["node-s1"], "failpoint joiner.prepared fired", timeout=60)
@@ -274,6 +280,8 @@ def test_a_rank_crashing_during_a_drain_aborts_it_recovers_then_the_drain_comple
         # Recovery (epoch 2), then the drain again (epoch 3), before the job may run out.
         c.wait_for("the drain to complete", lambda s: s.job("mig").assignment.epoch == 3,
                    timeout=180)
+        if victim == "stayer":
+            assert "failpoint donor.transferred fired" in c.daemons["node-b"].log_text()
         job = _finish(c)
         planned = [e["message"] for e in events(c) if e["kind"] == "migration-planned"]
         assert any(f"recovery: rank {rank} ->" in m for m in planned), planned

@@ -44,7 +44,7 @@ from understudy.daemon.planner import (
     StartMigration,
     plan,
 )
-from understudy.worker.migration import _paused
+from understudy.worker.migration import Plan, _paused, committed
 from understudy.worker.recovery import wait_for_recovery
 
 
@@ -516,6 +516,7 @@ def test_a_reshape_commits_once_every_rank_that_stays_holds_the_new_shape() -> N
     (done,) = plan(at({Report.RESHAPED.of(r) for r in (0, 2, 3)}), 6.0)
     assert isinstance(done, AdvanceMigration) and done.phase == MigrationPhase.DONE
     assert done.assignment is not None and done.assignment.epoch == 4
+    assert done.assignment.migration == start.migration.id  # the epoch's maker, for laggards
     assert done.assignment.ranks == ("a", "b", "b")  # old ranks 0, 2, 3 renumbered 0, 1, 2
     # A rank that stays and fails before it reshaped calls the reshape off.
     failed = dataclasses.replace(view, jobs={"j": dataclasses.replace(
@@ -781,6 +782,7 @@ def test_migration_phases_follow_the_reports() -> None:
     assert c.phase == MigrationPhase.DONE  # type: ignore[attr-defined]
     new = c.assignment  # type: ignore[attr-defined]
     assert (new.epoch, new.ranks, new.standbys) == (2, ("a", "a", "s1", "s2"), ())
+    assert new.migration == c.id  # type: ignore[attr-defined]
 
 
 def test_migrations_abort_on_deadline_dead_joiner_or_report() -> None:
@@ -982,6 +984,22 @@ def test_a_pause_ends_when_a_recovery_is_planned_after_it() -> None:
                     "migration": {**recovery, "created_at": 9.0}})
     assert _paused({"status": paused, "assignment": assignment,
                     "migration": {**recovery, "phase": "aborted"}})
+
+
+def test_a_rank_that_lags_takes_its_plan_for_committed_only_from_the_epoch_it_made() -> None:
+    """worker.migration.committed: the job's next migration may be planned before a lagging
+    rank saw its own done; the assignment names the migration that made its epoch. An
+    aborted plan's epoch is made again by its retry, which is not the aborted plan's commit."""
+    mine = Plan.from_info({"migration": {
+        "id": "e2-100", "phase": "preparing", "from_epoch": 2, "to_epoch": 3, "ranks": [0],
+        "leavers": ["a"], "joiners": ["s1"], "deadline": 200.0, "created_at": 100.0,
+        "kind": "recovery", "donors": [2]}})
+    assert mine is not None
+    assert committed({"assignment": {"epoch": 3, "migration": "e2-100"}}, mine)
+    assert not committed({"assignment": {"epoch": 2, "migration": "e1-50"}}, mine)
+    assert not committed({"assignment": {"epoch": 3, "migration": "e2-140"}}, mine)  # a retry
+    assert not committed({"assignment": {"epoch": 3}}, mine)  # written by an older controller
+    assert not committed({"assignment": None}, mine) and not committed(None, mine)
 
 
 class _Waiting:
