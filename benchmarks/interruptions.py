@@ -129,8 +129,8 @@ class RecoveryConfig:
     shard_optimizer: bool = False
     #: seconds from the commit of step ``crash_at`` to the event: lands it mid-step
     event_delay: float = 0.0
-    #: the job's compute stops at its next autograd operation once it recovers (False:
-    #: ``train.py --interruptible``; else at its next collective)
+    #: the job's compute stops at its next autograd operation once it recovers (``train.py
+    #: --interruptible``, its default; False: ``--no-interruptible``, at its next collective)
     interruptible: bool = False
 
 
@@ -193,8 +193,7 @@ def submit(cluster: LocalCluster, cfg: RecoveryConfig, out: Path) -> None:
     step_log += ["--hand-off", cfg.hand_off]
     if cfg.shard_optimizer:
         step_log.append("--shard-optimizer")
-    if cfg.interruptible:
-        step_log.append("--interruptible")
+    step_log.append("--interruptible" if cfg.interruptible else "--no-interruptible")
     # The ranks record their first iterations for the standbys' sandbox, then hold until the
     # standbys are warm: on a loaded machine their warm-up (imports, the replay) once took
     # longer than the job's steps, which ended before the event came.

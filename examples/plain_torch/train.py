@@ -600,9 +600,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hold-at", type=int, default=2,
                    help="the first step --hold-until holds (default 2: after the iterations "
                    "the standbys' sandbox records)")
-    p.add_argument("--interruptible", action="store_true",
+    p.add_argument("--interruptible", action=argparse.BooleanOptionalAction, default=True,
                    help="once the job recovers, compute stops at its next autograd operation "
-                   "rather than running on to its next collective (TrainingJob.interruptible)")
+                   "rather than running on to its next collective (TrainingJob.interruptible; "
+                   "default: on)")
     p.add_argument("--step-log", type=Path, help="directory for a line per committed step "
                    "(StepLog), for the benchmarks")
     p.add_argument("--hand-off", choices=("ahead", "landing", "whole"), default="ahead",

@@ -207,9 +207,10 @@ def test_a_standalone_context_installs_no_hooks(solo: JobContext,  # noqa: F811
     assert calls == []
 
 
-def test_the_example_opts_in_when_told_to() -> None:
+def test_the_example_opts_in_unless_told_not_to() -> None:
     example = _example()
-    for extra, expected in (([], False), (["--interruptible"], True)):
+    for extra, expected in (([], True), (["--interruptible"], True),
+                            (["--no-interruptible"], False)):
         for job in ([], ["--shard-optimizer"]):
             made = example.make_job(example.parse_args(["--steps", "1", *job, *extra]))
             assert interrupts(made) is expected, (job, extra)
