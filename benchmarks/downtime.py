@@ -141,8 +141,9 @@ class BenchConfig:
     hand_off: str = "ahead"
     #: seconds from the commit of step ``event_at`` to understudy's event (mid-step)
     event_delay: float = 0.0
-    #: understudy's job stops its compute at an autograd operation once it recovers
-    interruptible: bool = False
+    #: understudy's job stops its compute at an autograd operation once it recovers (the
+    #: example's default; False: at its next collective, as every run before git 5da3803)
+    interruptible: bool = True
 
 
 # -- understudy --------------------------------------------------------------------------------
@@ -704,9 +705,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="understudy's event comes this long after the commit of --event-at "
                         "(default 0): a failure in the middle of the survivors' step; "
                         "understudy only (the baselines' events are not delayed)")
-    p.add_argument("--interruptible", action="store_true",
+    p.add_argument("--interruptible", action=argparse.BooleanOptionalAction, default=True,
                    help="understudy's job stops its compute at its next autograd operation once "
-                        "it recovers (train.py --interruptible), to compare with the default")
+                        "it recovers (train.py --interruptible, the example's default); "
+                        "--no-interruptible: at its next collective, to compare")
     p.add_argument("--smoke", action="store_true", help="one repeat, short runs: for the tests")
     p.outputs(keep="keep logs, step lines and checkpoints here", chart="chart")
     args = p.parse(argv, {"repeats": (5, 1), "steps": (300, 120),

@@ -130,8 +130,9 @@ class RecoveryConfig:
     #: seconds from the commit of step ``crash_at`` to the event: lands it mid-step
     event_delay: float = 0.0
     #: the job's compute stops at its next autograd operation once it recovers (``train.py
-    #: --interruptible``, its default; False: ``--no-interruptible``, at its next collective)
-    interruptible: bool = False
+    #: --interruptible``, its default; False: ``--no-interruptible``, at its next collective,
+    #: as every run before git 5da3803)
+    interruptible: bool = True
 
 
 # -- the cluster and the job -------------------------------------------------------------------

@@ -346,6 +346,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shard-optimizer", action="store_true",
                    help="the job shards its Adam state over DP, each shard's redundant copy on "
                         "the next DP rank (train.py --shard-optimizer), the cold start too")
+    p.add_argument("--interruptible", action=argparse.BooleanOptionalAction, default=True,
+                   help="the survivors' compute stops at its next autograd operation once the "
+                        "job recovers (train.py --interruptible, the example's default); "
+                        "--no-interruptible: at its next collective, to compare")
     p.outputs(keep="keep daemon logs, etcd data and states here")
     args = p.parse(argv, {"repeats": (5, 1), "steps": (300, 150)})
     if args.repeats < 1:
@@ -369,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = RecoveryConfig(repeats=args.repeats, steps=args.steps, step_sleep=args.step_sleep,
                          crash_at=args.crash_at, ttl=args.ttl, smoke=args.smoke,
                          sandbox=not args.no_sandbox, state_bytes=args.state_size,
-                         shard_optimizer=args.shard_optimizer)
+                         shard_optimizer=args.shard_optimizer, interruptible=args.interruptible)
     os.environ.update(PROCESS_ENV)  # the daemons, their workers and the cold ranks inherit it
     scratch = harness.Scratch(args.keep_dir, "understudy-bench-rec-")
 
