@@ -914,3 +914,22 @@ def test_state_sizes_combines_earlier_runs_each_size_and_event_from_the_last_fil
         assert not refused.exists()
     with pytest.raises(SystemExit):
         state_sizes.parse_args(["--combine", str(small), "--sizes", "1GiB"])
+
+
+def test_interrupt_cost_smoke(tmp_path: Path) -> None:
+    """benchmarks/interrupt_cost.py: a step with the interruption hooks and one without, on
+    three models; each hooked step called the hooks at every saved and unpacked tensor."""
+    out_file = tmp_path / "interrupt_cost.json"
+    res = run_benchmark("interrupt_cost.py", "--smoke", "--out", str(out_file), timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "per hook call" in res.stdout
+    data = json.loads(out_file.read_text())
+    assert {"benchmark", "command", "machine", "config", "models"} <= set(data)
+    assert data["config"]["smoke"] is True and data["config"]["repeats"] == 2
+    assert [m["width"] for m in data["models"]] == [32, 256, 1024]
+    for m in data["models"]:
+        # Each layer saves tensors forward and unpacks them back: twice per saved tensor.
+        assert m["hook_calls_per_step"] >= 4 * m["layers"] and m["hook_calls_per_step"] % 2 == 0
+        for variant in ("off", "on"):
+            assert m["step_s"][variant]["n"] == 2 and m["step_s"][variant]["median"] > 0
+        assert m["per_call_s"]["n"] == 2

@@ -180,9 +180,15 @@ def test_drain_moves_a_tp_pair_live_and_the_result_is_bitwise_identical(
     assert controller is not None
     fams = scrape(cluster.daemons[controller].metrics_port)
     assert value(fams, "understudy_migrations_total", kind="drain", outcome="done") == 1
-    for phase in ("planned", "preparing", "ready", "switching"):
+    for phase in ("planned", "preparing", "ready"):
         assert value(fams, "understudy_migration_phase_seconds_count", kind="drain",
                      phase=phase) == 1, phase
+    # The controller may see the joiners' "switched" before rank 0's "switching" (each travels
+    # through its own daemon) and commit from "ready": then there is no switching phase to
+    # observe, in the events as in the metrics (a full run at cabdd54 had it so).
+    switching = value(fams, "understudy_migration_phase_seconds_count", kind="drain",
+                      phase="switching")
+    assert switching == (1 if "migration-switching" in kinds else None), (switching, kinds)
     downtime = value(fams, "understudy_job_downtime_seconds_sum", kind="drain")
     assert downtime is not None and 0 < downtime < 30
     assert value(fams, "understudy_job_state", job="mig", state="done") == 1
