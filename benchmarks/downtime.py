@@ -705,10 +705,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="understudy's event comes this long after the commit of --event-at "
                         "(default 0): a failure in the middle of the survivors' step; "
                         "understudy only (the baselines' events are not delayed)")
-    p.add_argument("--interruptible", action=argparse.BooleanOptionalAction, default=True,
-                   help="understudy's job stops its compute at its next autograd operation once "
-                        "it recovers (train.py --interruptible, the example's default); "
-                        "--no-interruptible: at its next collective, to compare")
+    p.interruptible()
     p.add_argument("--smoke", action="store_true", help="one repeat, short runs: for the tests")
     p.outputs(keep="keep logs, step lines and checkpoints here", chart="chart")
     args = p.parse(argv, {"repeats": (5, 1), "steps": (300, 120),

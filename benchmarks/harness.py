@@ -108,17 +108,28 @@ class Parser(argparse.ArgumentParser):
         self.results = (RESULTS / f"{name}.json", RESULTS / f"{name}.smoke.tmp")
         self._outputs = False
 
-    def outputs(self, keep: str, chart: str = "") -> None:
+    def outputs(self, keep: str = "", chart: str = "") -> None:
         """``--out``, ``--png`` if there is a ``chart`` (what it is, for the help), and
-        ``--keep-dir`` (``keep``: its help)."""
+        ``--keep-dir`` if the benchmark keeps anything (``keep``: its help)."""
         full, smoke = self.results
         self.add_argument("--out", type=Path, help=f"JSON results (default "
                           f"{full.relative_to(REPO)}; smoke {smoke.relative_to(REPO)})")
         if chart:
             self.add_argument("--png", type=Path,
                               help=f"the {chart} (default: next to --out, .png)")
-        self.add_argument("--keep-dir", type=Path, help=keep)
+        if keep:
+            self.add_argument("--keep-dir", type=Path, help=keep)
         self._outputs = True
+
+    def interruptible(self) -> None:
+        """``--interruptible`` (the default) / ``--no-interruptible``: understudy's job stops
+        its compute at its next autograd operation once it recovers (``train.py``'s own
+        option), or at its next collective, to compare."""
+        self.add_argument("--interruptible", action=argparse.BooleanOptionalAction, default=True,
+                          help="understudy's job stops its compute at its next autograd "
+                               "operation once it recovers (train.py --interruptible, the "
+                               "example's default); --no-interruptible: at its next "
+                               "collective, to compare")
 
     def parse(self, argv: list[str] | None = None,
               defaults: Mapping[str, tuple[Any, Any]] | None = None) -> argparse.Namespace:

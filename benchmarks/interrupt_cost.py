@@ -96,7 +96,7 @@ def parse_args(argv: list[str] | None) -> Any:
                    "takes a tenth of them)")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--smoke", action="store_true", help="two repeats, few steps: for the tests")
-    p.outputs(keep="(unused: nothing is written but the results)")
+    p.outputs()
     args = p.parse(argv, {"repeats": (7, 2), "iters": (200, 10)})
     if args.repeats < 1 or args.iters < 10 or args.warmup < 0:
         p.error("--repeats must be at least 1, --iters at least 10, --warmup at least 0")

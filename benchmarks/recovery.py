@@ -346,10 +346,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shard-optimizer", action="store_true",
                    help="the job shards its Adam state over DP, each shard's redundant copy on "
                         "the next DP rank (train.py --shard-optimizer), the cold start too")
-    p.add_argument("--interruptible", action=argparse.BooleanOptionalAction, default=True,
-                   help="the survivors' compute stops at its next autograd operation once the "
-                        "job recovers (train.py --interruptible, the example's default); "
-                        "--no-interruptible: at its next collective, to compare")
+    p.interruptible()
     p.outputs(keep="keep daemon logs, etcd data and states here")
     args = p.parse(argv, {"repeats": (5, 1), "steps": (300, 150)})
     if args.repeats < 1:
