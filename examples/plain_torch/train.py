@@ -377,12 +377,10 @@ class PlainJob(TrainingJob):
                             activation=(self.batch // self.microbatches, self.features))
 
     def compute(self, step: int) -> float | None:
-        ctx, p = self.ctx, self.params
+        ctx = self.ctx
         self._sleep(step)
         losses = self._forward_backward(step)
-        grads = [q.grad for q in p.values()]
-        assert all(g is not None for g in grads), "every parameter takes part in the loss"
-        self._sync_gradients(torch.cat([g.flatten() for g in grads if g is not None]))
+        self._sync_gradients(self._flat_gradients())
         # Faults are injected after the step's collectives, so that no peer waits on us.
         if step == self.fail_at and not self._failed:
             self._failed = True
@@ -398,6 +396,12 @@ class PlainJob(TrainingJob):
 
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=False)
+
+    def _flat_gradients(self) -> torch.Tensor:
+        """The step's gradients, all of them in one flat tensor (``_sync_gradients``'s)."""
+        grads = [q.grad for q in self.params.values()]
+        assert all(g is not None for g in grads), "every parameter takes part in the loss"
+        return torch.cat([g.flatten() for g in grads if g is not None])
 
     def _sync_gradients(self, flat: torch.Tensor) -> None:
         """Average the gradients (``flat``: all of them, concatenated) over the DP group."""
@@ -687,13 +691,23 @@ class ShardedJob(PlainJob):
 
     def _optimizer(self) -> None:
         ctx, dp = self.ctx, self.ctx.dp
-        flat = torch.cat([q.detach().flatten() for q in self.params.values()])
-        self.shard_size = size = -(-flat.numel() // dp)
-        padded = torch.zeros(size * dp)
-        padded[:flat.numel()] = flat
-        self.gathered = padded  # the all-gather's buffer, reused at every step
-        # the reduce-scatter's input, reused at every step (its padding stays zero)
+        params = list(self.params.values())
+        numel = sum(q.numel() for q in params)
+        self.shard_size = size = -(-numel // dp)
+        # Two flat buffers, reused at every step (their padding stays zero): the all-gather's
+        # output, which the model's parameters are views of, and the reduce-scatter's input,
+        # which their gradients are views of (backward accumulates into them in place). So
+        # the model holds no second copy of either, and no step concatenates or copies them.
+        padded = self.gathered = torch.zeros(size * dp)
         self.grad_buffer = torch.zeros(size * dp)
+        offset = 0
+        with torch.no_grad():
+            for q in params:
+                n = q.numel()
+                padded[offset:offset + n].copy_(q.detach().flatten())
+                q.data = padded[offset:offset + n].view_as(q)
+                q.grad = self.grad_buffer[offset:offset + n].view_as(q)
+                offset += n
         d = ctx.dp_index
 
         def owned(index: int) -> tuple[torch.nn.Parameter, torch.optim.Adam, Any]:
@@ -731,21 +745,32 @@ class ShardedJob(PlainJob):
             ctx.wait(work, "the DP parameter all-gather")
         else:
             self.gathered.copy_(self.shard.detach())
-        offset = 0
-        with torch.no_grad():
-            for q in self.params.values():
-                q.copy_(self.gathered[offset:offset + q.numel()].view_as(q))
-                offset += q.numel()
+        # The model's parameters are views of ``gathered``: they hold the step's values now.
+
+    def _flat_gradients(self) -> torch.Tensor:
+        # The model's gradients are views of the buffer: backward wrote them there in place.
+        if any(q.grad is None or q.grad.data_ptr() != self.grad_buffer[o:].data_ptr()
+               for q, o in zip(self.params.values(), self._offsets(), strict=True)):
+            raise RuntimeError("a gradient of the model is no longer a view of the job's "
+                               "gradient buffer (was it set to None or replaced?)")
+        return self.grad_buffer
+
+    def _offsets(self) -> list[int]:
+        offsets, offset = [], 0
+        for q in self.params.values():
+            offsets.append(offset)
+            offset += q.numel()
+        return offsets
 
     def _sync_gradients(self, flat: torch.Tensor) -> None:
+        # ``flat`` is ``grad_buffer``, padded to ``dp`` equal shards
         ctx, dp = self.ctx, self.ctx.dp
         grad = self.shard.grad
         assert grad is not None
         if dp == 1:
             grad.copy_(flat)
             return
-        padded = self.grad_buffer
-        padded[:flat.numel()] = flat
+        padded = flat
         group = ctx.group("dp")
         ctx.wait(group._reduce_scatter_base(grad, padded),
                  "the DP gradient reduce-scatter")

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.util
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from tests.unit.test_runtime import assert_bitwise_equal
 from understudy.common.sizes import parse_size, size_arg
 from understudy.worker.api import JobContext
 from understudy.worker.runtime import StaticGroups
@@ -78,3 +81,56 @@ def test_a_job_built_at_a_state_size_holds_it(tmp_path: Path) -> None:
     job.apply(0)  # Adam's moments exist once it stepped
     held = _tensor_bytes(job.state())
     assert 0.99 * 4 * 2**20 <= held <= 1.001 * 4 * 2**20, held
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def test_a_sharded_job_keeps_no_second_copy_of_its_model_or_its_gradients(
+        tmp_path: Path) -> None:
+    # ShardedJob's parameters are views of its all-gather's buffer, and their gradients views
+    # of its reduce-scatter's: at 1 GiB a rank, each separate copy would be 358 MB more.
+    train = _example()
+    groups = StaticGroups(dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1,
+                          tp=1, timeout=10)
+    ctx = JobContext(job="sharded", rank=0, world_size=1, tp=1, groups=groups,
+                     collective_timeout=5)
+
+    def built() -> Any:
+        args = ["--shard-optimizer", "--state-size", "1MiB", "--steps", "5"]
+        job = train.make_job(train.parse_args(args))
+        job.build(ctx)
+        return job
+
+    def step(job: Any, n: int) -> None:
+        job.reseed(n)  # the dropout masks of step n, as the runtime draws them
+        job.compute(n)
+        job.apply(n)
+
+    job = built()
+    first = {name: q.detach().clone() for name, q in job.params.items()}
+    for n in range(3):
+        step(job, n)
+    offset = 0
+    for name, q in job.params.items():
+        assert _storage(q) == _storage(job.gathered), name
+        assert _storage(q.grad) == _storage(job.grad_buffer), name
+        assert torch.equal(q.detach().flatten(),
+                           job.gathered[offset:offset + q.numel()])
+        offset += q.numel()
+    assert not torch.equal(first["block0_w1"], job.params["block0_w1"])
+    # A job that takes the state of step 3 goes on as the first does, bit for bit, its model
+    # still the buffer's views.
+    again = built()
+    again.load_state(copy.deepcopy(job.state()))  # as it arrives: no tensor shared
+    for n in range(3, 5):
+        step(job, n)
+        step(again, n)
+    assert_bitwise_equal(job.state(), again.state())
+    assert all(_storage(q) == _storage(again.gathered)
+               for q in again.params.values())
+    # A gradient set aside (to None) is an error, not a step that syncs stale zeros.
+    next(iter(job.params.values())).grad = None
+    with pytest.raises(RuntimeError, match="no longer a view"):
+        job.compute(5)
