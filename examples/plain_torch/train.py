@@ -1041,8 +1041,13 @@ class SlottedShardedJob(SlottedPlainJob):
 
     def _optimizer(self) -> None:
         ctx = self.ctx
-        # The gathered parameters, flat: the all-gather's output, copied into the model's.
+        # The gathered parameters, flat: the all-gather's output, which the model's parameters
+        # are views of (the model is not held a second time, nor copied in at each step).
         self.flat = torch.cat([q.detach().flatten() for q in self.params.values()])
+        offset = 0
+        for q in self.params.values():
+            q.data = self.flat[offset:offset + q.numel()].view_as(q)
+            offset += q.numel()
         self._grads = torch.empty_like(self.flat)  # apply's flat copy of the summed gradients
         self.kept: dict[int, torch.Tensor] = {}
         for x in self._wanted(ctx):
@@ -1090,11 +1095,7 @@ class SlottedShardedJob(SlottedPlainJob):
         ctx = self.ctx
         self.kept = redistribute(ctx, self.kept, self._wanted(ctx), self._empty)
         gather_slots(ctx, {x: self._values(x) for x in ctx.held_slots}, self.flat)
-        offset = 0
-        with torch.no_grad():
-            for q in self.params.values():
-                q.copy_(self.flat[offset:offset + q.numel()].view_as(q))
-                offset += q.numel()
+        # The model's parameters are views of ``flat``: they hold the step's values now.
 
     def _values(self, slot: int) -> torch.Tensor:
         n = self._part(slot).stop - self._part(slot).start

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from tests.unit.test_runtime import assert_bitwise_equal
 from understudy.common.sizes import parse_size, size_arg
 from understudy.worker.api import JobContext
-from understudy.worker.runtime import StaticGroups
+from understudy.worker.runtime import Runtime, StaticGroups
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "plain_torch" / "train.py"
 
@@ -134,3 +134,25 @@ def test_a_sharded_job_keeps_no_second_copy_of_its_model_or_its_gradients(
     next(iter(job.params.values())).grad = None
     with pytest.raises(RuntimeError, match="no longer a view"):
         job.compute(5)
+
+
+def test_a_slotted_sharded_job_keeps_no_second_copy_of_its_model(tmp_path: Path) -> None:
+    # SlottedShardedJob's parameters are views of the flat buffer its slots' chunks are
+    # gathered into, through the runtime's slotted steps too.
+    train = _example()
+    groups = StaticGroups(dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1,
+                          tp=1, timeout=10)
+    ctx = JobContext(job="slotted", rank=0, world_size=1, tp=1, groups=groups,
+                     collective_timeout=5, slots=2)
+    job = train.make_job(train.parse_args(["--shard-optimizer", "--slots", "2", "--state-size",
+                                           "1MiB", "--steps", "3"]))
+    runtime = Runtime(job, ctx)
+    runtime.build()
+    first = job.params["block0_w1"].detach().clone()
+    runtime.run(3)
+    assert not torch.equal(first, job.params["block0_w1"])
+    offset = 0
+    for name, q in job.params.items():
+        assert _storage(q) == _storage(job.flat), name
+        assert torch.equal(q.detach().flatten(), job.flat[offset:offset + q.numel()]), name
+        offset += q.numel()
