@@ -708,6 +708,7 @@ class ShardedJob(PlainJob):
                 q.data = padded[offset:offset + n].view_as(q)
                 q.grad = self.grad_buffer[offset:offset + n].view_as(q)
                 offset += n
+        self._grad_views = [q.grad for q in params]
         d = ctx.dp_index
 
         def owned(index: int) -> tuple[torch.nn.Parameter, torch.optim.Adam, Any]:
@@ -749,18 +750,11 @@ class ShardedJob(PlainJob):
 
     def _flat_gradients(self) -> torch.Tensor:
         # The model's gradients are views of the buffer: backward wrote them there in place.
-        if any(q.grad is None or q.grad.data_ptr() != self.grad_buffer[o:].data_ptr()
-               for q, o in zip(self.params.values(), self._offsets(), strict=True)):
+        if any(q.grad is not view
+               for q, view in zip(self.params.values(), self._grad_views, strict=True)):
             raise RuntimeError("a gradient of the model is no longer a view of the job's "
                                "gradient buffer (was it set to None or replaced?)")
         return self.grad_buffer
-
-    def _offsets(self) -> list[int]:
-        offsets, offset = [], 0
-        for q in self.params.values():
-            offsets.append(offset)
-            offset += q.numel()
-        return offsets
 
     def _sync_gradients(self, flat: torch.Tensor) -> None:
         # ``flat`` is ``grad_buffer``, padded to ``dp`` equal shards
