@@ -45,6 +45,14 @@ def _example() -> ModuleType:
     return module
 
 
+def _solo(tmp_path: Path, job: str, slots: int = 0) -> JobContext:
+    """A one-rank job's context on real gloo groups."""
+    groups = StaticGroups(dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1,
+                          tp=1, timeout=10)
+    return JobContext(job=job, rank=0, world_size=1, tp=1, groups=groups,
+                      collective_timeout=5, slots=slots)
+
+
 def _tensor_bytes(tree: object) -> int:
     if isinstance(tree, torch.Tensor):
         return tree.numel() * tree.element_size()
@@ -71,10 +79,7 @@ def test_the_hidden_width_for_a_state_size_gives_that_size(tp: int, pp: int,
 
 def test_a_job_built_at_a_state_size_holds_it(tmp_path: Path) -> None:
     train = _example()
-    groups = StaticGroups(dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1,
-                          tp=1, timeout=10)
-    ctx = JobContext(job="sized", rank=0, world_size=1, tp=1, groups=groups,
-                     collective_timeout=5)
+    ctx = _solo(tmp_path, "sized")
     job = train.PlainJob(state_bytes=4 * 2**20)
     job.build(ctx)
     job.compute(0)
@@ -92,10 +97,7 @@ def test_a_sharded_job_keeps_no_second_copy_of_its_model_or_its_gradients(
     # ShardedJob's parameters are views of its all-gather's buffer, and their gradients views
     # of its reduce-scatter's: at 1 GiB a rank, each separate copy would be 358 MB more.
     train = _example()
-    groups = StaticGroups(dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1,
-                          tp=1, timeout=10)
-    ctx = JobContext(job="sharded", rank=0, world_size=1, tp=1, groups=groups,
-                     collective_timeout=5)
+    ctx = _solo(tmp_path, "sharded")
 
     def built() -> Any:
         args = ["--shard-optimizer", "--state-size", "1MiB", "--steps", "5"]
@@ -140,10 +142,7 @@ def test_a_slotted_sharded_job_keeps_no_second_copy_of_its_model(tmp_path: Path)
     # SlottedShardedJob's parameters are views of the flat buffer its slots' chunks are
     # gathered into, through the runtime's slotted steps too.
     train = _example()
-    groups = StaticGroups(dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1,
-                          tp=1, timeout=10)
-    ctx = JobContext(job="slotted", rank=0, world_size=1, tp=1, groups=groups,
-                     collective_timeout=5, slots=2)
+    ctx = _solo(tmp_path, "slotted", slots=2)
     job = train.make_job(train.parse_args(["--shard-optimizer", "--slots", "2", "--state-size",
                                            "1MiB", "--steps", "3"]))
     runtime = Runtime(job, ctx)
