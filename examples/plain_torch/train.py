@@ -48,6 +48,7 @@ import signal
 import sys
 import time
 import warnings
+from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -656,6 +657,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _bind_to_buffers(params: list[torch.nn.Parameter], values: torch.Tensor | None,
+                     grads: torch.Tensor) -> list[torch.Tensor]:
+    """Make ``params`` views of the flat ``values`` (their values copied in, in order; None:
+    leave them) and their gradients views of the flat ``grads``; returns those gradient views,
+    which :func:`_check_grad_views` compares against."""
+    offset = 0
+    with torch.no_grad():
+        for q in params:
+            n = q.numel()
+            if values is not None:
+                values[offset:offset + n].copy_(q.detach().flatten())
+                q.data = values[offset:offset + n].view_as(q)
+            q.grad = grads[offset:offset + n].view_as(q)
+            offset += n
+    return [q.grad for q in params]  # type: ignore[misc]
+
+
+def _check_grad_views(params: Iterable[torch.nn.Parameter], views: list[torch.Tensor]) -> None:
+    """Raise unless every gradient of ``params`` is still the view :func:`_bind_to_buffers` made:
+    one set to None or replaced would leave the buffer's stale values to be synced."""
+    if any(q.grad is not view for q, view in zip(params, views, strict=True)):
+        raise RuntimeError("a gradient of the model is no longer a view of the job's "
+                           "gradient buffer (was it set to None or replaced?)")
+
+
 class ShardedJob(PlainJob):
     """The same model with its optimizer state sharded over the DP group (ZeRO-1), and a
     redundant copy of every shard on another rank, current at every committed step.
@@ -700,15 +726,7 @@ class ShardedJob(PlainJob):
         # the model holds no second copy of either, and no step concatenates or copies them.
         padded = self.gathered = torch.zeros(size * dp)
         self.grad_buffer = torch.zeros(size * dp)
-        offset = 0
-        with torch.no_grad():
-            for q in params:
-                n = q.numel()
-                padded[offset:offset + n].copy_(q.detach().flatten())
-                q.data = padded[offset:offset + n].view_as(q)
-                q.grad = self.grad_buffer[offset:offset + n].view_as(q)
-                offset += n
-        self._grad_views = [q.grad for q in params]
+        self._grad_views = _bind_to_buffers(params, padded, self.grad_buffer)
         d = ctx.dp_index
 
         def owned(index: int) -> tuple[torch.nn.Parameter, torch.optim.Adam, Any]:
@@ -750,10 +768,7 @@ class ShardedJob(PlainJob):
 
     def _flat_gradients(self) -> torch.Tensor:
         # The model's gradients are views of the buffer: backward wrote them there in place.
-        if any(q.grad is not view
-               for q, view in zip(self.params.values(), self._grad_views, strict=True)):
-            raise RuntimeError("a gradient of the model is no longer a view of the job's "
-                               "gradient buffer (was it set to None or replaced?)")
+        _check_grad_views(self.params.values(), self._grad_views)
         return self.grad_buffer
 
     def _sync_gradients(self, flat: torch.Tensor) -> None:
@@ -1036,13 +1051,14 @@ class SlottedShardedJob(SlottedPlainJob):
     def _optimizer(self) -> None:
         ctx = self.ctx
         # The gathered parameters, flat: the all-gather's output, which the model's parameters
-        # are views of (the model is not held a second time, nor copied in at each step).
-        self.flat = torch.cat([q.detach().flatten() for q in self.params.values()])
-        offset = 0
-        for q in self.params.values():
-            q.data = self.flat[offset:offset + q.numel()].view_as(q)
-            offset += q.numel()
-        self._grads = torch.empty_like(self.flat)  # apply's flat copy of the summed gradients
+        # are views of (the model is not held a second time, nor copied in at each step); and
+        # the gradients, flat, which the model's gradients are views of: backward accumulates
+        # each slot's into them in place, the runtime writes the slots' sum back into them, and
+        # apply reads them there (no step concatenates them).
+        params = list(self.params.values())
+        self.flat = torch.empty(sum(q.numel() for q in params))
+        self._grads = torch.zeros_like(self.flat)
+        self._grad_views = _bind_to_buffers(params, self.flat, self._grads)
         self.kept: dict[int, torch.Tensor] = {}
         for x in self._wanted(ctx):
             values = self.flat[self._part(x)]
@@ -1097,8 +1113,8 @@ class SlottedShardedJob(SlottedPlainJob):
 
     @torch.no_grad()
     def apply(self, step: int) -> None:
-        grads = torch.cat([q.grad.flatten() for q in self.params.values()],  # type: ignore[union-attr]
-                          out=self._grads)
+        _check_grad_views(self.params.values(), self._grad_views)
+        grads = self._grads
         lr = self.lr * self._lr_factor(self.committed)
         for x, buf in sorted(self.kept.items()):
             part = self._part(x)
@@ -1116,6 +1132,22 @@ class SlottedShardedJob(SlottedPlainJob):
 
     def discard(self, step: int) -> None:
         self._zero_grad()
+
+    def apply_inputs(self, step: int) -> dict[str, Any]:
+        # What apply reads: the summed gradients, flat (the model's are views of them).
+        return {"grads": [self._grads]}
+
+    def load_apply_inputs(self, step: int, inputs: dict[str, Any]) -> None:
+        grads = inputs["grads"]
+        if len(grads) != 1 or grads[0].shape != self._grads.shape or \
+                grads[0].dtype != self._grads.dtype:
+            raise ValueError(f"step {step}'s gradients do not fit this rank's parameters: one "
+                             f"flat {self._grads.dtype} tensor of {self._grads.numel()} elements")
+        # The leaver's gradients are the joiner's own now, uncopied: the model's gradients
+        # become views of them, and the next step's land in them in place.
+        self._grads = grads[0]
+        self._grad_views = _bind_to_buffers(list(self.params.values()), None, self._grads)
+        self._replaying = True
 
     def state(self) -> dict[str, Any]:
         return {"slots": {str(x): buf for x, buf in sorted(self.kept.items())},

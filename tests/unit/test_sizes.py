@@ -138,20 +138,51 @@ def test_a_sharded_job_keeps_no_second_copy_of_its_model_or_its_gradients(
         job.compute(5)
 
 
-def test_a_slotted_sharded_job_keeps_no_second_copy_of_its_model(tmp_path: Path) -> None:
+def test_a_slotted_sharded_job_keeps_no_second_copy_of_its_model_or_its_gradients(
+        tmp_path: Path) -> None:
     # SlottedShardedJob's parameters are views of the flat buffer its slots' chunks are
-    # gathered into, through the runtime's slotted steps too.
+    # gathered into, and its gradients views of the flat buffer apply reads, through the
+    # runtime's slotted steps (which sum the slots' gradients back into them) too.
     train = _example()
-    ctx = _solo(tmp_path, "slotted", slots=2)
-    job = train.make_job(train.parse_args(["--shard-optimizer", "--slots", "2", "--state-size",
-                                           "1MiB", "--steps", "3"]))
-    runtime = Runtime(job, ctx)
-    runtime.build()
+
+    def built(name: str) -> tuple[Any, Runtime]:
+        (tmp_path / name).mkdir()
+        job = train.make_job(train.parse_args(["--shard-optimizer", "--slots", "2",
+                                               "--state-size", "1MiB", "--steps", "5"]))
+        runtime = Runtime(job, _solo(tmp_path / name, "slotted", slots=2))
+        runtime.build()
+        return job, runtime
+
+    def assert_views(job: Any) -> None:
+        offset = 0
+        for name, q in job.params.items():
+            assert _storage(q) == _storage(job.flat), name
+            assert _storage(q.grad) == _storage(job._grads), name
+            assert torch.equal(q.detach().flatten(), job.flat[offset:offset + q.numel()]), name
+            offset += q.numel()
+
+    job, runtime = built("leaver")
     first = job.params["block0_w1"].detach().clone()
+    runtime.run(2)
+    state = copy.deepcopy(runtime.state())
     runtime.run(3)
     assert not torch.equal(first, job.params["block0_w1"])
-    offset = 0
-    for name, q in job.params.items():
-        assert _storage(q) == _storage(job.flat), name
-        assert torch.equal(q.detach().flatten(), job.flat[offset:offset + q.numel()]), name
-        offset += q.numel()
+    assert_views(job)
+    # A joiner following the job applies step 2 from its apply inputs (one flat tensor, as it
+    # arrives: its own, uncopied) and goes on bit for bit, its gradients views of that tensor.
+    inputs = copy.deepcopy(job.apply_inputs(2))
+    joiner, again = built("joiner")
+    again.load_state(state)
+    again.replay(2, inputs)
+    assert_bitwise_equal(job.state(), joiner.state())
+    assert joiner._grads is inputs["grads"][0]
+    runtime.run(5)
+    again.run(5)
+    assert_bitwise_equal(job.state(), joiner.state())
+    assert_views(joiner)
+    with pytest.raises(ValueError, match="do not fit"):
+        again.replay(5, {"grads": [torch.zeros(3)]})
+    # A gradient set aside (to None) is an error, not a step that applies stale values.
+    next(iter(job.params.values())).grad = None
+    with pytest.raises(RuntimeError, match="no longer a view"):
+        job.apply(5)
