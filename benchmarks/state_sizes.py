@@ -27,6 +27,7 @@ built model), the holder's snapshot copies, and the baselines, which run after i
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import time
@@ -102,11 +103,24 @@ def plot(result: dict[str, Any], png: Path) -> None:
         xs = [s["state_bytes"] for s in sizes]
         for system in result["config"]["systems"]:
             fig_s = [s["summary"][event][system]["downtime_s"] for s in sizes]
-            med = [max(f["median"], 1e-3) for f in fig_s]
-            lo = [m - max(f["min"], 1e-3) for m, f in zip(med, fig_s, strict=True)]
-            hi = [max(f["max"], 1e-3) - m for m, f in zip(med, fig_s, strict=True)]
+            # A median at or below zero is left out of the line (NaN breaks it) and marked
+            # below.
+            med = [f["median"] if f["median"] > 0 else math.nan for f in fig_s]
+            lo = [m - max(f["min"], 1e-3) if m > 0 else 0.0
+                  for m, f in zip(med, fig_s, strict=True)]
+            hi = [max(f["max"], 1e-3) - m if m > 0 else 0.0
+                  for m, f in zip(med, fig_s, strict=True)]
             ax.errorbar(xs, med, yerr=[lo, hi], marker="o", capsize=3, label=system,
                         color=COLOURS.get(system))
+            # A median at or below zero (the first step after the event ran shorter than a
+            # normal step by more than the event cost) cannot sit on a log axis: it is drawn at
+            # 1 ms, hollow and unjoined, labelled with its value rather than passed for 1 ms.
+            for x, f in zip(xs, fig_s, strict=True):
+                if f["median"] <= 0:
+                    ax.plot([x], [1e-3], marker="v", markersize=9, markerfacecolor="none",
+                            color=COLOURS.get(system))
+                    ax.annotate(f"{f['median']:.2f} s", (x, 1e-3), textcoords="offset points",
+                                xytext=(4, 6), fontsize=7, color=COLOURS.get(system))
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xticks(xs, [label(x) for x in xs], rotation=30)

@@ -850,6 +850,13 @@ def test_state_sizes_summary_and_chart_from_each_sizes_downtime(tmp_path: Path) 
     png = tmp_path / "chart.png"
     state_sizes.plot(result, png)
     assert png.read_bytes()[:4] == b"\x89PNG"
+    # A median at or below zero (a redone step shorter than a normal one) is drawn, marked,
+    # not clamped into the line.
+    result["sizes"][1]["summary"]["worker-crash"]["understudy"]["downtime_s"] = {
+        "min": -0.2, "median": -0.142, "max": -0.1}
+    png.unlink()
+    state_sizes.plot(result, png)
+    assert png.read_bytes()[:4] == b"\x89PNG"
     assert state_sizes.label(2**30) == "1 GiB" and state_sizes.label(27_000) == "26.4 KiB"
 
 
