@@ -103,8 +103,10 @@ def plot(result: dict[str, Any], png: Path) -> None:
         xs = [s["state_bytes"] for s in sizes]
         for system in result["config"]["systems"]:
             fig_s = [s["summary"][event][system]["downtime_s"] for s in sizes]
-            # A median at or below zero is left out of the line (NaN breaks it) and marked
-            # below.
+            # A median at or below zero (the first step after the event ran shorter than a
+            # normal step by more than the event cost) cannot sit on a log axis: it is left
+            # out of the line (NaN breaks it) and drawn at 1 ms, hollow, labelled with its
+            # value rather than passed for 1 ms.
             med = [f["median"] if f["median"] > 0 else math.nan for f in fig_s]
             lo = [m - max(f["min"], 1e-3) if m > 0 else 0.0
                   for m, f in zip(med, fig_s, strict=True)]
@@ -112,9 +114,6 @@ def plot(result: dict[str, Any], png: Path) -> None:
                   for m, f in zip(med, fig_s, strict=True)]
             ax.errorbar(xs, med, yerr=[lo, hi], marker="o", capsize=3, label=system,
                         color=COLOURS.get(system))
-            # A median at or below zero (the first step after the event ran shorter than a
-            # normal step by more than the event cost) cannot sit on a log axis: it is drawn at
-            # 1 ms, hollow and unjoined, labelled with its value rather than passed for 1 ms.
             for x, f in zip(xs, fig_s, strict=True):
                 if f["median"] <= 0:
                     ax.plot([x], [1e-3], marker="v", markersize=9, markerfacecolor="none",
