@@ -746,9 +746,7 @@ class ShardedJob(PlainJob):
         self.buddy_missing = False
 
     def _zero_grad(self) -> None:
-        for q in self.params.values():
-            if q.grad is not None:
-                q.grad.zero_()
+        self.grad_buffer.zero_()  # the model's gradients are its views
 
     def compute(self, step: int) -> float | None:
         self._resync_buddies()
@@ -779,9 +777,8 @@ class ShardedJob(PlainJob):
         if dp == 1:
             grad.copy_(flat)
             return
-        padded = flat
         group = ctx.group("dp")
-        ctx.wait(group._reduce_scatter_base(grad, padded),
+        ctx.wait(group._reduce_scatter_base(grad, flat),
                  "the DP gradient reduce-scatter")
         grad /= dp
         if self.buddy is None:
@@ -1091,9 +1088,7 @@ class SlottedShardedJob(SlottedPlainJob):
         return torch.empty(3 * (part.stop - part.start) + 1)
 
     def _zero_grad(self) -> None:
-        for q in self.params.values():
-            if q.grad is not None:
-                q.grad.zero_()
+        self._grads.zero_()  # the model's gradients are its views
 
     def compute_slot(self, step: int, slot: int) -> float | None:
         if slot == self.ctx.held_slots.start:
