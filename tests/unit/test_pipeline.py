@@ -4,6 +4,8 @@ a job built for one stage takes another keeping its blocks."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -12,12 +14,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.unit.test_runtime import assert_bitwise_equal
 from tests.workers.sandbox_common import plain_example
 from understudy.worker.api import CollectiveAborted, JobContext
 from understudy.worker.pipeline import run_schedule
 from understudy.worker.runtime import StaticGroups
 
 JOB = {"dropout": 0.0, "layers": 4, "microbatches": 4}
+SHARDED = {"dropout": 0.0}
 
 
 def _ranks(world: int, pp: int, body: Callable[[JobContext], Any],
@@ -110,3 +114,57 @@ def test_a_job_built_for_the_last_stage_takes_a_first_stage_rank_keeping_its_blo
     other = JobContext(job="pp", rank=1, world_size=4, tp=2, pp=2,
                        groups=None, seed=7)  # type: ignore[arg-type]
     assert job.retarget(other) is None
+
+
+def test_a_sharded_job_warmed_as_one_dp_rank_takes_another_keeping_its_buffers() -> None:
+    """A standby warmed as DP rank 0 of a ZeRO-1 job, chosen for rank 1 (a node loss takes the
+    other replica), keeps its model, flat buffers and shards: re-making them put twice the
+    model on the recovery's path. Loaded with rank 1's state of step 3 it goes on bitwise."""
+    train = plain_example()
+    steps, world = 5, 2
+    # No dropout: the two ranks are threads of one process, sharing torch's generator.
+
+    def run(job: Any, first: int, last: int) -> None:
+        for n in range(first, last):
+            job.reseed(n)
+            job.compute(n)
+            job.apply(n)
+
+    def uninterrupted(ctx: JobContext) -> Any:
+        job = train.ShardedJob(**SHARDED)
+        job.build(ctx)
+        run(job, 0, steps)
+        return job.state()
+
+    def retargeted(ctx: JobContext) -> Any:
+        job = train.ShardedJob(**SHARDED)
+        job.build(ctx)
+        run(job, 0, 3)
+        if ctx.rank == 0:
+            run(job, 3, steps)
+            return job.state()
+        state = copy.deepcopy(job.state())  # as it arrives: no tensor shared
+        standby = train.ShardedJob(**SHARDED)
+        standby.build(dataclasses.replace(ctx, rank=0))
+        kept = (standby.gathered, standby.grad_buffer, standby.shard, standby.buddy)
+        assert standby.buddy_index == 1
+        what = standby.retarget(ctx)
+        assert what == "kept its model, buffers and shards (DP rank 0 -> 1), allocated nothing"
+        now = (standby.gathered, standby.grad_buffer, standby.shard, standby.buddy)
+        assert all(a is b for a, b in zip(now, kept, strict=True))
+        assert standby.buddy_index == 0
+        standby.load_state(state)
+        assert_bitwise_equal(state, standby.state())
+        run(standby, 3, steps)
+        return standby.state()
+
+    expected = _ranks(world, 1, uninterrupted)
+    got = _ranks(world, 1, retargeted)
+    for rank in range(world):
+        assert_bitwise_equal(expected[rank], got[rank], f"rank {rank}")
+    # Another TP split is not taken in place.
+    job = train.ShardedJob()
+    job.build(JobContext(job="pp", rank=0, world_size=2, tp=1, groups=None,  # type: ignore[arg-type]
+                         seed=7))
+    assert job.retarget(JobContext(job="pp", rank=1, world_size=2, tp=2,
+                                   groups=None, seed=7)) is None  # type: ignore[arg-type]
