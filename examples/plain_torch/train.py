@@ -702,10 +702,13 @@ class ShardedJob(PlainJob):
     So a lost rank's shard is rebuilt from its successor (:meth:`replica_state`), which the
     controller picks as the donor, with no step lost. The cost: one more Adam over ``1/dp`` of
     the parameters and one point-to-point send of ``1/dp`` of the gradients per step, and the
-    buddy's memory. With ``dp > 2`` a replacement has no copy of its own predecessor's shard
-    yet: every step begins with a ``dp``-element all-reduce of who misses one, and the
-    predecessor sends it whole. Two adjacent DP ranks lost at once lose a shard for good (no
-    live copy): that needs snapshots.
+    buddy's memory. The donor sends only what the lost rank needs to go on: its shard (half of
+    the state with ``dp = 2``), not its buddy copy. So a replacement has no copy of its own
+    predecessor's shard yet: every step begins with a ``dp``-element all-reduce of who misses
+    one, and the predecessor sends it whole while the step's forward and backward run (the
+    copy is needed only at apply), off the recovery's path. Until that step ends the
+    predecessor's shard has one live copy; two adjacent DP ranks lost at once lose a shard for
+    good: that needs snapshots.
 
     Apply takes only the two shard gradients (``apply_inputs``), so a planned migration sends
     the state ahead as for the replicated job.
@@ -747,6 +750,7 @@ class ShardedJob(PlainJob):
         self.buddy: tuple[torch.nn.Parameter, torch.optim.Adam, Any] | None = (
             owned(self.buddy_index) if dp > 1 and self.copy else None)
         self.buddy_missing = False
+        self._incoming: list[torch.Tensor] = []  # the predecessor's shard, while it crosses
 
     def retarget(self, ctx: JobContext) -> str | None:
         # Another DP rank of the same stage and TP split (a standby warmed as DP rank 0 taking
@@ -770,9 +774,11 @@ class ShardedJob(PlainJob):
         self.grad_buffer.zero_()  # the model's gradients are its views
 
     def compute(self, step: int) -> float | None:
-        self._resync_buddies()
+        resync = self._start_resync()
         self._gather()
-        return super().compute(step)
+        loss = super().compute(step)
+        self._finish_resync(resync)
+        return loss
 
     def _gather(self) -> None:
         """The model's parameters from every rank's shard."""
@@ -812,26 +818,45 @@ class ShardedJob(PlainJob):
         for work in works:
             ctx.wait(work, "the buddy shard's gradient")
 
-    def _resync_buddies(self) -> None:
-        """With ``dp > 2``: a rank that took a lost rank's place gets its predecessor's shard
-        (values and Adam state) whole, before the step (see the class docstring)."""
+    def _start_resync(self) -> list[tuple[Any, str]]:
+        """A rank that took a lost rank's place gets its predecessor's shard (values and Adam
+        state) whole (see the class docstring): start the sends and receives, which cross
+        while the step computes; :meth:`_finish_resync` waits for them before apply."""
         ctx, dp = self.ctx, self.ctx.dp
-        if dp <= 2 or self.buddy is None:
-            return
+        self._incoming = []  # not an aborted attempt's
+        if dp < 2 or self.buddy is None:
+            return []
         group, d = ctx.group("dp"), ctx.dp_index
         missing = torch.zeros(dp, dtype=torch.int64)
         missing[d] = int(self.buddy_missing)
         ctx.wait(group.allreduce([missing], allreduce_options(dist.ReduceOp.SUM)),
                  "the buddy check")
+        works: list[tuple[Any, str]] = []
         if missing[(d + 1) % dp]:
-            ctx.wait(group.send([_packed(self.shard, self.optimizer)], (d + 1) % dp,
-                                _RESYNC_TAG), "the shard to the next rank")
+            # Read-only until this step's apply, which waits for these sends first.
+            works += [(group.send([t], (d + 1) % dp, tag), "the shard to the next rank")
+                      for t, tag in zip(_shard_parts(self.shard, self.optimizer), _RESYNC_TAGS,
+                                        strict=True)]
         if missing[d]:
+            self._incoming = [self.buddy[0].detach(), *(torch.empty_like(self.buddy[0])
+                                                        for _ in range(2)), torch.empty(1)]
+            works += [(group.recv([t], (d - 1) % dp, tag), "the previous rank's shard")
+                      for t, tag in zip(self._incoming, _RESYNC_TAGS, strict=True)]
+        return works
+
+    def _finish_resync(self, works: list[tuple[Any, str]]) -> None:
+        for work, what in works:
+            self.ctx.wait(work, what)
+        if self._incoming:
             assert self.buddy is not None
-            buf = torch.empty(3 * self.shard_size + 1)
-            ctx.wait(group.recv([buf], (d - 1) % dp, _RESYNC_TAG),
-                     "the previous rank's shard")
-            _unpack(buf, *self.buddy[:2])
+            _, exp_avg, exp_avg_sq, step = self._incoming
+            optimizer, shard = self.buddy[1], self.buddy[0]
+            if step.item() > 0:
+                optimizer.state[shard] = {"step": step.reshape(()), "exp_avg": exp_avg,
+                                          "exp_avg_sq": exp_avg_sq}
+            else:  # the predecessor has not stepped yet
+                optimizer.state.pop(shard, None)
+            self._incoming = []
             self.buddy_missing = False
 
     def apply(self, step: int) -> None:
@@ -867,10 +892,9 @@ class ShardedJob(PlainJob):
         if self.ctx.layout.coordinates(rank)[1] != self.buddy_index:
             raise ValueError(f"rank {rank}'s optimizer shard is not kept here: rank "
                              f"{self.ctx.rank} keeps DP rank {self.buddy_index}'s")
-        both = self.ctx.dp == 2
-        return self._state(own=self.buddy[:2],
-                           buddy=(self.shard, self.optimizer, None) if both else None,
-                           buddy_missing=not both)
+        # Its own buddy copy (shard d - 2) is left out, with dp = 2 our own shard: the
+        # replacement gets it from its predecessor while its first step computes.
+        return self._state(own=self.buddy[:2], buddy=None, buddy_missing=True)
 
     def _state(self, own: tuple[Any, ...], buddy: tuple[Any, ...] | None,
                buddy_missing: bool) -> dict[str, Any]:
@@ -901,28 +925,17 @@ class ShardedJob(PlainJob):
         self.committed = int(state["step"])
 
 
-_BUDDY_TAG, _RESYNC_TAG = 11, 12
+_BUDDY_TAG, _RESYNC_TAGS = 11, (12, 13, 14, 15)
 
 
-def _packed(shard: torch.Tensor, optimizer: torch.optim.Adam) -> torch.Tensor:
-    """A shard's values, Adam moments and step count in one tensor (zeros before a step)."""
+def _shard_parts(shard: torch.Tensor, optimizer: torch.optim.Adam) -> list[torch.Tensor]:
+    """A shard's values, Adam moments and step count, as they are (zeros before a step)."""
     st = optimizer.state.get(shard, {})
-    zeros = torch.zeros_like(shard)
-    step = st.get("step", torch.tensor(0.0)).reshape(1)
-    return torch.cat([shard.detach(), st.get("exp_avg", zeros), st.get("exp_avg_sq", zeros),
-                      step.to(shard.dtype)])
-
-
-def _unpack(buf: torch.Tensor, shard: torch.nn.Parameter, optimizer: torch.optim.Adam) -> None:
-    n = shard.numel()
-    with torch.no_grad():
-        shard.copy_(buf[:n])
-    if buf[3 * n].item() > 0:
-        optimizer.state[shard] = {"step": buf[3 * n].clone().reshape(()),
-                                  "exp_avg": buf[n:2 * n].clone(),
-                                  "exp_avg_sq": buf[2 * n:3 * n].clone()}
-    else:
-        optimizer.state.pop(shard, None)
+    if not st:
+        return [shard.detach(), torch.zeros_like(shard), torch.zeros_like(shard),
+                torch.zeros(1)]
+    return [shard.detach(), st["exp_avg"], st["exp_avg_sq"],
+            st["step"].reshape(1).to(torch.float32)]
 
 
 class SlottedPlainJob(SlottedJob, PlainJob):

@@ -116,13 +116,21 @@ def test_a_job_built_for_the_last_stage_takes_a_first_stage_rank_keeping_its_blo
     assert job.retarget(other) is None
 
 
-def test_a_sharded_job_warmed_as_one_dp_rank_takes_another_keeping_its_buffers() -> None:
+@pytest.mark.parametrize("source", ["its own state (a drain)",
+                                    "the copy on the next rank (a recovery)"])
+def test_a_sharded_job_warmed_as_one_dp_rank_takes_another_keeping_its_buffers(
+        source: str) -> None:
     """A standby warmed as DP rank 0 of a ZeRO-1 job, chosen for rank 1 (a node loss takes the
     other replica), keeps its model, flat buffers and shards: re-making them put twice the
-    model on the recovery's path. Loaded with rank 1's state of step 3 it goes on bitwise."""
+    model on the recovery's path. Loaded with rank 1's state of step 3 it goes on bitwise:
+    rank 1's own, or (a recovery) the one rank 0 rebuilds from its copy of rank 1's shard,
+    which leaves out rank 1's copy of rank 0's shard: rank 0 sends it during step 3."""
     train = plain_example()
     steps, world = 5, 2
     # No dropout: the two ranks are threads of one process, sharing torch's generator.
+    recovery = "recovery" in source
+    handed: list[Any] = []
+    ready = threading.Event()
 
     def run(job: Any, first: int, last: int) -> None:
         for n in range(first, last):
@@ -141,9 +149,15 @@ def test_a_sharded_job_warmed_as_one_dp_rank_takes_another_keeping_its_buffers()
         job.build(ctx)
         run(job, 0, 3)
         if ctx.rank == 0:
+            if recovery:
+                handed.append(copy.deepcopy(job.replica_state(1)))
+            ready.set()
             run(job, 3, steps)
             return job.state()
-        state = copy.deepcopy(job.state())  # as it arrives: no tensor shared
+        ready.wait(20)
+        # as it arrives: no tensor shared
+        state = handed[0] if recovery else copy.deepcopy(job.state())
+        assert (state["buddy"] is None and state["buddy_missing"]) == recovery
         standby = train.ShardedJob(**SHARDED)
         standby.build(dataclasses.replace(ctx, rank=0))
         kept = (standby.gathered, standby.grad_buffer, standby.shard, standby.buddy)
@@ -154,8 +168,13 @@ def test_a_sharded_job_warmed_as_one_dp_rank_takes_another_keeping_its_buffers()
         assert all(a is b for a, b in zip(now, kept, strict=True))
         assert standby.buddy_index == 0
         standby.load_state(state)
-        assert_bitwise_equal(state, standby.state())
+        if recovery:
+            assert standby.buddy_missing and not standby.buddy[1].state
+            assert_bitwise_equal(state["shard"], standby.state()["shard"])
+        else:
+            assert_bitwise_equal(state, standby.state())
         run(standby, 3, steps)
+        assert not standby.buddy_missing
         return standby.state()
 
     expected = _ranks(world, 1, uninterrupted)
