@@ -101,8 +101,11 @@ def test_a_node_cut_off_from_etcd_is_replaced_and_its_old_ranks_never_commit_aft
 
         # The partition heals: etcd answers that node-p's lease is gone, which is evidence.
         cut.heal()
-        wait_log(p, "fenced itself", timeout=30)
-        assert "etcd says the lease has expired" in p.log_text()
+        # Two pieces of evidence arrive at once: etcd's answer that the lease is gone (the node
+        # fences itself, killing what is left) and the job's new assignment (the node stops the
+        # workers it no longer needs). Whichever the daemon reads first stops the old ranks; a
+        # run once saw the assignment first, and the fence found nothing left to kill.
+        wait_log(p, "etcd says the lease has expired", timeout=30)
         wait_gone(list(old.values()), timeout=5)
         # ... and rejoined as a new incarnation, on a fresh lease.
         wait_log(p, '"Node registered."', times=2, timeout=30)
