@@ -106,6 +106,9 @@ def test_a_node_cut_off_from_etcd_is_replaced_and_its_old_ranks_never_commit_aft
         # workers it no longer needs). Whichever the daemon reads first stops the old ranks; a
         # run once saw the assignment first, and the fence found nothing left to kill.
         wait_log(p, "etcd says the lease has expired", timeout=30)
+        # Fenced either way: the event says so, whatever was left to kill.
+        c.wait_for("node-p's fence", lambda s: any(
+            e["kind"] == "node-fenced" and e["node"] == "node-p" for e in events(c)), timeout=30)
         wait_gone(list(old.values()), timeout=5)
         # ... and rejoined as a new incarnation, on a fresh lease.
         wait_log(p, '"Node registered."', times=2, timeout=30)

@@ -154,7 +154,7 @@ def test_a_sharded_job_warmed_as_one_dp_rank_takes_another_keeping_its_buffers(
             ready.set()
             run(job, 3, steps)
             return job.state()
-        ready.wait(20)
+        assert ready.wait(20), "rank 0 never got to step 3"
         # as it arrives: no tensor shared
         state = handed[0] if recovery else copy.deepcopy(job.state())
         assert (state["buddy"] is None and state["buddy_missing"]) == recovery
