@@ -16,6 +16,11 @@ Four ranks, TP=2 x DP=2, bootstrapped through a file store::
             --store /tmp/gpt-store --steps 50 --save /tmp/gpt-out &
     done; wait
 
+On a GPU node, ``--distributed-optimizer`` trains it with Megatron's DDP and
+``DistributedOptimizer`` instead (each rank's optimizer part copied on the next DP rank; see
+:mod:`understudy.worker.megatron.distributed`); the device is ``LOCAL_RANK``'s GPU (modulo the
+GPUs there are), or the current one.
+
 The same job under the daemons, with two warm standbys::
 
     understudy run --job gpt --tp 2 --dp 2 --standby 2 -- \\
@@ -47,6 +52,7 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=r"The (following imports|'megatron\.core\.)",
                             category=DeprecationWarning)
     from understudy.worker.megatron.adapter import GPTShape, MegatronJob, file_store_groups
+    from understudy.worker.megatron.distributed import ShardedMegatronJob
 
 from understudy.common import logs
 from understudy.common.sizes import size_arg
@@ -75,6 +81,11 @@ class GPTJob(MegatronJob):
         if self.step_sleep and not (self.step_sleep_off and self.step_sleep_off.exists()):
             time.sleep(self.step_sleep)
         return super().compute(step)
+
+
+class ShardedGPTJob(GPTJob, ShardedMegatronJob):
+    """:class:`GPTJob` with Megatron's DDP and ``DistributedOptimizer`` (``--distributed-
+    optimizer``; CUDA only), each rank's optimizer part copied on the next DP rank."""
 
 
 #: bytes of state per parameter: the fp32 value and Adam's two moments
@@ -111,6 +122,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the state a rank holds (parameters and Adam's moments): 27KB, 64MiB, "
                    "1GiB...; sets the hidden size to match (default: hidden 64, about 0.5 MB "
                    "per rank at TP 2)")
+    p.add_argument("--distributed-optimizer", action="store_true",
+                   help="Megatron's DistributedDataParallel and DistributedOptimizer (ZeRO-1), "
+                   "each rank's optimizer part copied on the next DP rank so that a lost rank "
+                   "loses no step; needs CUDA (megatron-core 0.16.1 runs them on CUDA only). "
+                   "--state-size then sizes the model as for the replicated job")
     p.add_argument("--store", help="file shared by all ranks to bootstrap groups (standalone "
                    "runs; under `understudy run` the daemons bootstrap the groups)")
     p.add_argument("--job", default="megatron-gpt")
@@ -129,13 +145,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def make_job(args: argparse.Namespace) -> GPTJob:
-    return GPTJob(step_sleep=args.step_sleep, step_sleep_off=args.step_sleep_off,
+    cls = ShardedGPTJob if args.distributed_optimizer else GPTJob
+    return cls(step_sleep=args.step_sleep, step_sleep_off=args.step_sleep_off,
                   state_bytes=args.state_size)
+
+
+def pick_device(args: argparse.Namespace) -> None:
+    """With ``--distributed-optimizer``: ``LOCAL_RANK``'s GPU (else ``--rank``'s), modulo the
+    GPUs there are; without CUDA, the reason it cannot run, before any group is built."""
+    if not args.distributed_optimizer:
+        return
+    if not torch.cuda.is_available():
+        from understudy.worker.megatron.distributed import CUDA_ONLY
+        raise SystemExit(f"--distributed-optimizer: {CUDA_ONLY}")
+    index = int(os.environ.get("LOCAL_RANK", args.rank))
+    torch.cuda.set_device(index % torch.cuda.device_count())
 
 
 @record
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    pick_device(args)
     if os.environ.get("UNDERSTUDY_JOB"):
         return _under_understudy(args)
     if args.store is None:

@@ -42,9 +42,10 @@ Rank bookkeeping in ``torch.distributed``: each group is registered with its job
 is never called. A joiner takes the leaver's global rank, so none of this changes at a switch.
 
 **CPU.** Without a GPU, Megatron's CUDA RNG tracker and global memory buffer are replaced by the
-substitutes in :mod:`understudy.worker.megatron.cpu`. With CUDA the job would use Megatron's
-own DDP and distributed optimizer; that path is **not implemented** (no GPU was available to
-test it) and :meth:`MegatronJob.build` says so with ``NotImplementedError``.
+substitutes in :mod:`understudy.worker.megatron.cpu`, and the job trains with a replicated
+Adam. On a GPU, :class:`~understudy.worker.megatron.distributed.ShardedMegatronJob` trains the
+same model with Megatron's own DDP and ``DistributedOptimizer`` (CUDA only in megatron-core
+0.16.1), and :meth:`MegatronJob.build` refuses CUDA with ``NotImplementedError`` pointing there.
 """
 
 from __future__ import annotations
@@ -177,8 +178,12 @@ def file_store_groups(path: str, *, job: str, rank: int, world_size: int, tp: in
     def factory(namespace: str, cancel: threading.Event) -> dist.Store:
         return dist.PrefixStore(namespace, store)
 
+    # With CUDA (ShardedMegatronJob), NCCL for CUDA tensors beside gloo, connected on the
+    # current device.
+    cuda = torch.cuda.is_available()
     groups = GroupSet(job, member(rank, "standalone"), timeout=timeout, store_factory=factory,
-                      backends={"cpu": "gloo"})
+                      backends={"cpu": "gloo", **({"cuda": "nccl"} if cuda else {})},
+                      device=torch.device("cuda", torch.cuda.current_device()) if cuda else None)
     nodes = ("standalone",) * world_size
     layout = JobLayout(world_size, tp)
     names = tuple(layout.concrete(rank).values())
@@ -243,15 +248,13 @@ class MegatronJob(TrainingJob):
         self.losses: dict[int, float] = {}
         self._loss: float | None = None
         self._tracker_before: dict[str, torch.Tensor] = {}
+        #: where the model and the batches live (CUDA in ShardedMegatronJob)
+        self.device = torch.device("cpu")
 
     # -- building ---------------------------------------------------------------------------
 
     def build(self, ctx: JobContext) -> None:
-        if torch.cuda.is_available():
-            raise NotImplementedError(
-                "MegatronJob trains on CPU only: with CUDA it should use Megatron's "
-                "DistributedDataParallel and DistributedOptimizer on the job's groups, which is "
-                "not implemented because no GPU was available to test it")
+        self._check_device()
         if self.shape.num_attention_heads % ctx.tp or self.shape.vocab_size % ctx.tp:
             raise ValueError(f"tp={ctx.tp} must divide the attention heads "
                              f"({self.shape.num_attention_heads}) and the vocabulary "
@@ -265,6 +268,27 @@ class MegatronJob(TrainingJob):
             return
         self._materialize(groups)
 
+    def _check_device(self) -> None:
+        if torch.cuda.is_available():
+            raise NotImplementedError(
+                "MegatronJob trains on CPU only (replicated Adam, Megatron's CUDA RNG tracker "
+                "and memory buffer replaced by CPU ones); on a GPU use ShardedMegatronJob "
+                "(understudy.worker.megatron.distributed: Megatron's DistributedDataParallel "
+                "and DistributedOptimizer on the job's groups)")
+
+    def _install_rng(self, ctx: JobContext) -> Any:
+        """Megatron's tensor-parallel RNG tracker, seeded; returns it."""
+        tracker = cpu.install()
+        cpu.model_parallel_cpu_manual_seed(tracker, ctx.seed, tp_rank=ctx.tp_index)
+        return tracker
+
+    def _build_optimizer(self, config: TransformerConfig, groups: Sequence[Any]) -> None:
+        """The optimizer and its schedule over the model just built (``self.model``)."""
+        self.params = [p for p in self._require_model().parameters() if p.requires_grad]
+        self.optimizer = torch.optim.Adam(self.params, lr=self.shape.lr)
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / max(1, self.shape.warmup)))
+
     def _materialize(self, groups: Sequence[Any]) -> None:
         ctx, shape = self.ctx, self.shape
         tp, dp, world = groups
@@ -275,8 +299,7 @@ class MegatronJob(TrainingJob):
                      "process", rank=ctx.rank)
             ps.destroy_model_parallel()
         wire_parallel_state(tp, dp, world, Layout(ctx.rank, ctx.world_size, ctx.tp))
-        self.tracker = cpu.install()
-        cpu.model_parallel_cpu_manual_seed(self.tracker, ctx.seed, tp_rank=ctx.tp_index)
+        self.tracker = self._install_rng(ctx)
         config = TransformerConfig(
             num_layers=shape.num_layers, hidden_size=shape.hidden_size,
             num_attention_heads=shape.num_attention_heads, tensor_model_parallel_size=ctx.tp,
@@ -294,15 +317,14 @@ class MegatronJob(TrainingJob):
                               vocab_size=shape.vocab_size, max_sequence_length=shape.seq_length,
                               share_embeddings_and_output_weights=True,
                               position_embedding_type="learned_absolute")
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.Adam(self.params, lr=shape.lr)
-        self.schedule = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / max(1, shape.warmup)))
+        self.forward_module: torch.nn.Module = self.model
+        self._build_optimizer(config, groups)
         self.committed = 0
         gen = torch.Generator().manual_seed(ctx.seed)
         self.successor = torch.randperm(shape.vocab_size, generator=gen)
         self.causal_mask = torch.triu(torch.ones(shape.seq_length, shape.seq_length,
-                                                 dtype=torch.bool), diagonal=1)[None, None]
+                                                 dtype=torch.bool, device=self.device),
+                                      diagonal=1)[None, None]
         # Dropout outside TP regions must match within a TP group, which holds the same
         # activations; replicas differ.
         rng.seed_all(ctx.seed * 1_000_003 + ctx.dp_index)
@@ -343,16 +365,25 @@ class MegatronJob(TrainingJob):
     # -- the step -----------------------------------------------------------------------------
 
     def compute(self, step: int) -> float:
-        model, ctx = self._require_model(), self.ctx
+        self._require_model()
         self._tracker_before = _clone(self.tracker.get_states())
-        tokens, labels = self.batch(step)
-        positions = torch.arange(self.shape.seq_length).expand_as(tokens)
+        tokens, labels = (t.to(self.device) for t in self.batch(step))
+        positions = torch.arange(self.shape.seq_length, device=self.device).expand_as(tokens)
         for p in self.params:
             p.grad = None
-        model.train()
-        per_token = model(tokens, positions, self.causal_mask, labels=labels)
+        self.forward_module.train()
+        per_token = self.forward_module(tokens, positions, self.causal_mask, labels=labels)
         loss = per_token.float().mean()
         loss.backward()
+        self._sync_gradients()
+        self._loss = float(loss.item())
+        if not math.isfinite(self._loss):
+            raise FloatingPointError(f"the loss of step {step} is {self._loss}")
+        return self._loss
+
+    def _sync_gradients(self) -> None:
+        """Every gradient averaged over DP, in place."""
+        ctx = self.ctx
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         flat = torch.cat([g.flatten() for g in grads])
         work = ctx.group("dp").allreduce([flat], allreduce_options(dist.ReduceOp.SUM))
@@ -362,10 +393,6 @@ class MegatronJob(TrainingJob):
         for p in self.params:
             p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
             offset += p.numel()
-        self._loss = float(loss.item())
-        if not math.isfinite(self._loss):
-            raise FloatingPointError(f"the loss of step {step} is {self._loss}")
-        return self._loss
 
     def apply(self, step: int) -> None:
         self.optimizer.step()
