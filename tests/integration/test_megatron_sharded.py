@@ -12,14 +12,24 @@
    1's optimizer part (a recovery), whose own copy of rank 0's part crosses during step 4.
    Both ranks end bitwise equal to an uninterrupted run, losses included, and each rank's copy
    is bitwise its predecessor's part.
-3. On a GPU: the same worker, unemulated, on CUDA with NCCL (skipped here, saying so). With one
+3. Under real daemons on a real etcd, emulated the same way: ``examples/megatron_gpt/train.py
+   --distributed-optimizer`` itself (``tests/workers/megatron_sharded_job.py`` only applies the
+   emulation), TP 1 x DP 2, two standbys. Rank 1 is killed (kill -9): its optimizer part
+   exists nowhere else but in rank 0's copy, from which rank 0 rebuilds rank 1's state for
+   the standby that takes its place. Then rank 0's node is drained (its state sent ahead,
+   then the step's gradient parts: ``apply_inputs``). No committed step is lost: every loss
+   and the final state of both ranks are an uninterrupted standalone run's, bit for bit.
+4. On a GPU: the same worker, unemulated, on CUDA with NCCL (skipped here, saying so). With one
    GPU, each process gets its own ``NCCL_HOSTID`` (NCCL refuses two ranks of a communicator on
    one device otherwise), as ``scripts/gpu-selftest`` does.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -27,12 +37,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.integration import bitwise, scenarios
+from tests.integration.scenarios import events, start, wait_log, wait_standbys, worker_pid
 from tests.unit.test_runtime import assert_bitwise_equal
+from understudy.testing.embedded_etcd import EmbeddedEtcd
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "workers" / "megatron_sharded.py"
+JOB = REPO / "tests" / "workers" / "megatron_sharded_job.py"
 TRAIN = REPO / "examples" / "megatron_gpt" / "train.py"
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+STEPS = 120
+STANDBYS = ("node-s1", "node-s2")
 
 
 def _run(out: Path, hand_over: str, *, emulate: bool, timeout: float = 240) -> None:
@@ -103,6 +119,73 @@ def test_without_cuda_the_distributed_optimizer_is_refused_with_the_reason(
 @pytest.mark.timeout(600)
 def test_distributed_optimizer_hand_overs_are_bitwise_emulated_on_cpu(tmp_path: Path) -> None:
     _check_hand_overs(tmp_path, emulate=True)
+
+
+def _job_args(out: Path, *extra: str) -> list[str]:
+    return [str(JOB), "--distributed-optimizer", "--tp", "1", "--steps", str(STEPS),
+            "--save", str(out), *extra]
+
+
+def _standalone(base: Path) -> Path:
+    """The job on two plain processes, no daemons; returns its output directory."""
+    procs = []
+    for r in (0, 1):
+        with open(base / f"r{r}.log", "wb") as log:
+            procs.append(subprocess.Popen(
+                [sys.executable, *_job_args(base / "out"), "--rank", str(r), "--world-size",
+                 "2", "--store", str(base / "store")],
+                env={**os.environ, **ONE_THREAD}, stdout=subprocess.DEVNULL, stderr=log))
+    for r, proc in enumerate(procs):
+        assert proc.wait(timeout=300) == 0, (base / f"r{r}.log").read_text()[-3000:]
+    return base / "out"
+
+
+def _losses(out: Path, rank: int) -> dict[str, float]:
+    losses: dict[str, float] = json.loads((out / f"rank{rank}.json").read_text())["losses"]
+    return losses
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_distributed_optimizer_loses_no_step_to_a_crash_or_a_drain_under_the_daemons_emulated(
+        etcd: EmbeddedEtcd, tmp_path: Path) -> None:
+    (tmp_path / "reference").mkdir()
+    expected = _standalone(tmp_path / "reference")
+    c = start(etcd, tmp_path / "cluster", {"node-a": 1, "node-b": 1}, STANDBYS)
+    try:
+        out = tmp_path / "out"
+        env = [f"--env={k}={v}" for k, v in ONE_THREAD.items()]
+        run = c.cli("run", "--job", "gpt", "--tp", "1", "--dp", "2", "--standby", "2", *env,
+                    "--", sys.executable, *_job_args(
+                        out, "--step-sleep", "0.1", "--step-sleep-off",
+                        str(scenarios.faults_over(c))))
+        assert run.returncode == 0, run.stderr
+        wait_standbys(c, STANDBYS, timeout=180)
+        b = c.daemons["node-b"]
+        wait_log(b, "50 steps committed on rank 1", timeout=180)
+        os.kill(worker_pid(b, "gpt.r1"), signal.SIGKILL)
+        c.wait_for("the recovery to finish", lambda s: any(
+            e["kind"] == "migration-done" for e in events(c)), timeout=120)
+        planned = next(e for e in events(c) if e["kind"] == "migration-planned")
+        assert re.search(r"recovery: rank 1 -> node-s\d \(state from rank 0\)",
+                         planned["message"]), planned["message"]
+        drain = c.cli("drain", "node-a", "--deadline", "120", "--wait", timeout=180)
+        assert drain.returncode == 0, drain.stdout + drain.stderr
+        assert "Sending the state of rank 0 ahead" in c.daemons["node-a"].log_text()
+        scenarios.faults_over(c).touch()
+        c.wait_for("the job to finish", lambda s: s.job("gpt") is not None and
+                   s.job("gpt").state in ("done", "failed"), timeout=300)
+        job = c.status().job("gpt")
+        assert job is not None and job.state == "done", job and job.status
+        assert job.assignment is not None and set(job.assignment.ranks) == set(STANDBYS)
+    finally:
+        c.stop_all(timeout=5, drain=False)
+    # Every committed step's loss, the redone one's included, is the uninterrupted run's.
+    for rank in (0, 1):
+        got, want = _losses(out, rank), _losses(expected, rank)
+        assert got and got == {k: v for k, v in want.items() if k in got}, f"rank {rank}"
+        assert str(STEPS - 1) in got
+    bitwise.assert_bitwise_equal(expected, out, world=2)
 
 
 @pytest.mark.gpu

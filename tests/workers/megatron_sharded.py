@@ -110,11 +110,30 @@ def hand_overs(text: str) -> list[tuple[int, str]]:
     return sorted(events)
 
 
-def cpu_emulation() -> type[ShardedMegatronJob]:
-    """**Emulation, for the CPU test only**: megatron-core 0.16.1 refuses to run its
+class OnCPU:
+    """The job's own CUDA choices (its device, Megatron's CUDA RNG tracker) made the CPU ones
+    of :class:`~understudy.worker.megatron.adapter.MegatronJob`: a mixin, first in the bases,
+    for :func:`cpu_emulation`."""
+
+    def _check_device(self) -> None:
+        pass
+
+    def _device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def _install_rng(self, ctx: JobContext) -> Any:
+        from understudy.worker.megatron import cpu
+
+        tracker = cpu.install()
+        cpu.model_parallel_cpu_manual_seed(tracker, ctx.seed, tp_rank=ctx.tp_index)
+        return tracker
+
+
+def cpu_emulation() -> None:
+    """**Emulation, for the CPU tests only**: megatron-core 0.16.1 refuses to run its
     ``DistributedOptimizer`` without CUDA through three device literals, which this redirects to
-    the CPU in this process, so that the adapter's code path runs on real megatron-core code
-    over real gloo groups:
+    the CPU in this process, so that the adapter's code path (with :class:`OnCPU`) runs on real
+    megatron-core code over real gloo groups:
 
     - ``torch.cuda.current_device()``, where ``_ParamAndGradBuffer`` allocates its buffers,
       answers ``"cpu"``;
@@ -123,16 +142,12 @@ def cpu_emulation() -> type[ShardedMegatronJob]:
     - ``torch.tensor(..., device='cuda')`` in ``megatron/core/optimizer/optimizer.py`` (the
       optimizer's flags) makes a CPU tensor.
 
-    The job's own CUDA choices (the device, Megatron's CUDA RNG tracker) become the CPU ones of
-    :class:`~understudy.worker.megatron.adapter.MegatronJob`. What this cannot show: NCCL's
-    point-to-point order, CUDA kernels' bitwise agreement between owner and copy; the GPU test
-    runs the same worker without it.
+    What this cannot show: NCCL's point-to-point order, CUDA kernels' bitwise agreement between
+    owner and copy; the GPU test runs the same worker without it.
     """
     import types
 
     import megatron.core.optimizer.optimizer as megatron_optimizer
-
-    from understudy.worker.megatron import cpu
 
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
     tensor_type = torch.Tensor.type
@@ -155,19 +170,9 @@ def cpu_emulation() -> type[ShardedMegatronJob]:
 
     megatron_optimizer.torch = TorchOnCPU("torch")  # type: ignore[assignment]
 
-    class OnCPU(ShardedMegatronJob):
-        def _check_device(self) -> None:
-            pass
 
-        def _device(self) -> torch.device:
-            return torch.device("cpu")
-
-        def _install_rng(self, ctx: JobContext) -> Any:
-            tracker = cpu.install()
-            cpu.model_parallel_cpu_manual_seed(tracker, ctx.seed, tp_rank=ctx.tp_index)
-            return tracker
-
-    return OnCPU
+class EmulatedJob(OnCPU, ShardedMegatronJob):
+    """:class:`ShardedMegatronJob` on CPU, after :func:`cpu_emulation`."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -188,7 +193,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     if args.cpu_emulation:
-        run(args, cpu_emulation())
+        cpu_emulation()
+        run(args, EmulatedJob)
         return 0
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU (or --cpu-emulation)")

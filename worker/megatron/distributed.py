@@ -244,6 +244,9 @@ class ShardedMegatronJob(MegatronJob):
     # -- the step -----------------------------------------------------------------------------
 
     def compute(self, step: int) -> float:
+        # What discard rewinds the TP tracker to, taken before the first collective that may
+        # be aborted (the base class takes it again before forward: the same streams).
+        self._tracker_before = _clone(self.tracker.get_states())
         resync = self._start_resync()
         self._gather()
         self.ddp.zero_grad_buffer()
