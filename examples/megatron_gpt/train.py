@@ -87,6 +87,12 @@ class ShardedGPTJob(GPTJob, ShardedMegatronJob):
     """:class:`GPTJob` with Megatron's DDP and ``DistributedOptimizer`` (``--distributed-
     optimizer``; CUDA only), each rank's optimizer part copied on the next DP rank."""
 
+    def __init__(self, shape: GPTShape | None = None, step_sleep: float = 0.0,
+                 step_sleep_off: Path | None = None, state_bytes: int | None = None,
+                 bf16: bool = False) -> None:
+        super().__init__(shape, step_sleep, step_sleep_off, state_bytes)
+        self.bf16 = bf16
+
 
 #: bytes of state per parameter: the fp32 value and Adam's two moments
 STATE_PER_PARAM = 3 * 4
@@ -127,6 +133,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "each rank's optimizer part copied on the next DP rank so that a lost rank "
                    "loses no step; needs CUDA (megatron-core 0.16.1 runs them on CUDA only). "
                    "--state-size then sizes the model as for the replicated job")
+    p.add_argument("--bf16", action="store_true",
+                   help="with --distributed-optimizer: bf16 parameters (Megatron's "
+                   "Float16Module), fp32 main copies in the optimizer, gradients reduced in fp32")
     p.add_argument("--store", help="file shared by all ranks to bootstrap groups (standalone "
                    "runs; under `understudy run` the daemons bootstrap the groups)")
     p.add_argument("--job", default="megatron-gpt")
@@ -145,14 +154,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def make_job(args: argparse.Namespace) -> GPTJob:
-    cls = ShardedGPTJob if args.distributed_optimizer else GPTJob
-    return cls(step_sleep=args.step_sleep, step_sleep_off=args.step_sleep_off,
+    if args.distributed_optimizer:
+        return ShardedGPTJob(step_sleep=args.step_sleep, step_sleep_off=args.step_sleep_off,
+                             state_bytes=args.state_size, bf16=args.bf16)
+    return GPTJob(step_sleep=args.step_sleep, step_sleep_off=args.step_sleep_off,
                   state_bytes=args.state_size)
 
 
 def pick_device(args: argparse.Namespace) -> None:
     """With ``--distributed-optimizer``: ``LOCAL_RANK``'s GPU (else ``--rank``'s), modulo the
     GPUs there are; without CUDA, the reason it cannot run, before any group is built."""
+    if args.bf16 and not args.distributed_optimizer:
+        raise SystemExit("--bf16 needs --distributed-optimizer (the CPU job trains in fp32)")
     if not args.distributed_optimizer:
         return
     if not torch.cuda.is_available():

@@ -10,6 +10,8 @@
    1's job is replaced twice: at step 2 by a new job that takes rank 1's own state (a drain's
    hand-over), at step 4 by one that takes the state rank 0 rebuilds from its copy of rank
    1's optimizer part (a recovery), whose own copy of rank 0's part crosses during step 4.
+   With fp32 parameters, and with bf16 ones (Megatron's ``Float16Module``; fp32 main copies
+   in the optimizer, gradients reduced in fp32).
    Both ranks end bitwise equal to an uninterrupted run, losses included, and each rank's copy
    is bitwise its predecessor's part.
 3. Under real daemons on a real etcd, emulated the same way: ``examples/megatron_gpt/train.py
@@ -51,7 +53,8 @@ STEPS = 120
 STANDBYS = ("node-s1", "node-s2")
 
 
-def _run(out: Path, hand_over: str, *, emulate: bool, timeout: float = 240) -> None:
+def _run(out: Path, hand_over: str, *, emulate: bool, bf16: bool,
+         timeout: float = 240) -> None:
     """Both ranks of the worker; returns once both saved their state."""
     out.mkdir(parents=True)
     procs = []
@@ -61,7 +64,8 @@ def _run(out: Path, hand_over: str, *, emulate: bool, timeout: float = 240) -> N
             env["NCCL_HOSTID"] = f"understudy-test-{rank}"
         args = [sys.executable, str(WORKER), "--rank", str(rank), "--world", "2",
                 "--store", str(out / "store"), "--out", str(out), "--steps", "6",
-                "--hand-over", hand_over, *(["--cpu-emulation"] if emulate else [])]
+                "--hand-over", hand_over, *(["--cpu-emulation"] if emulate else []),
+                *(["--bf16"] if bf16 else [])]
         with (out / f"log{rank}").open("w") as log:
             procs.append(subprocess.Popen(args, cwd=REPO, env=env, stdout=log,
                                           stderr=subprocess.STDOUT))
@@ -75,10 +79,10 @@ def _run(out: Path, hand_over: str, *, emulate: bool, timeout: float = 240) -> N
             proc.kill()
 
 
-def _check_hand_overs(tmp_path: Path, *, emulate: bool) -> None:
+def _check_hand_overs(tmp_path: Path, *, emulate: bool, bf16: bool) -> None:
     expected, got = tmp_path / "uninterrupted", tmp_path / "replaced"
-    _run(expected, "", emulate=emulate)
-    _run(got, "own:2,copy:4", emulate=emulate)
+    _run(expected, "", emulate=emulate, bf16=bf16)
+    _run(got, "own:2,copy:4", emulate=emulate, bf16=bf16)
     log = (got / "log1").read_text()
     assert "rank 1 replaced at step 2 with own state" in log
     assert "rank 1 replaced at step 4 with copy state" in log
@@ -87,6 +91,8 @@ def _check_hand_overs(tmp_path: Path, *, emulate: bool) -> None:
         a = torch.load(expected / f"rank{rank}.pt", weights_only=True)
         b = torch.load(got / f"rank{rank}.pt", weights_only=True)
         assert a["step"] == 6 and a["optimizer"]["state"], f"rank {rank} did not train"
+        # The optimizer's main copies are fp32, whatever the model's parameters are.
+        assert {t.dtype for t in a["part"]} == {torch.float32}
         assert_bitwise_equal(a, b, f"rank {rank}")
         states[rank] = b
         losses = (got / f"losses{rank}.txt").read_text().splitlines()
@@ -115,10 +121,15 @@ def test_without_cuda_the_distributed_optimizer_is_refused_with_the_reason(
     assert not (tmp_path / "store").exists(), "a group was bootstrapped before the refusal"
 
 
+PRECISIONS = pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_distributed_optimizer_hand_overs_are_bitwise_emulated_on_cpu(tmp_path: Path) -> None:
-    _check_hand_overs(tmp_path, emulate=True)
+@PRECISIONS
+def test_distributed_optimizer_hand_overs_are_bitwise_emulated_on_cpu(tmp_path: Path,
+                                                                       bf16: bool) -> None:
+    _check_hand_overs(tmp_path, emulate=True, bf16=bf16)
 
 
 def _job_args(out: Path, *extra: str) -> list[str]:
@@ -193,5 +204,7 @@ def test_distributed_optimizer_loses_no_step_to_a_crash_or_a_drain_under_the_dae
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and NCCL: "
                     "megatron-core 0.16.1 runs its DistributedOptimizer on CUDA only")
 @pytest.mark.timeout(600)
-def test_distributed_optimizer_hand_overs_are_bitwise_on_a_gpu(tmp_path: Path) -> None:
-    _check_hand_overs(tmp_path, emulate=False)
+@PRECISIONS
+def test_distributed_optimizer_hand_overs_are_bitwise_on_a_gpu(tmp_path: Path,
+                                                               bf16: bool) -> None:
+    _check_hand_overs(tmp_path, emulate=False, bf16=bf16)

@@ -65,7 +65,7 @@ def run(args: argparse.Namespace, job_class: type[ShardedMegatronJob] = ShardedM
                                          world_size=args.world, tp=1, timeout=120)
     ctx = JobContext(job="gpt", rank=args.rank, world_size=args.world, tp=1, groups=provider,
                      seed=7, collective_timeout=60)
-    job = job_class()
+    job = job_class(bf16=args.bf16)
     job.build(ctx)
     done = 0
     for at, kind in args.hand_over:
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace, job_class: type[ShardedMegatronJob] = ShardedM
             state = torch.load(handed, weights_only=True)
             assert state["buddy"] is None and state["buddy_missing"]
         del job
-        job = job_class()
+        job = job_class(bf16=args.bf16)
         job.build(ctx)
         job.load_state(state)
         print(f"rank 1 replaced at step {at} with {kind} state", flush=True)
@@ -137,7 +137,8 @@ def cpu_emulation() -> None:
 
     - ``torch.cuda.current_device()``, where ``_ParamAndGradBuffer`` allocates its buffers,
       answers ``"cpu"``;
-    - a CPU fp32 parameter's ``type()`` answers ``torch.cuda.FloatTensor`` (the type check in
+    - a CPU fp32 or bf16 parameter's ``type()`` answers ``torch.cuda.FloatTensor`` or
+      ``torch.cuda.BFloat16Tensor`` (the type check in
       ``DistributedOptimizer._build_model_and_main_param_groups``);
     - ``torch.tensor(..., device='cuda')`` in ``megatron/core/optimizer/optimizer.py`` (the
       optimizer's flags) makes a CPU tensor.
@@ -154,8 +155,8 @@ def cpu_emulation() -> None:
 
     def cuda_type(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         name = tensor_type(self, *args, **kwargs)
-        if not args and not kwargs and name == "torch.FloatTensor":
-            return "torch.cuda.FloatTensor"
+        if not args and not kwargs and name in ("torch.FloatTensor", "torch.BFloat16Tensor"):
+            return name.replace("torch.", "torch.cuda.")
         return name
 
     torch.nn.Parameter.type = cuda_type  # type: ignore[method-assign,assignment]
@@ -184,6 +185,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--hand-over", type=hand_overs, default=[],
                    help="rank 1's job replaced at these steps: own:2,copy:4")
+    p.add_argument("--bf16", action="store_true",
+                   help="bf16 parameters, Megatron's fp32 main copies in the optimizer")
     p.add_argument("--cpu-emulation", action="store_true",
                    help="run on CPU with megatron-core's CUDA literals redirected (the CPU "
                    "test; see cpu_emulation)")

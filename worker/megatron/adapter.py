@@ -282,6 +282,10 @@ class MegatronJob(TrainingJob):
         cpu.model_parallel_cpu_manual_seed(tracker, ctx.seed, tp_rank=ctx.tp_index)
         return tracker
 
+    def _precision(self) -> dict[str, Any]:
+        """The model's number format, as ``TransformerConfig`` arguments: fp32 here."""
+        return {"params_dtype": torch.float32}
+
     def _build_optimizer(self, config: TransformerConfig, groups: Sequence[Any]) -> None:
         """The optimizer and its schedule over the model just built (``self.model``)."""
         self.params = [p for p in self._require_model().parameters() if p.requires_grad]
@@ -304,7 +308,7 @@ class MegatronJob(TrainingJob):
             num_layers=shape.num_layers, hidden_size=shape.hidden_size,
             num_attention_heads=shape.num_attention_heads, tensor_model_parallel_size=ctx.tp,
             hidden_dropout=shape.hidden_dropout, attention_dropout=shape.attention_dropout,
-            use_cpu_initialization=True, params_dtype=torch.float32,
+            use_cpu_initialization=True, **self._precision(),
             bias_activation_fusion=False, masked_softmax_fusion=False,
             bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
             gradient_accumulation_fusion=False,

@@ -49,9 +49,11 @@ adapter (:class:`MegatronJob`) trains with a plain replicated Adam instead.
 were issued, one after the other; two ranks that both send first wait for each other forever.
 So even DP ranks issue their sends first and odd ones their receives (:func:`exchange`).
 
-**Tested** only on a GPU (``tests/integration/test_megatron_gpu.py``, skipped without one): no
-GPU was available while this was written, so it has not run yet. Not covered: fp16/bf16
-parameters, more than one bucket per buffer (``overlap_grad_reduce`` is off, so there is one),
+**Tested** on CPU only, with megatron-core's CUDA device literals redirected
+(``tests/integration/test_megatron_sharded.py``: hand-overs in two processes, fp32 and bf16; a
+crash and a drain under the daemons); its GPU test skips without CUDA. No GPU was available
+while this was written, so it has not run on one. Not covered: fp16 parameters (a loss
+scaler), more than one bucket per buffer (``overlap_grad_reduce`` is off, so there is one),
 standbys warmed in a sandbox on CUDA.
 """
 
@@ -102,9 +104,11 @@ class Piece:
 
 def owned_pieces(buffers: Sequence[Any], dp: int, dp_rank: int) -> list[Piece]:
     """The pieces DP rank ``dp_rank`` owns, in the order Megatron's ``DistributedOptimizer``
-    gives them to its inner optimizer (buffer by buffer, bucket by bucket, parameters in the
-    buffer's ``param_index_map`` order): computed by Megatron's own range map for that rank,
-    so a copy of another rank's part has its pieces' shapes and order.
+    gives them to its inner optimizer: the fp32 parameters' pieces, then the 16-bit ones'
+    (whose fp32 main copies the optimizer steps), each in range order (buffer by buffer,
+    bucket by bucket, parameters in the buffer's ``param_index_map`` order;
+    ``_build_model_and_main_param_groups``). Computed by Megatron's own range map for that
+    rank, so a copy of another rank's part has its pieces' shapes and order.
 
     ``buffers``: Megatron ``_ParamAndGradBuffer`` objects (``buckets`` with ``grad_data`` and
     ``offset``, and ``param_index_map``).
@@ -126,7 +130,8 @@ def owned_pieces(buffers: Sequence[Any], dp: int, dp_rank: int) -> list[Piece]:
             for param, r in ranges.items():
                 pieces.append(Piece(b, k, param, r["param"].start, r["param"].end,
                                     r["gbuf_local"].start))
-    return pieces
+    # sorted() is stable: the range order within each kind.
+    return sorted(pieces, key=lambda piece: piece.param.dtype != torch.float32)
 
 
 def exchange(group: Any, dp_rank: int, sends: Iterable[tuple[torch.Tensor, int]],
@@ -148,9 +153,10 @@ class ShardedMegatronJob(MegatronJob):
     falls back to snapshots).
     """
 
-    def __init__(self, shape: GPTShape | None = None, *, copy: bool = True) -> None:
+    def __init__(self, shape: GPTShape | None = None, *, copy: bool = True,
+                 bf16: bool = False) -> None:
         super().__init__(shape)
-        self.copy = copy
+        self.copy, self.bf16 = copy, bf16
         self.buddy_missing = False
         self._incoming: list[torch.Tensor] = []
 
@@ -171,6 +177,12 @@ class ShardedMegatronJob(MegatronJob):
                                                         ep_rank=0, etp_rank=0)
         return tensor_parallel.get_cuda_rng_tracker()
 
+    def _precision(self) -> dict[str, Any]:
+        # bf16: the model's parameters in bf16, Megatron's fp32 main copy of each rank's part
+        # in the optimizer, gradients reduced in fp32.
+        return ({"params_dtype": torch.bfloat16, "bf16": True} if self.bf16 else
+                super()._precision())
+
     def _device(self) -> torch.device:
         """The GPU this process trains on: the current one (the job's script picks it)."""
         return torch.device("cuda", torch.cuda.current_device())
@@ -182,24 +194,28 @@ class ShardedMegatronJob(MegatronJob):
         )
         from megatron.core.optimizer import OptimizerConfig
         from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+        from megatron.core.transformer.module import Float16Module
 
         ctx, shape = self.ctx, self.shape
         _, dp, _ = groups
         self.device = self._device()
         assert self.model is not None
         self.model.to(self.device)
+        # bf16: Megatron's Float16Module makes every parameter bf16 (its norms included) and
+        # casts the inputs and the output, as Megatron's own training does.
+        module = Float16Module(config, self.model) if self.bf16 else self.model
         self.ddp = DistributedDataParallel(
             config, DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True, overlap_grad_reduce=False, overlap_param_gather=False,
                 use_distributed_optimizer=True, average_in_collective=False),
-            module=self.model)
+            module=module)
         self.forward_module = self.ddp
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         inner = torch.optim.AdamW(self.params, lr=shape.lr, weight_decay=0.0, fused=True)
         self.megatron_optimizer: Any = DistributedOptimizer(
             inner, OptimizerConfig(optimizer="adam", lr=shape.lr, weight_decay=0.0,
                                    clip_grad=0.0, use_distributed_optimizer=True,
-                                   params_dtype=torch.float32),
+                                   bf16=self.bf16, params_dtype=config.params_dtype),
             None, None, model_chunks=[self.ddp], per_model_buffers={0: self.ddp.buffers},
             data_parallel_group=dp, data_parallel_group_gloo=dp,
             data_parallel_group_idx=ctx.tp_index, distributed_optimizer_instance_id=0)
@@ -234,8 +250,9 @@ class ShardedMegatronJob(MegatronJob):
             offsets.append(offsets[-1] + len(buffer.buckets))
         values = []
         for piece in pieces:
+            # fp32, as Megatron's main copy of a bf16 parameter
             value = torch.nn.Parameter(
-                piece.param.detach().view(-1)[piece.start:piece.end].clone())
+                piece.param.detach().view(-1)[piece.start:piece.end].clone().float())
             value.grad = grads[offsets[piece.buffer] + piece.bucket][
                 piece.local:piece.local + piece.numel]
             values.append(value)
