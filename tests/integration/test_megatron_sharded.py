@@ -19,7 +19,9 @@
    emulation), TP 1 x DP 2, two standbys. Rank 1 is killed (kill -9): its optimizer part
    exists nowhere else but in rank 0's copy, from which rank 0 rebuilds rank 1's state for
    the standby that takes its place. Then rank 0's node is drained (its state sent ahead,
-   then the step's gradient parts: ``apply_inputs``). No committed step is lost: every loss
+   then the step's gradient parts: ``apply_inputs``) to the other standby, which warmed in
+   the sandbox as rank 0 (the job built on the stable groups, two shadow iterations replayed
+   from rank 0's recording) and is promoted with that job. No committed step is lost: every loss
    and the final state of both ranks are an uninterrupted standalone run's, bit for bit.
 4. On a GPU: the same worker, unemulated, on CUDA with NCCL (skipped here, saying so). With one
    GPU, each process gets its own ``NCCL_HOSTID`` (NCCL refuses two ranks of a communicator on
@@ -165,13 +167,16 @@ def test_distributed_optimizer_loses_no_step_to_a_crash_or_a_drain_under_the_dae
     c = start(etcd, tmp_path / "cluster", {"node-a": 1, "node-b": 1}, STANDBYS)
     try:
         out = tmp_path / "out"
-        env = [f"--env={k}={v}" for k, v in ONE_THREAD.items()]
+        env = [f"--env={k}={v}" for k, v in {
+            **ONE_THREAD, "UNDERSTUDY_RECORDINGS": str(tmp_path / "recordings")}.items()]
         run = c.cli("run", "--job", "gpt", "--tp", "1", "--dp", "2", "--standby", "2", *env,
                     "--", sys.executable, *_job_args(
                         out, "--step-sleep", "0.1", "--step-sleep-off",
                         str(scenarios.faults_over(c))))
         assert run.returncode == 0, run.stderr
         wait_standbys(c, STANDBYS, timeout=180)
+        for standby in STANDBYS:
+            wait_log(c.daemons[standby], "Standby is warm (replay) as rank 0", timeout=120)
         b = c.daemons["node-b"]
         wait_log(b, "50 steps committed on rank 1", timeout=180)
         os.kill(worker_pid(b, "gpt.r1"), signal.SIGKILL)
@@ -180,9 +185,16 @@ def test_distributed_optimizer_loses_no_step_to_a_crash_or_a_drain_under_the_dae
         planned = next(e for e in events(c) if e["kind"] == "migration-planned")
         assert re.search(r"recovery: rank 1 -> node-s\d \(state from rank 0\)",
                          planned["message"]), planned["message"]
+        assert any("Warmed as rank 0, chosen for rank 1: building that rank's job"
+                   in c.daemons[n].log_text() for n in STANDBYS)
         drain = c.cli("drain", "node-a", "--deadline", "120", "--wait", timeout=180)
         assert drain.returncode == 0, drain.stdout + drain.stderr
         assert "Sending the state of rank 0 ahead" in c.daemons["node-a"].log_text()
+        # The other standby warmed as rank 0 in the sandbox (Megatron's buffers and
+        # DistributedOptimizer built on the stable groups, the replay standing in): it takes
+        # rank 0 with the job it warmed.
+        assert any("Promoting the standby warmed as rank 0: its model is built."
+                   in c.daemons[n].log_text() for n in STANDBYS)
         scenarios.faults_over(c).touch()
         c.wait_for("the job to finish", lambda s: s.job("gpt") is not None and
                    s.job("gpt").state in ("done", "failed"), timeout=300)
