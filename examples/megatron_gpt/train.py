@@ -34,23 +34,17 @@ import json
 import os
 import sys
 import time
-import warnings
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from understudy.worker.megatron import quiet_imports
+
 # megatron-core 0.16.1 warns at import about what this machine lacks (Apex, Transformer Engine)
-# and about its own deprecated modules, and torch 2.13 warns about the torch.jit.script_method
-# decorators it uses. None of it concerns this job; silence exactly those, for the import only.
-with warnings.catch_warnings():
-    warnings.filterwarnings("ignore", message=r"(Apex|Transformer Engine).* not installed",
-                            category=UserWarning)
-    warnings.filterwarnings("ignore", message=r"`torch\.jit\.script_method` is deprecated",
-                            category=DeprecationWarning)
-    warnings.filterwarnings("ignore", message=r"The (following imports|'megatron\.core\.)",
-                            category=DeprecationWarning)
+# and about its own deprecated modules: none of it concerns this job (``quiet_imports``).
+with quiet_imports():
     from understudy.worker.megatron.adapter import GPTShape, MegatronJob, file_store_groups
     from understudy.worker.megatron.distributed import ShardedMegatronJob
 

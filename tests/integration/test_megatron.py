@@ -31,7 +31,6 @@ import shutil
 import subprocess
 import sys
 import time
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -105,17 +104,11 @@ def assert_bitwise_equal(expected_dir: Path, actual_dir: Path, world: int = 4) -
 
 
 def _cpu_module() -> Any:
-    with warnings.catch_warnings():
-        # megatron-core 0.16.1 warns at import that Apex and Transformer Engine are missing and
-        # about its own deprecated modules, and torch 2.13 that torch.jit.script_method (which
-        # megatron uses) is deprecated. None of it concerns this test; pytest turns warnings
-        # into errors, so exactly these are ignored, for the import only.
-        warnings.filterwarnings("ignore", message=r"(Apex|Transformer Engine).* not installed",
-                                category=UserWarning)
-        warnings.filterwarnings("ignore", message=r"`torch\.jit\.script_method` is deprecated",
-                                category=DeprecationWarning)
-        warnings.filterwarnings("ignore", message=r"The (following imports|'megatron\.core\.)",
-                                category=DeprecationWarning)
+    from understudy.worker.megatron import quiet_imports
+
+    # megatron-core 0.16.1 warns at import (what this machine lacks, its deprecated modules);
+    # pytest turns warnings into errors, so exactly these are ignored, for the import only.
+    with quiet_imports():
         from understudy.worker.megatron import cpu
     return cpu
 

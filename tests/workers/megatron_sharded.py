@@ -21,19 +21,14 @@ import argparse
 import os
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-with warnings.catch_warnings():
-    warnings.filterwarnings("ignore", message=r"(Apex|Transformer Engine).* not installed",
-                            category=UserWarning)
-    warnings.filterwarnings("ignore", message=r"`torch\.jit\.script_method` is deprecated",
-                            category=DeprecationWarning)
-    warnings.filterwarnings("ignore", message=r"The (following imports|'megatron\.core\.)",
-                            category=DeprecationWarning)
+from understudy.worker.megatron import quiet_imports
+
+with quiet_imports():
     from understudy.worker.megatron.adapter import file_store_groups
     from understudy.worker.megatron.distributed import ShardedMegatronJob
 
