@@ -2,7 +2,8 @@
 
 Here, without a GPU, it must say so plainly, mark every check skipped and exit 0, and refuse
 bad arguments before it runs anything. On a machine with CUDA the last test runs the whole
-self-test (NCCL transfer against raw send/recv, a drain and a crash, bitwise) and skips
+self-test (NCCL transfer against raw send/recv, a drain and a crash, bitwise, and Megatron's
+DistributedOptimizer hand-overs) and skips
 elsewhere, saying why. Its checks are described in the script's docstring and in
 ``docs/benchmarks.md`` ("GPU self-test"), with the figures of a run on an H200.
 """
@@ -19,7 +20,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu-selftest"
-CHECKS = {"transfer", "drain", "crash"}
+CHECKS = {"transfer", "drain", "crash", "megatron"}
 
 
 def selftest(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -60,6 +61,6 @@ def test_on_a_gpu_every_check_passes_bitwise(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stdout + res.stderr[-5000:]
     data = json.loads(report.read_text())
     assert set(data["checks"]) == CHECKS
-    for name in ("drain", "crash"):
+    for name in ("drain", "crash", "megatron"):
         assert data["checks"][name]["passed"] and data["checks"][name]["bitwise"], name
     assert all(f["bitwise"] for f in data["checks"]["transfer"]["figures"].values())

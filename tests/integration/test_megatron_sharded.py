@@ -72,13 +72,12 @@ def _run(out: Path, hand_over: str, *, emulate: bool, bf16: bool,
             procs.append(subprocess.Popen(args, cwd=REPO, env=env, stdout=log,
                                           stderr=subprocess.STDOUT))
     try:
-        for rank, proc in enumerate(procs):
-            code = proc.wait(timeout)
-            assert code == 0, f"rank {rank} exited {code}:\n" + \
-                (out / f"log{rank}").read_text()[-5000:]
+        codes = [proc.wait(timeout) for proc in procs]
     finally:
         for proc in procs:
             proc.kill()
+    assert codes == [0, 0], "\n".join(f"rank {rank} exited {code}:\n" + (
+        out / f"log{rank}").read_text()[-3000:] for rank, code in enumerate(codes) if code)
 
 
 def _check_hand_overs(tmp_path: Path, *, emulate: bool, bf16: bool) -> None:

@@ -68,7 +68,9 @@ def run(args: argparse.Namespace, job_class: type[ShardedMegatronJob] = ShardedM
         done = at
         handed = out / f"handed{at}.pt"
         if kind == "copy" and args.rank == 0:
-            torch.save(to_cpu(job.replica_state(1)), handed)
+            # Whole or not at all: rank 1 polls for the name.
+            torch.save(to_cpu(job.replica_state(1)), handed.with_suffix(".part"))
+            handed.with_suffix(".part").rename(handed)
         if args.rank != 1:
             continue
         if kind == "own":
