@@ -24,9 +24,9 @@ collective of an understudy job, and at the places the worker API needs:
   ``apply_inputs`` needs), and the same AdamW step on the *buddy* copy of part ``d - 1``.
 
 Nothing else in Megatron's optimizer step communicates here: gradient clipping is off
-(``clip_grad=0``: no all-reduce of the gradient norm) and fp32 needs no loss scaler (no
-all-reduce of a found-inf flag). A job that turns either on puts a collective into ``apply``,
-which the step protocol takes to be local: not supported.
+(``clip_grad=0``: no all-reduce of the gradient norm), and neither fp32 nor bf16 takes a loss
+scaler (no all-reduce of a found-inf flag). A job that turns either on puts a collective into
+``apply``, which the step protocol takes to be local: not supported.
 
 The buddy copy mirrors rank ``d - 1``'s main parameters piece by piece (Megatron's own range
 map, computed for rank ``d - 1``) with the same fused AdamW over tensors of the same shapes in
