@@ -50,8 +50,8 @@ were issued, one after the other; two ranks that both send first wait for each o
 So even DP ranks issue their sends first and odd ones their receives (:func:`exchange`).
 
 **Tested** on CPU only, with megatron-core's CUDA device literals redirected
-(``tests/integration/test_megatron_sharded.py``: hand-overs in two processes, fp32 and bf16;
-a crash and a drain under the daemons, to standbys warmed in the sandbox); its GPU test skips
+(``tests/integration/test_megatron_sharded.py``: hand-overs in two processes in bf16; a
+crash and a drain under the daemons in fp32, to standbys warmed in the sandbox); its GPU test skips
 without CUDA. No GPU was available while this was written, so it has not run on one. Not
 covered: fp16 parameters (a loss scaler), more than one bucket per buffer
 (``overlap_grad_reduce`` is off, so there is one).
