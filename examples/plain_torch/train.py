@@ -62,6 +62,13 @@ from understudy.common import logs
 from understudy.common.sizes import size_arg
 from understudy.worker import rng
 from understudy.worker.api import JobContext, SlottedJob, TrainingJob, allreduce_options
+from understudy.worker.copies import (
+    adam_parts,
+    buddy_check,
+    check_keeps_copy,
+    empty_adam_parts,
+    install_adam_parts,
+)
 from understudy.worker.errors import record
 from understudy.worker.pipeline import run_schedule
 from understudy.worker.runtime import Runtime, StaticGroups
@@ -827,19 +834,15 @@ class ShardedJob(PlainJob):
         if dp < 2 or self.buddy is None:
             return []
         group, d = ctx.group("dp"), ctx.dp_index
-        missing = torch.zeros(dp, dtype=torch.int64)
-        missing[d] = int(self.buddy_missing)
-        ctx.wait(group.allreduce([missing], allreduce_options(dist.ReduceOp.SUM)),
-                 "the buddy check")
+        next_misses, own_missing = buddy_check(ctx, self.buddy_missing)
         works: list[tuple[Any, str]] = []
-        if missing[(d + 1) % dp]:
+        if next_misses:
             # Read-only until this step's apply, which waits for these sends first.
             works += [(group.send([t], (d + 1) % dp, tag), "the shard to the next rank")
-                      for t, tag in zip(_shard_parts(self.shard, self.optimizer), _RESYNC_TAGS,
+                      for t, tag in zip(adam_parts(self.shard, self.optimizer), _RESYNC_TAGS,
                                         strict=True)]
-        if missing[d]:
-            self._incoming = [self.buddy[0].detach(), *(torch.empty_like(self.buddy[0])
-                                                        for _ in range(2)), torch.empty(1)]
+        if own_missing:
+            self._incoming = empty_adam_parts(self.buddy[0])
             works += [(group.recv([t], (d - 1) % dp, tag), "the previous rank's shard")
                       for t, tag in zip(self._incoming, _RESYNC_TAGS, strict=True)]
         return works
@@ -849,13 +852,7 @@ class ShardedJob(PlainJob):
             self.ctx.wait(work, what)
         if self._incoming:
             assert self.buddy is not None
-            _, exp_avg, exp_avg_sq, step = self._incoming
-            optimizer, shard = self.buddy[1], self.buddy[0]
-            if step.item() > 0:
-                optimizer.state[shard] = {"step": step.reshape(()), "exp_avg": exp_avg,
-                                          "exp_avg_sq": exp_avg_sq}
-            else:  # the predecessor has not stepped yet
-                optimizer.state.pop(shard, None)
+            install_adam_parts(self.buddy[1], self.buddy[0], self._incoming)
             self._incoming = []
             self.buddy_missing = False
 
@@ -886,12 +883,9 @@ class ShardedJob(PlainJob):
         # The previous DP rank's state, as it would give it: its shard is our buddy copy; its
         # own buddy (shard d - 2) is ours with dp = 2, and comes from its predecessor later
         # otherwise.
-        if self.buddy is None:
-            raise ValueError(f"rank {rank}'s optimizer shard exists nowhere else: the job "
-                             "keeps no copies of its shards (--no-shard-copy)")
-        if self.ctx.layout.coordinates(rank)[1] != self.buddy_index:
-            raise ValueError(f"rank {rank}'s optimizer shard is not kept here: rank "
-                             f"{self.ctx.rank} keeps DP rank {self.buddy_index}'s")
+        check_keeps_copy(self.ctx, rank, self.buddy_index, kept=self.buddy is not None,
+                         off="--no-shard-copy")
+        assert self.buddy is not None
         # Its own buddy copy (shard d - 2) is left out, with dp = 2 our own shard: the
         # replacement gets it from its predecessor while its first step computes.
         return self._state(own=self.buddy[:2], buddy=None, buddy_missing=True)
@@ -926,16 +920,6 @@ class ShardedJob(PlainJob):
 
 
 _BUDDY_TAG, _RESYNC_TAGS = 11, (12, 13, 14, 15)
-
-
-def _shard_parts(shard: torch.Tensor, optimizer: torch.optim.Adam) -> list[torch.Tensor]:
-    """A shard's values, Adam moments and step count, as they are (zeros before a step)."""
-    st = optimizer.state.get(shard, {})
-    if not st:
-        return [shard.detach(), torch.zeros_like(shard), torch.zeros_like(shard),
-                torch.zeros(1)]
-    return [shard.detach(), st["exp_avg"], st["exp_avg_sq"],
-            st["step"].reshape(1).to(torch.float32)]
 
 
 class SlottedPlainJob(SlottedJob, PlainJob):

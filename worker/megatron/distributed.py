@@ -64,10 +64,16 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from understudy.common import logs
-from understudy.worker.api import JobContext, allreduce_options
+from understudy.worker.api import JobContext
+from understudy.worker.copies import (
+    adam_parts,
+    buddy_check,
+    check_keeps_copy,
+    empty_adam_parts,
+    install_adam_parts,
+)
 from understudy.worker.megatron.adapter import GPTShape, MegatronJob
 
 log = logs.get("understudy.worker.megatron")
@@ -319,19 +325,14 @@ class ShardedMegatronJob(MegatronJob):
         if dp < 2 or self.buddy is None:
             return []
         group, d = ctx.group("dp"), ctx.dp_index
-        missing = torch.zeros(dp, dtype=torch.int64)
-        missing[d] = int(self.buddy_missing)
-        ctx.wait(group.allreduce([missing], allreduce_options(dist.ReduceOp.SUM)),
-                 "the buddy check")
+        next_misses, own_missing = buddy_check(ctx, self.buddy_missing)
         sends: list[tuple[torch.Tensor, int]] = []
         recvs: list[tuple[torch.Tensor, int]] = []
-        if missing[(d + 1) % dp]:
+        if next_misses:
             # Read-only until this step's apply, which waits for these sends first.
-            sends = [(t, (d + 1) % dp) for t in _part_tensors(self.main, self.inner)]
-        if missing[d]:
-            self._incoming = [t for v in self.buddy.values
-                              for t in (v.detach(), torch.empty_like(v), torch.empty_like(v),
-                                        torch.empty(1, device=v.device))]
+            sends = [(t, (d + 1) % dp) for v in self.main for t in adam_parts(v, self.inner)]
+        if own_missing:
+            self._incoming = [t for v in self.buddy.values for t in empty_adam_parts(v)]
             recvs = [(t, (d - 1) % dp) for t in self._incoming]
         return exchange(group, d, sends, recvs, _RESYNC_TAG)
 
@@ -340,14 +341,8 @@ class ShardedMegatronJob(MegatronJob):
             self.ctx.wait(work, "the predecessor's part")
         if self._incoming:
             assert self.buddy is not None
-            state = self.buddy.optimizer.state
             for n, value in enumerate(self.buddy.values):
-                _, exp_avg, exp_avg_sq, step = self._incoming[4 * n:4 * n + 4]
-                if step.item() > 0:
-                    state[value] = {"step": step.reshape(()), "exp_avg": exp_avg,
-                                    "exp_avg_sq": exp_avg_sq}
-                else:  # the predecessor has not stepped yet
-                    state.pop(value, None)
+                install_adam_parts(self.buddy.optimizer, value, self._incoming[4 * n:4 * n + 4])
             self._incoming = []
             self.buddy_missing = False
 
@@ -391,12 +386,9 @@ class ShardedMegatronJob(MegatronJob):
         return self._state((self.main, self.inner), buddy, self.buddy_missing)
 
     def replica_state(self, rank: int) -> dict[str, Any]:
-        if self.buddy is None:
-            raise ValueError(f"rank {rank}'s optimizer part exists nowhere else: the job "
-                             "keeps no copies of its parts")
-        if self.ctx.layout.coordinates(rank)[1] != self.buddy_index:
-            raise ValueError(f"rank {rank}'s optimizer part is not kept here: rank "
-                             f"{self.ctx.rank} keeps DP rank {self.buddy_index}'s")
+        check_keeps_copy(self.ctx, rank, self.buddy_index, kept=self.buddy is not None,
+                         what="part")
+        assert self.buddy is not None
         # Its own copy of its predecessor's part is left out: the replacement gets it from the
         # predecessor while its first step computes.
         return self._state((self.buddy.values, self.buddy.optimizer), None, True)
@@ -453,21 +445,6 @@ def _part(buffer: torch.Tensor, dp: int, dp_rank: int) -> torch.Tensor:
     """Rank ``dp_rank``'s part of a bucket's flat buffer (Megatron's ``shard_buffer``)."""
     size = buffer.numel() // dp
     return buffer[dp_rank * size:(dp_rank + 1) * size]
-
-
-def _part_tensors(values: Sequence[torch.Tensor],
-                  optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """Each piece's value, Adam moments and step count, as they are (zeros before a step)."""
-    out = []
-    for v in values:
-        st = optimizer.state.get(v, {})
-        if not st:
-            out += [v.detach(), torch.zeros_like(v), torch.zeros_like(v),
-                    torch.zeros(1, device=v.device)]
-        else:
-            out += [v.detach(), st["exp_avg"], st["exp_avg_sq"],
-                    st["step"].reshape(1).to(device=v.device, dtype=torch.float32)]
-    return out
 
 
 def _copy_into(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], what: str) -> None:
