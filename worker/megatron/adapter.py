@@ -290,8 +290,11 @@ class MegatronJob(TrainingJob):
         """The optimizer and its schedule over the model just built (``self.model``)."""
         self.params = [p for p in self._require_model().parameters() if p.requires_grad]
         self.optimizer = torch.optim.Adam(self.params, lr=self.shape.lr)
-        self.schedule = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / max(1, self.shape.warmup)))
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+
+    def _lr_factor(self, step: int) -> float:
+        """The schedule: a linear warm-up over ``shape.warmup`` steps, then constant."""
+        return min(1.0, (step + 1) / max(1, self.shape.warmup))
 
     def _materialize(self, groups: Sequence[Any]) -> None:
         ctx, shape = self.ctx, self.shape
@@ -401,12 +404,14 @@ class MegatronJob(TrainingJob):
     def apply(self, step: int) -> None:
         self.optimizer.step()
         self.schedule.step()
-        self.committed = step + 1
-        if self._loss is not None:
-            self.losses[step] = self._loss
+        self._commit(step)
 
     def handed_off(self, step: int) -> None:
         # The joiner applies this step with the rank; this process leaves: its loss only.
+        self._commit(step)
+
+    def _commit(self, step: int) -> None:
+        """``step`` is committed here: the counter, and its loss in the log."""
         self.committed = step + 1
         if self._loss is not None:
             self.losses[step] = self._loss

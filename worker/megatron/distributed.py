@@ -74,7 +74,7 @@ from understudy.worker.copies import (
     empty_adam_parts,
     install_adam_parts,
 )
-from understudy.worker.megatron.adapter import GPTShape, MegatronJob
+from understudy.worker.megatron.adapter import GPTShape, MegatronJob, _clone
 
 log = logs.get("understudy.worker.megatron")
 
@@ -266,9 +266,6 @@ class ShardedMegatronJob(MegatronJob):
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_factor)
         return _Buddy(values, grads, optimizer, schedule)
 
-    def _lr_factor(self, step: int) -> float:
-        return min(1.0, (step + 1) / max(1, self.shape.warmup))
-
     # -- the step -----------------------------------------------------------------------------
 
     def compute(self, step: int) -> float:
@@ -359,9 +356,7 @@ class ShardedMegatronJob(MegatronJob):
             self.buddy.optimizer.step()
             self.buddy.schedule.step()
         self.schedule.step()
-        self.committed = step + 1
-        if self._loss is not None:
-            self.losses[step] = self._loss
+        self._commit(step)
 
     def apply_inputs(self, step: int) -> dict[str, Any]:
         return {"grads": list(self._grad_parts),
@@ -442,9 +437,11 @@ class _Buddy:
 
 
 def _part(buffer: torch.Tensor, dp: int, dp_rank: int) -> torch.Tensor:
-    """Rank ``dp_rank``'s part of a bucket's flat buffer (Megatron's ``shard_buffer``)."""
-    size = buffer.numel() // dp
-    return buffer[dp_rank * size:(dp_rank + 1) * size]
+    """Rank ``dp_rank``'s part of a bucket's flat buffer, as Megatron slices it."""
+    from megatron.core.distributed.param_and_grad_buffer import shard_buffer
+
+    part: torch.Tensor = shard_buffer(buffer, dp)[dp_rank]
+    return part
 
 
 def _copy_into(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], what: str) -> None:
@@ -454,10 +451,6 @@ def _copy_into(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], what: s
     with torch.no_grad():
         for d, s in zip(dst, src, strict=True):
             d.copy_(s)
-
-
-def _clone(states: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {name: t.clone() for name, t in states.items()}
 
 
 __all__ = ["CUDA_ONLY", "Piece", "ShardedMegatronJob", "exchange", "owned_pieces"]
