@@ -73,9 +73,12 @@ SERVE_TIMEOUT = 300.0
 #: load 21), under torchrun once its group has restarted (7-20 s). The run goes on until it is
 #: served.
 SMOKE_SCHEDULE = (volatile.Event(0, 1.0, "crash", 1), volatile.Event(1, 5.0, "drain"))
-#: The smoke mode's window: understudy's drain must fire inside it, 16 s after the crash at the
-#: latest (as when the crash came at 4 s of a 20 s window).
+#: The smoke mode's window. The smoke run checks that every kind of event is served and
+#: measured, so no event of its schedule is left out: when one fires late (the crash served
+#: after more than 16 s, as under a CI machine's load) the window stretches to end
+#: ``SMOKE_AFTER_LAST`` seconds after it fired, and the run records by how much.
 SMOKE_DURATION = 17.0
+SMOKE_AFTER_LAST = 2.0
 
 
 @dataclass(frozen=True)
@@ -357,13 +360,15 @@ def run_system(system: str, events: list[volatile.Event], cfg: BenchConfig,
         end = start + cfg.duration
         for ev in events:
             target = start + ev.at
-            if time.time() >= end:  # served so late that the window is over: no more events
-                break
+            if time.time() >= end and not cfg.smoke:  # served so late that the window is
+                break                                     # over: no more events
             time.sleep(max(0.0, target - time.time()))
             rec: dict[str, Any] = {**ev.as_json(), "scheduled_at": target}
             rec.update(sut.fire(ev))
             rec["late_s"] = rec["fired_at"] - target
             fired.append(rec)
+            if cfg.smoke:
+                end = max(end, rec["fired_at"] + SMOKE_AFTER_LAST)
             rec.update(sut.serve(ev, rec))
             late = f" ({rec['late_s']:.1f}s late)" if rec["late_s"] > 0.5 else ""
             print(f"  {system} event {ev.index + 1}/{len(events)} ({ev.kind} "
@@ -399,9 +404,10 @@ def run_system(system: str, events: list[volatile.Event], cfg: BenchConfig,
                 rec[f"{k.removesuffix('_at')}_s"] = rec.pop(k) - start
     timeline = [[round(c.t - start, 3), c.step] for c in done]
     figures["step_split"] = volatile.step_split(
-        [(c.t - start, c.step) for c in done], 0.0, cfg.duration,
+        [(c.t - start, c.step) for c in done], 0.0, end - start,
         busy=[(e["served_s"], e["capacity_back_s"]) for e in fired if "capacity_back_s" in e],
         down=[(e["fired_s"], e["served_s"]) for e in fired if "served_s" in e])
+    figures["window_stretched_s"] = end - start - cfg.duration
     return {"system": system, **figures, "events_scheduled": len(events), "events": fired,
             "losses": losses(records), "wall_s": time.monotonic() - t0, "load": machine_load,
             **extra, "timeline": timeline}
@@ -431,8 +437,10 @@ def run_repeat(i: int, cfg: BenchConfig, base: Path) -> dict[str, Any]:
         r = rep[system] = run_system(system, events, cfg, base / system)
         print(f"  repeat {i + 1}/{cfg.repeats} {system}: goodput {100 * r['goodput']:.1f} %, "
               f"{r['useful_steps']} useful steps, {r['steps_redone']} redone, downtime "
-              f"{r['total_downtime_s']:.1f}s over {r['events_served']}/{len(events)} events; "
-              f"{r['wall_s']:.0f}s, load {r['load']['loadavg_1m']['median']:.1f}",
+              f"{r['total_downtime_s']:.1f}s over {r['events_served']}/{len(events)} events"
+              + (f" in a window stretched by {r['window_stretched_s']:.1f}s"
+                 if r["window_stretched_s"] > 0 else "")
+              + f"; {r['wall_s']:.0f}s, load {r['load']['loadavg_1m']['median']:.1f}",
               file=sys.stderr, flush=True)
     if set(SYSTEMS) <= set(cfg.systems):
         u, t = (rep[s].pop("losses") for s in SYSTEMS)
@@ -536,12 +544,13 @@ def plot(result: dict[str, Any], path: Path) -> None:
     systems = cfg["systems"]
     colors = {"understudy": "#2a7ab0", "torchrun": "#d0702a"}
     kind_style = {"drain": ("v", "#2e8b57"), "crash": ("X", "#c0392b")}
+    window = max(rep[system]["window_s"] for system in systems)
     fig, axes = plt.subplots(1 + len(systems), 1, figsize=(13, 6.5), sharex=True,
                              gridspec_kw={"height_ratios": [4] + [0.6] * len(systems)})
     ax = axes[0]
     for system in systems:
         r = rep[system]
-        pts = [p for p in r["timeline"] if -5 <= p[0] <= cfg["duration"] + 1]
+        pts = [p for p in r["timeline"] if -5 <= p[0] <= window + 1]
         base = next((p[1] for p in pts if p[0] >= 0), 0)
         ax.plot([p[0] for p in pts], [p[1] - base for p in pts], lw=1.2, color=colors[system],
                 label=f"{system}: goodput {100 * r['goodput']:.1f} %, {r['useful_steps']} "
@@ -551,10 +560,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
             marker, c = kind_style[e["kind"]]
             ax.axvline(e["fired_s"], color=c, lw=0.6, alpha=0.5, ls=":")
     ax.set_ylabel("steps completed since the window opened")
-    ax.set_xlim(-2, cfg["duration"] + 2)
+    ax.set_xlim(-2, window + 2)
     ax.legend(loc="upper left", fontsize=8)
     ax.set_title(f"Goodput over a volatile trace: {len(result['schedule'])} events in "
-                 f"{cfg['duration']:.0f} s (seed {cfg['seed']})", fontsize=10)
+                 f"{window:.0f} s (seed {cfg['seed']})", fontsize=10)
     for bx, system in zip(axes[1:], systems, strict=True):
         for e in rep[system]["events"]:
             marker, c = kind_style[e["kind"]]
@@ -597,7 +606,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true",
                    help=f"a {SMOKE_DURATION:.0f} s window and two fixed events (a crash of rank 1 "
                         f"at {SMOKE_SCHEDULE[0].at:.0f} s, a drain at {SMOKE_SCHEDULE[1].at:.0f} "
-                        "s): for the tests")
+                        "s; the window stretches to hold both when the crash is served late): "
+                        "for the tests")
     p.outputs(keep="keep logs, step lines and checkpoints here", chart="timeline")
     args = p.parse(argv, {"duration": (600.0, SMOKE_DURATION)})
     args.systems = tuple(x.strip() for x in args.systems.split(",") if x.strip())

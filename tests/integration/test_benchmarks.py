@@ -642,34 +642,34 @@ def test_goodput_smoke(tmp_path: Path) -> None:
     rep = data["repeats"][0]
     for system in ("understudy", "torchrun"):
         r = rep[system]
-        assert 0 < r["goodput"] <= 1.0 and r["window_s"] == cfg["duration"]
+        # Both events fire, each inside the window: it stretches past the nominal duration
+        # when the crash is served late (a loaded machine), and says by how much.
+        assert 0 < r["goodput"] <= 1.0 and r["window_s"] >= cfg["duration"]
+        assert r["window_s"] == pytest.approx(cfg["duration"] + r["window_stretched_s"])
         assert r["useful_steps"] > 0 and 0 < r["normal_step_s"] < 1
         assert r["useful_steps"] * r["normal_step_s"] == pytest.approx(
             r["goodput"] * r["window_s"], rel=1e-3)
-        # The events fired inside the window were served, each measured (torchrun may serve
-        # the first so late on a busy machine that the window is over before the second).
-        assert r["events_served"] == r["events_fired"] == len(r["events"]) >= 1
+        assert r["events_served"] == r["events_fired"] == len(r["events"]) == 2
         assert r["events_scheduled"] == 2
         for e in r["events"]:
             # Each served and measured (an event's "error" says why one was not).
             assert {"fired_s", "served_s", "downtime_s"} <= set(e), (system, e)
-            assert e["fired_s"] < cfg["duration"] and e["late_s"] >= 0
+            assert e["fired_s"] < r["window_s"] and e["late_s"] >= 0
             assert e["fired_s"] < e["served_s"] and e["downtime_s"] > -r["normal_step_s"]
             assert e["steps_redone"] >= 0
         assert r["total_downtime_s"] == pytest.approx(sum(e["downtime_s"] for e in r["events"]),
                                                       abs=1e-5)
         assert r["load"]["loadavg_1m"]["n"] >= 1
         assert r["step_split"]["elsewhere"]["steps"] > 0
-        assert r["timeline"] and r["timeline"][-1][0] >= cfg["duration"]
+        assert r["timeline"] and r["timeline"][-1][0] >= r["window_s"]
     u = rep["understudy"]
-    assert u["events_fired"] == 2
     # understudy redoes nothing and gets its standby capacity back after each event.
     assert u["steps_redone"] == 0 and u["daemon_log_tracebacks"] == 0
     assert [e["migration_kind"] for e in u["events"]] == ["recovery", "planned"]
     assert len(u["standbys_joined"]) == 3  # one for the crash, two for the drained node-b
     assert "node-b" in u["nodes_left"]
     t = rep["torchrun"]
-    assert t["agents_started"] == 2 + (t["events_fired"] == 2)  # a drained agent is replaced
+    assert t["agents_started"] == 3  # the drained agent is replaced
     same = rep["losses_understudy_vs_torchrun"]
     assert same["compared"] > 0 and same["identical"] == same["compared"]
     s = data["summary"]
