@@ -53,6 +53,8 @@ WORKER_ROLE = "UNDERSTUDY_WORKER_ROLE"
 # What torchrun gives its workers (torch/distributed/elastic/agent/server/local_elastic_agent.py),
 # set by understudyd for the ranks of a restart-only job (``understudy run --restart-only``), so
 # an unmodified script's ``init_process_group(init_method="env://")`` works as under torchrun.
+# LOCAL_RANK and LOCAL_WORLD_SIZE every worker gets (a live job's ranks and standbys too): the
+# node's worker slot it holds and the node's slots (``daemon/supervisor.py``), its GPU.
 TORCH_RANK = "RANK"
 TORCH_WORLD_SIZE = "WORLD_SIZE"
 TORCH_LOCAL_RANK = "LOCAL_RANK"

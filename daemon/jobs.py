@@ -642,7 +642,8 @@ class JobRunner:
         try:
             pid = await self.supervisor.spawn(name, list(spec.argv), env=worker_env,
                                               cwd=spec.cwd or None,
-                                              output=pipe[1] if pipe else None)
+                                              output=pipe[1] if pipe else None,
+                                              local_slots=self.agent.cfg.slots)
         except (OSError, ValueError, SpawnError) as exc:
             if pipe is not None:
                 os.close(pipe[0])

@@ -6,6 +6,12 @@ not fork-safe. Each child leads its own session and process group, so signalling
 reaches the whole tree (data-loader processes, compile workers); the group is also swept with
 SIGKILL when its leader exits, so no orphan keeps a GPU busy.
 
+A worker started with ``local_slots`` takes one of the node's worker slots (its GPUs): the
+lowest index no live child holds, given to it as torchrun's ``LOCAL_RANK`` (and the slot count
+as ``LOCAL_WORLD_SIZE``), from which a GPU job picks its device. The slot is the process's, not
+the rank's: a standby promoted into a rank keeps its process and so its slot, and a slot is free
+again once its child has exited (not merely been signalled: its memory may still be in use).
+
 Each child writes its root cause to its own error file (``$UNDERSTUDY_ERROR_FILE``, see
 :mod:`understudy.common.errorfile`); the supervisor reads it when it sees the exit and keeps the
 first failure of the node.
@@ -139,6 +145,8 @@ class _Child:
     done: asyncio.Future[ChildExit] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
     waiter: asyncio.Task[None] | None = None
+    #: The node's worker slot it holds (its ``LOCAL_RANK``), or None.
+    slot: int | None = None
 
     @property
     def pid(self) -> int:
@@ -169,6 +177,8 @@ class Supervisor:
         # The latest child of each name, live or ended.
         self._children: dict[str, _Child] = {}
         self._starting: set[str] = set()
+        # Slots taken by children being started (not yet in ``_children``).
+        self._starting_slots: set[int] = set()
         self._closed = False
         # Bumped by kill_all_now: a child whose start straddles a fence is killed at once.
         self._fences = 0
@@ -184,6 +194,16 @@ class Supervisor:
     @property
     def running_count(self) -> int:
         return sum(1 for c in self._children.values() if c.exit is None)
+
+    @property
+    def slots_held(self) -> dict[str, int]:
+        """The worker slot of each live child that holds one."""
+        return {name: c.slot for name, c in self._children.items()
+                if c.exit is None and c.slot is not None}
+
+    def _free_slot(self) -> int:
+        taken = set(self.slots_held.values()) | self._starting_slots
+        return next(i for i in range(len(taken) + 1) if i not in taken)
 
     def rename(self, old: str, new: str) -> None:
         """Give running child ``old`` the name ``new`` (a standby promoted into a rank keeps its
@@ -205,8 +225,14 @@ class Supervisor:
     async def spawn(self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None,
                     cwd: str | os.PathLike[str] | None = None,
                     log_path: str | os.PathLike[str] | None = None,
-                    output: int | None = None) -> int:
+                    output: int | None = None, local_slots: int | None = None) -> int:
         """Start ``argv`` as child ``name`` and return its pid.
+
+        With ``local_slots`` (the node's worker slots) the child takes a slot: the lowest index
+        no live child holds, as ``LOCAL_RANK``, with ``LOCAL_WORLD_SIZE=local_slots``. An
+        ``env`` that sets ``LOCAL_RANK`` itself (a restart-only rank's torchrun variables)
+        keeps it, and the child holds that slot. More live children than slots (which the
+        planner does not make) get the next indexes, with a warning.
 
         The child gets the daemon's environment plus ``env``, plus ``UNDERSTUDY_CHILD=name``,
         ``UNDERSTUDY_ERROR_FILE`` (a fresh file under ``<run_dir>/errors``),
@@ -239,6 +265,10 @@ class Supervisor:
         if name in self._starting or (live is not None and live.exit is None):
             raise ValueError(f"a child named {name!r} is already running")
 
+        slot, reserved = self._take_slot(name, env or {}, local_slots) if local_slots \
+            else (None, False)
+        slot_env = {} if slot is None else {envvars.TORCH_LOCAL_RANK: str(slot),
+                                            envvars.TORCH_LOCAL_WORLD_SIZE: str(local_slots)}
         self._starting.add(name)
         fences = self._fences
         try:
@@ -247,7 +277,7 @@ class Supervisor:
             inherited = dict(os.environ)
             if not self.failpoints:  # the daemon ignored it (and said so): so do its workers
                 inherited.pop(envvars.FAILPOINTS, None)
-            child_env = {**inherited, **(env or {}), envvars.CHILD_NAME: name,
+            child_env = {**inherited, **slot_env, **(env or {}), envvars.CHILD_NAME: name,
                          envvars.CHILD_ERROR_FILE: str(error_file),
                          envvars.DAEMON_PID: str(os.getpid()),
                          envvars.FAILPOINTS_ENABLED: "1" if self.failpoints else "0"}
@@ -265,18 +295,36 @@ class Supervisor:
                 if out is not None:
                     out.close()
             child = _Child(name=name, proc=proc, error_file=error_file,
-                           started_at=self.clock())
+                           started_at=self.clock(), slot=slot)
             self._children[name] = child
             child.waiter = asyncio.create_task(self._watch(child),
                                                name=f"supervisor-wait-{name}-{proc.pid}")
         finally:
             self._starting.discard(name)
-        self.log.info(f"Worker {name} started with pid {proc.pid}.", child=name, pid=proc.pid)
+            if reserved:
+                self._starting_slots.discard(slot)
+        self.log.info(f"Worker {name} started with pid {proc.pid}"
+                      + ("." if slot is None else f" in slot {slot}."), child=name,
+                      pid=proc.pid, slot=slot)
         if self._closed or self._fences != fences:
             # close() or kill_all_now() ran while this child was starting and could not see it.
             child.stopping = True
             self._signal_group(child, signal.SIGKILL)
         return proc.pid
+
+    def _take_slot(self, name: str, env: Mapping[str, str],
+                   local_slots: int) -> tuple[int | None, bool]:
+        """The child's slot, and whether it is reserved here until the child is registered
+        (not when the caller's ``env`` gave it)."""
+        given = env.get(envvars.TORCH_LOCAL_RANK)
+        if given is not None:
+            return (int(given) if given.isdigit() else None), False
+        slot = self._free_slot()
+        if slot >= local_slots:
+            self.log.warning(f"Worker {name} gets slot {slot}, past the node's {local_slots}: "
+                             f"every slot is held ({self.slots_held}).", child=name, slot=slot)
+        self._starting_slots.add(slot)
+        return slot, True
 
     # -- the waiter: the one place a child's state changes -----------------------------------
 

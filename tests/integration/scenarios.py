@@ -82,6 +82,13 @@ def worker_pid(d: DaemonProcess, child: str, timeout: float = 30.0) -> int:
         time.sleep(0.05)
 
 
+def local(pid: int) -> tuple[str | None, str | None]:
+    """Worker ``pid``'s ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` (its slot on the node, and the
+    node's slots), from its environment as the kernel holds it."""
+    environ = psutil.Process(pid).environ()
+    return environ.get("LOCAL_RANK"), environ.get("LOCAL_WORLD_SIZE")
+
+
 def wait_gone(pids: list[int], timeout: float) -> None:
     """Wait until each of ``pids`` has exited (a zombie counts: nothing runs)."""
     def gone(pid: int) -> bool:

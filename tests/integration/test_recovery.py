@@ -21,6 +21,7 @@ import pytest
 from tests.integration.bitwise import assert_bitwise_equal
 from tests.integration.scenarios import (
     events,
+    local,
     start,
     wait_gone,
     wait_log,
@@ -309,9 +310,15 @@ def test_a_sandbox_warmed_standby_is_promoted_with_its_model_built(
         s1_warmth = next(n for n in warmth if n["name"] == "node-s1")["warmth"]["mig"]
         assert s1_warmth["mode"] == "replay" and s1_warmth["roles"] == ["stage-only.tp-0-of-2"]
         _wait_steps(c.daemons["node-a"], 0, 50)
+        # Each worker holds one of its node's slots (GPUs), as torchrun's LOCAL_RANK.
+        a_local = {local(worker_pid(c.daemons["node-a"], f"mig.r{r}")) for r in (0, 1)}
+        assert a_local == {("0", "2"), ("1", "2")}
+        standby = worker_pid(s1, "mig.standby")
+        assert local(standby) == ("0", "1")
         os.kill(worker_pid(c.daemons["node-a"], "mig.r0"), signal.SIGKILL)
         _recovery_done(c)
         assert "Promoting the standby warmed as rank 0: its model is built." in s1.log_text()
+        assert local(standby) == ("0", "1")  # the promoted process, in its slot
         job = _finish(c)
         assert job.assignment.ranks == ("node-s1", "node-a", "node-b", "node-b")
         assert_bitwise_equal(reference, out, world=4)

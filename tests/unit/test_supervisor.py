@@ -264,6 +264,43 @@ def test_duplicate_live_name_is_refused_and_close_stops_children(tmp_path: Path)
     run(tmp_path, body)
 
 
+def _local(pid: int) -> tuple[str | None, str | None]:
+    """The child's LOCAL_RANK and LOCAL_WORLD_SIZE, from its environment as the kernel holds it."""
+    environ = psutil.Process(pid).environ()
+    return environ.get(env.TORCH_LOCAL_RANK), environ.get(env.TORCH_LOCAL_WORLD_SIZE)
+
+
+def test_workers_take_the_nodes_free_slots_as_local_rank(tmp_path: Path) -> None:
+    """Each worker started with the node's slots gets the lowest slot no live child holds, as
+    torchrun's LOCAL_RANK: a promoted standby (renamed) keeps its own, an exited child's is
+    taken again, and a restart-only rank keeps the LOCAL_RANK its caller gave it."""
+    async def body(sup: Supervisor, exits: Exits) -> None:
+        sleeper = py("import time; time.sleep(30)")
+        # Started at once: each reserves its slot before the other's start completes.
+        p0, p1 = await asyncio.gather(sup.spawn("job.r0", sleeper, local_slots=2),
+                                      sup.spawn("job.r1", sleeper, local_slots=2))
+        assert {_local(p0), _local(p1)} == {("0", "2"), ("1", "2")}
+        assert {n: str(v) for n, v in sup.slots_held.items()} == {
+            "job.r0": _local(p0)[0], "job.r1": _local(p1)[0]}
+        plain = await sup.spawn("helper", sleeper)  # no slot asked for: none taken or given
+        assert _local(plain) == (None, None) and "helper" not in sup.slots_held
+        over = await sup.spawn("job.standby", sleeper, local_slots=2)
+        assert _local(over) == ("2", "2")  # every slot held: the next index, with a warning
+        sup.rename("job.standby", "job.r2")
+        assert sup.slots_held["job.r2"] == 2
+        freed = sup.slots_held["job.r0"]
+        os.kill(p0, signal.SIGKILL)
+        assert (await exits.next()).name == "job.r0"
+        again = await sup.spawn("job.r0", sleeper, local_slots=2)
+        assert _local(again) == (str(freed), "2")
+        given = await sup.spawn("restart.r5", sleeper, local_slots=2,
+                                env={env.TORCH_LOCAL_RANK: "3", env.TORCH_LOCAL_WORLD_SIZE: "4"})
+        assert _local(given) == ("3", "4") and sup.slots_held["restart.r5"] == 3
+        assert sorted(sup.slots_held.values()) == [0, 1, 2, 3]
+
+    run(tmp_path, body)
+
+
 # -- error records, in process ------------------------------------------------------------
 
 
