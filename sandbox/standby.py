@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from understudy.common import logs
 from understudy.common.daemon_client import DaemonClient, DaemonError
@@ -35,6 +36,9 @@ from understudy.sandbox.manifest import MANIFEST, RoleType, recording_ranks, rol
 from understudy.sandbox.warmup import SandboxTarget, Warmed, WarmupOutcome, warm_up
 from understudy.worker.api import TrainingJob
 from understudy.worker.migration import Plan, chosen_rank, member
+
+if TYPE_CHECKING:
+    import torch
 
 #: Iterations a designated rank records.
 RECORDED_ITERATIONS = 2
@@ -69,9 +73,11 @@ def warm_role(node: str, standbys: list[str], layout: Layout) -> tuple[str, int]
 def warm_standby(make_job: Callable[[], TrainingJob], control: DaemonClient, *, node: str,
                  stop: threading.Event, job: str, layout: Layout, seed: int,
                  slots: int, recordings: Path, script: Path, timeout: float,
-                 should_abort: Callable[[], bool]) -> tuple[Warmed | None, bool]:
+                 should_abort: Callable[[], bool],
+                 device: torch.device | None = None) -> tuple[Warmed | None, bool]:
     """Steps 1-2 of the module docstring. Returns the warmed job (None if none was built) and
-    whether a plan chose this standby before the warmup could start (then it goes at once)."""
+    whether a plan chose this standby before the warmup could start (then it goes at once).
+    ``device``: the GPU the real groups connect NCCL on once promoted (``worker.launch``)."""
     log = logs.get("understudy.sandbox", job=job, node=node)
     info = control.job() or {}
     standbys = list((info.get("assignment") or {}).get("standbys") or [])
@@ -91,7 +97,7 @@ def warm_standby(make_job: Callable[[], TrainingJob], control: DaemonClient, *, 
                            rank=rank, script=script,
                            seed=seed, slots=slots, collective_timeout=timeout,
                            should_abort=should_abort)
-    groups = GroupSet(job, member(rank, node), timeout=timeout)
+    groups = GroupSet(job, member(rank, node), timeout=timeout, device=device)
     warmed = warm_up(make_job, target, recordings, groups=groups)
     report = warmed.report
     mode = "replay" if report.outcome is WarmupOutcome.SHADOWED else "plain"

@@ -315,6 +315,15 @@ class TrainingJob(abc.ABC):
     #: tensor operation its compute records for autograd; :meth:`discard` is called after it.
     interruptible: bool = False
 
+    #: Opt in to training on this worker's GPU under the daemons: the launcher makes
+    #: ``LOCAL_RANK``'s GPU (the node slot the daemon gave the process, modulo the GPUs there
+    #: are) the current device before the job is built, and each of the job's groups connects
+    #: its NCCL communicator there as it is built (a migration's in phase 1, before the
+    #: switch), not at its first CUDA collective. ``ctx.device`` stays the CPU (the runtime's
+    #: vote goes over gloo). A job that does not opt in places itself (``LOCAL_RANK`` is set
+    #: for every worker), and its groups' NCCL communicators, if it uses any, connect lazily.
+    gpu: bool = False
+
     @abc.abstractmethod
     def build(self, ctx: JobContext) -> None:
         """Build the model, optimizer and data source for the role ``ctx`` describes."""

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from understudy.common import env, failpoints, logs
 from understudy.common.daemon_client import DaemonClient, DaemonError
 from understudy.common.env import RECORDINGS, WorkerRole
@@ -141,6 +143,9 @@ class _Worker:
     #: what this worker tells its daemon's metrics (transfers from the start, steps once it
     #: holds a rank)
     metrics: MetricsReporter
+    #: the GPU its groups connect NCCL on as they are built, for a job that opts in
+    #: (``TrainingJob.gpu``); None: NCCL (if any) connects at a group's first CUDA collective
+    device: torch.device | None = None
     #: the rank's boundary hook, once it trains; set once
     hook: MigrationHook | None = None
 
@@ -197,15 +202,28 @@ def _start(make_job: Callable[[], TrainingJob], seed: int, timeout: float,
         raise LaunchError(f"the daemon does not know job {job!r}")
     # Recording for the standbys' sandbox: where a directory is given, unless the job opts out.
     recordings = os.environ.get(RECORDINGS)
+    probe = make_job()  # what the job opts in to (not built)
     return _Worker(
         make_job=make_job, job=job, node=node, layout=layout, epoch=epoch, seed=seed,
         slots=slots, timeout=timeout, control=control,
         nodes=tuple(info["assignment"]["ranks"]), stop=stop,
         log=logs.get(job=job, node=node), script=Path(sys.argv[0]).resolve(),
-        recordings=(Path(recordings) if recordings is not None and sandboxed(make_job())
+        recordings=(Path(recordings) if recordings is not None and sandboxed(probe)
                     else None),
         snapshots=Path(os.environ[SNAPSHOTS]) if os.environ.get(SNAPSHOTS) else None,
-        metrics=MetricsReporter(job, epoch))
+        metrics=MetricsReporter(job, epoch), device=worker_gpu(probe))
+
+
+def worker_gpu(job: TrainingJob) -> torch.device | None:
+    """The GPU of a worker whose job opts in (``TrainingJob.gpu``), made the current device:
+    ``LOCAL_RANK``'s (the node slot the daemon gave this process), modulo the GPUs there are.
+    None for a job that does not opt in, or without CUDA (the job's build says what it
+    needs)."""
+    if not getattr(job, "gpu", False) or not torch.cuda.is_available():
+        return None
+    index = int(os.environ.get(env.TORCH_LOCAL_RANK) or 0) % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def _run_standby(w: _Worker) -> _Seat | None:
@@ -224,7 +242,8 @@ def _run_standby(w: _Worker) -> _Seat | None:
                                      job=w.job, layout=w.layout, seed=w.seed,
                                      slots=w.slots,
                                      recordings=w.recordings, script=w.script,
-                                     timeout=w.timeout, should_abort=w.should_abort)
+                                     timeout=w.timeout, should_abort=w.should_abort,
+                                     device=w.device)
     found = wait_for_plan(w.control, w.node, w.stop)
     if found is None:
         if holder is not None:
@@ -294,7 +313,8 @@ def _take_over(w: _Worker, plan: Plan, rank: int, warmed: Warmed | None,
         groups = warmed.stand_ins
         groups.epoch = plan.to_epoch
     else:
-        groups = GroupSet(w.job, member(rank, w.node), epoch=plan.to_epoch, timeout=w.timeout)
+        groups = GroupSet(w.job, member(rank, w.node), epoch=plan.to_epoch, timeout=w.timeout,
+                          device=w.device)
     # The group objects exist before their first version, so the model is built now,
     # while phase 1 runs, not inside the switch.
     for logical, name in w.layout.concrete(rank).items():
@@ -388,7 +408,8 @@ def _start_rank(w: _Worker) -> _Seat:
     recording its first iterations for the standbys' sandbox where this rank is one that
     records."""
     rank = int(_env(env.RANK))
-    groups = GroupSet(w.job, member(rank, w.node), epoch=w.epoch, timeout=w.timeout)
+    groups = GroupSet(w.job, member(rank, w.node), epoch=w.epoch, timeout=w.timeout,
+                      device=w.device)
     for name in w.layout.concrete(rank).values():
         groups.prepare(name, w.epoch, group_members(name, w.nodes, w.layout))
     groups.switch(groups.pending())

@@ -169,7 +169,7 @@ class _Survivor:
         layout = self.plan.reshaped_layout(self.layout.tp, self.layout.pp)
         rank = stay[self.rank]
         groups = GroupSet(self.hook.job, member(rank, self.hook.node), epoch=self.plan.to_epoch,
-                          timeout=self.timeout)
+                          timeout=self.timeout, device=self.groups.device)
         try:
             self.hook._forget_planned()
             committed = self._settle()

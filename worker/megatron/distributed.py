@@ -157,7 +157,12 @@ class ShardedMegatronJob(MegatronJob):
 
     ``copy=False``: Megatron's ZeRO-1 alone; a lost rank's part is then gone (the controller
     falls back to snapshots).
+
+    Under the daemons it opts in to its worker's GPU (``gpu``): ``LOCAL_RANK``'s, made current
+    by the launcher, its groups' NCCL communicators connected as each is built.
     """
+
+    gpu = True
 
     def __init__(self, shape: GPTShape | None = None, *, copy: bool = True,
                  bf16: bool = False) -> None:
@@ -190,7 +195,8 @@ class ShardedMegatronJob(MegatronJob):
                 super()._precision())
 
     def _device(self) -> torch.device:
-        """The GPU this process trains on: the current one (the job's script picks it)."""
+        """The GPU this process trains on: the current one (under the daemons the launcher
+        made it ``LOCAL_RANK``'s; standalone, the job's script picks it)."""
         return torch.device("cuda", torch.cuda.current_device())
 
     def _build_optimizer(self, config: Any, groups: Sequence[Any]) -> None:
