@@ -202,16 +202,19 @@ def _start(make_job: Callable[[], TrainingJob], seed: int, timeout: float,
         raise LaunchError(f"the daemon does not know job {job!r}")
     # Recording for the standbys' sandbox: where a directory is given, unless the job opts out.
     recordings = os.environ.get(RECORDINGS)
-    probe = make_job()  # what the job opts in to (not built)
+    # What the job opts in to: an instance made to be asked (never built), only where there
+    # is a question (a sandbox to record for, a GPU to train on).
+    probe = make_job() if recordings is not None or torch.cuda.is_available() else None
     return _Worker(
         make_job=make_job, job=job, node=node, layout=layout, epoch=epoch, seed=seed,
         slots=slots, timeout=timeout, control=control,
         nodes=tuple(info["assignment"]["ranks"]), stop=stop,
         log=logs.get(job=job, node=node), script=Path(sys.argv[0]).resolve(),
-        recordings=(Path(recordings) if recordings is not None and sandboxed(probe)
-                    else None),
+        recordings=(Path(recordings) if probe is not None and recordings is not None
+                    and sandboxed(probe) else None),
         snapshots=Path(os.environ[SNAPSHOTS]) if os.environ.get(SNAPSHOTS) else None,
-        metrics=MetricsReporter(job, epoch), device=worker_gpu(probe))
+        metrics=MetricsReporter(job, epoch),
+        device=worker_gpu(probe) if probe is not None else None)
 
 
 def worker_gpu(job: TrainingJob) -> torch.device | None:
