@@ -19,10 +19,45 @@ Pure arithmetic, no torch: the daemon's planner uses it too.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 #: Every logical group name a job can have, in the order groups are built.
 LOGICAL = ("tp", "dp", "pp", "world")
+#: A concrete group's name (see the module docstring), or a transfer pair's (:func:`pair_name`).
+CONCRETE_RE = re.compile(r"(?:tp|dp|pp)-\d+|world")
+PAIR_RE = re.compile(r"pair-r\d+-v(?P<version>\d+)")
+
+
+def pair_name(rank: int, version: int) -> str:
+    """The transfer pair of one attempt: a new group each time (the rank that joined through
+    one pair may be the leaver of the next)."""
+    return f"pair-r{rank}-v{version}"
+
+
+def retired_bootstrap(keys: list[str], base: str, version: int) -> list[str]:
+    """The bootstrap namespaces among ``keys`` (under ``base``, a job's ``kv/<job>/``; a
+    group version's keys are ``<group>/v<n>/...``) that a migration which built its groups at
+    ``version`` retired once it committed: every older version of each group holding
+    ``version`` (its members all switched to it), and every transfer pair of an earlier
+    attempt (a pair serves one attempt). Each as a key prefix, ending in ``/``. Versions of a
+    group the migration did not rebuild are kept, its current one among them."""
+    found: dict[str, set[int]] = {}
+    for key in keys:
+        group, _, rest = key.removeprefix(base).partition("/")
+        number, slash, _ = rest.partition("/")
+        if (key.startswith(base) and slash and number[:1] == "v" and number[1:].isdigit()
+                and (CONCRETE_RE.fullmatch(group) or PAIR_RE.fullmatch(group))):
+            found.setdefault(group, set()).add(int(number[1:]))
+    retired = []
+    for group, numbers in sorted(found.items()):
+        pair = PAIR_RE.fullmatch(group)
+        if pair is not None:
+            stale = numbers if int(pair["version"]) < version else set()
+        else:
+            stale = {n for n in numbers if n < version} if version in numbers else set()
+        retired += [f"{base}{group}/v{n}/" for n in sorted(stale)]
+    return retired
 
 
 @dataclass(frozen=True)

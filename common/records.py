@@ -539,6 +539,11 @@ class Migration(Record):
             raise ValueError("a rank being replaced cannot be a donor")
 
     @property
+    def group_version(self) -> int:
+        """The version this attempt builds its groups at (:func:`group_version`)."""
+        return group_version(self.created_at)
+
+    @property
     def recovery(self) -> bool:
         """The job stopped for it: a recovery from a replica, a rollback to a snapshot, or a
         reshape (every rank that stays settles on the last committed step first)."""
@@ -555,6 +560,13 @@ class Migration(Record):
 
 #: a reshape's replica that is new (a grow): standbys make it up
 NEW_REPLICA = -1
+
+
+def group_version(created_at: float) -> int:
+    """The group version of the migration attempt created at wall time ``created_at``: its
+    milliseconds, unique per attempt (an abandoned attempt burns its number) and above the
+    epoch numbers the job's first versions have."""
+    return int(created_at * 1000)
 
 
 def renumbering(layout: Layout, replicas: tuple[int, ...]) -> dict[int, int]:

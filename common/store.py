@@ -268,6 +268,16 @@ class EtcdStore:
         result: tuple[list[KV], int] = await self._call("range", run)
         return result
 
+    async def keys(self, prefix: str) -> list[str]:
+        """The keys under ``prefix``, without their values."""
+
+        async def run(c: _Client) -> list[str]:
+            res = await c.get_prefix(prefix.encode(), keys_only=True)
+            return [kv.key.decode() for kv in res]
+
+        result: list[str] = await self._call("range", run)
+        return result
+
     async def current_revision(self) -> int:
         """The store's revision now (a read of an empty range: no values cross the wire)."""
         # Inside the cluster prefix: a role limited to the prefix may read nothing else.

@@ -20,6 +20,7 @@ from typing import Any
 from understudy.common import failpoints, logs
 from understudy.common.errors import RecordError, StoreError
 from understudy.common.keys import Keys
+from understudy.common.layout import retired_bootstrap
 from understudy.common.records import (
     JOB_RECORDS,
     TRANSFER_OK,
@@ -63,6 +64,8 @@ from understudy.daemon.probe import Prober
 #: a rank's downtime report counts if it comes within this many seconds of its migration's
 #: end (it is written just after the rank trains again)
 DOWNTIME_REPORT_S = 60.0
+#: deletes per transaction when removing retired namespaces (etcd's --max-txn-ops: 128)
+TXN_DELETES = 100
 
 
 class Controller:
@@ -488,7 +491,33 @@ class Controller:
             await self.events.emit(f"migration-{action.phase}",
                                    f"Job {m.job}: migration {m.id} {action.phase} "
                                    f"({action.reason}).", job=m.job, **details)
+            if action.phase == MigrationPhase.DONE:
+                await self._collect_retired(m)
         self._changed.set()
+
+    async def _collect_retired(self, m: Migration) -> None:
+        """Remove from etcd what migration ``m``, now committed, left behind for good: the
+        bootstrap namespaces of the group versions it retired and of earlier attempts' transfer
+        pairs (``layout.retired_bootstrap``), and the reports of the job's earlier migrations.
+        Nothing reads them again, and each would stay under ``kv/`` (which every controller
+        reads whole when it starts) for the job's whole life. Best effort: a failure is logged,
+        and the next commit collects what this one left."""
+        base = self.keys.kv(m.job)
+        try:
+            keys = await self.store.keys(base)
+            retired = retired_bootstrap(keys, base, m.group_version)
+            retired += retired_reports(keys, base, m.id)
+            for i in range(0, len(retired), TXN_DELETES):
+                await self.store.txn(compare=self._as_leader([]), success=[
+                    ("delete-prefix", prefix) for prefix in retired[i:i + TXN_DELETES]])
+        except StoreError as exc:
+            self.log.warning(f"Could not remove what migration {m.id} of job {m.job} retired "
+                             f"from etcd: {exc}.", job=m.job, error=str(exc))
+            return
+        if retired:
+            self.log.info(f"Removed {len(retired)} namespace(s) that migration {m.id} of job "
+                          f"{m.job} retired from etcd.", job=m.job,
+                          namespaces=[p.removeprefix(base) for p in retired])
 
     async def _apply_job(self, action: AssignJob | SetJobState) -> None:
         now = self.wall()
@@ -519,6 +548,16 @@ class Controller:
                                    f"Job {action.job} is {action.state}: {action.reason}.",
                                    job=action.job)
         self._changed.set()
+
+
+def retired_reports(keys: list[str], base: str, current: str) -> list[str]:
+    """The report namespaces among ``keys`` (under ``base``, a job's ``kv/<job>/``; reports
+    are ``migration/<id>/<report>``) of every migration but ``current``, each as a key prefix
+    ending in ``/``: once a later migration committed, nothing waits on them."""
+    ids = {parts[1] for key in keys if key.startswith(base)
+           and len(parts := key.removeprefix(base).split("/", 2)) == 3
+           and parts[0] == "migration" and parts[1]}
+    return [f"{base}migration/{i}/" for i in sorted(ids - {current})]
 
 
 def _seconds(value: bytes) -> float | None:

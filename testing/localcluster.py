@@ -198,6 +198,16 @@ class LocalCluster:
         (a test polling the events starts no CLI process each time)."""
         return self._read(read_events)[0]
 
+    def kv_keys(self, job: str) -> list[str]:
+        """The keys under the job's ``kv/<job>/`` (its groups' bootstrap namespaces, its
+        migrations' reports...), relative to it, without their values."""
+
+        async def read(store: EtcdStore, keys: Keys) -> list[str]:
+            base = keys.kv(job)
+            return [k.removeprefix(base) for k in await store.keys(base)]
+
+        return self._read(read)
+
     def etcd_config(self) -> EtcdConfig:
         """How the harness's own reads (``status``, ``events``) reach etcd; a cluster behind TLS
         or a login says so here."""

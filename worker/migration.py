@@ -35,10 +35,11 @@ from typing import Any
 
 from understudy.common import failpoints, logs
 from understudy.common.daemon_client import DaemonClient, DaemonError
-from understudy.common.layout import Layout
+from understudy.common.layout import Layout, pair_name
 from understudy.common.records import (
     TRANSFER_OK,
     Report,
+    group_version,
     is_paused,
     renumbering,
     reshaped_nodes,
@@ -97,12 +98,6 @@ def _send_ahead_failpoint() -> bool:
     """As :func:`_leaver_send_failpoint`, while the leaver sends ahead (before the switch)."""
     failpoints.hit("leaver.send_ahead")
     return False
-
-
-def pair_name(rank: int, version: int) -> str:
-    """The transfer pair of one attempt: a new group each time (the rank that joined through
-    one pair may be the leaver of the next)."""
-    return f"pair-r{rank}-v{version}"
 
 
 class SendAhead:
@@ -225,7 +220,7 @@ class Plan:
                    to_epoch=m["to_epoch"],
                    moves={r: (ln, jn) for r, ln, jn in
                           zip(m["ranks"], m["leavers"], m["joiners"], strict=True)},
-                   deadline=m["deadline"], version=int(m["created_at"] * 1000),
+                   deadline=m["deadline"], version=group_version(m["created_at"]),
                    kind=m.get("kind", "planned"),
                    donors=dict(zip(m["ranks"], m.get("donors") or (), strict=False)),
                    snapshot_step=int(m.get("snapshot_step", -1)),

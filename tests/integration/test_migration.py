@@ -221,6 +221,22 @@ def test_drain_moves_a_tp_pair_live_and_the_result_is_bitwise_identical(
     assert before is not None and after is not None and before + after == STEPS
 
 
+def _kv_namespaces(c: LocalCluster) -> dict[str, int]:
+    """How many bootstrap versions each group of job ``mig`` has in etcd, how many distinct
+    transfer-pair versions (``pairs``) and how many migrations' reports (``migrations``)."""
+    versions: dict[str, set[str]] = {}
+    for key in c.kv_keys("mig"):
+        group, _, rest = key.partition("/")
+        version = rest.partition("/")[0]
+        if group == "migration":
+            versions.setdefault("migrations", set()).add(version)
+        elif group.startswith("pair-"):
+            versions.setdefault("pairs", set()).add(version)
+        elif version.startswith("v"):
+            versions.setdefault(group, set()).add(version)
+    return {name: len(v) for name, v in versions.items()}
+
+
 def test_one_rank_drained_twice_rebuilds_only_its_groups(etcd: EmbeddedEtcd, reference: Path,
                                                           tmp_path: Path) -> None:
     nodes = {"node-a": 1, "node-b": 1, "node-c": 1, "node-d": 1}
@@ -235,6 +251,17 @@ def test_one_rank_drained_twice_rebuilds_only_its_groups(etcd: EmbeddedEtcd, ref
         c.wait_for("epoch 2", lambda s: s.job("mig").assignment.epoch == 2)  # type: ignore
         assert c.cli("drain", "node-s1", "--wait", "--deadline", "120",
                      timeout=180).returncode == 0
+        # Each commit removed from etcd what it retired: every group keeps its current
+        # version's bootstrap keys alone (world, tp-0 and dp-1 were rebuilt by both drains,
+        # tp-1 and dp-0 never), the transfer pairs are the last drain's, and so are the
+        # reports.
+        last = next(e for e in reversed(events(c))
+                    if e["kind"] == "migration-done")["details"]["id"]
+        c.wait_for("the first drain's leftovers to be removed from etcd",
+                   lambda s: _kv_namespaces(c) == {
+                       "tp-0": 1, "tp-1": 1, "dp-0": 1, "dp-1": 1, "world": 1, "pairs": 1,
+                       "migrations": 1}, timeout=15)
+        assert any(k.startswith(f"migration/{last}/") for k in c.kv_keys("mig"))
         job = _finish(c)
         assert job.assignment.epoch == 3
         assert job.assignment.ranks == ("node-a", "node-s2", "node-c", "node-d")

@@ -1224,3 +1224,40 @@ def test_workers_get_torchs_allocator_on_huge_pages_unless_the_job_or_daemon_say
     assert huge_pages({}, {"PATH": "/bin"}) == {"THP_MEM_ALLOC_ENABLE": "1"}
     assert huge_pages({"THP_MEM_ALLOC_ENABLE": "0"}, {}) == {}  # the job's --env
     assert huge_pages({}, {"THP_MEM_ALLOC_ENABLE": "0"}) == {}  # the daemon's environment
+
+
+# -- what a committed migration leaves behind in etcd ------------------------------------------
+
+
+def test_a_committed_migration_retires_its_groups_older_versions_and_earlier_attempts() -> None:
+    from understudy.common.layout import pair_name, retired_bootstrap
+    from understudy.common.records import group_version
+    from understudy.daemon.controller import retired_reports
+
+    base = "/u/kv/mig/"
+    first, aborted, now = 1, group_version(1_700_000_000.0), group_version(1_700_000_100.0)
+    keys = [
+        # the first versions (the epoch); world and dp-1 rebuilt now, tp-1 and dp-0 untouched
+        *(f"{base}{g}/v{first}/{k}" for g in ("tp-0", "tp-1", "dp-0", "dp-1", "world")
+          for k in ("rank_0", "rank_1")),
+        # an aborted attempt that had rebuilt world and tp-1, with its pair
+        f"{base}world/v{aborted}/rank_0", f"{base}tp-1/v{aborted}/rank_1",
+        f"{base}{pair_name(3, aborted)}/v{aborted}/rank_0",
+        # this attempt: world and dp-1, its pair; a torch key with slashes in it
+        f"{base}world/v{now}/rank_0", f"{base}dp-1/v{now}/a/b/c",
+        f"{base}{pair_name(3, now)}/v{now}/rank_0",
+        # not group versions: the job's own namespace, snapshots, reports, another job
+        f"{base}holder-node-s1", f"{base}snapshots/r0", f"{base}migration/e1-1/bound/3",
+        f"{base}migration/e2-2/switched/3", f"{base}migration/e2-2/downtime/3",
+        f"{base}migration/e3-1/bound/3", f"{base}weird/vx/k", f"{base}tp-x/v1/k",
+        "/u/kv/other/world/v1/rank_0", "/u/kv/mig2/world/v1/rank_0",
+    ]
+    assert retired_bootstrap(keys, base, now) == [
+        f"{base}dp-1/v{first}/", f"{base}{pair_name(3, aborted)}/v{aborted}/",
+        f"{base}world/v{first}/", f"{base}world/v{aborted}/"]
+    # tp-1 keeps its current version and the aborted one: this attempt did not rebuild it.
+    assert retired_bootstrap(keys, base, now + 1) == [
+        f"{base}{pair_name(3, aborted)}/v{aborted}/", f"{base}{pair_name(3, now)}/v{now}/"]
+    assert retired_reports(keys, base, "e3-1") == [f"{base}migration/e1-1/",
+                                                   f"{base}migration/e2-2/"]
+    assert retired_bootstrap([], base, now) == retired_reports([], base, "e3-1") == []
