@@ -499,9 +499,9 @@ class Controller:
         """Remove from etcd what migration ``m``, now committed, left behind for good: the
         bootstrap namespaces of the group versions it retired and of earlier attempts' transfer
         pairs (``layout.retired_bootstrap``), and the reports of the job's earlier migrations.
-        Nothing reads them again, and each would stay under ``kv/`` (which every controller
-        reads whole when it starts) for the job's whole life. Best effort: a failure is logged,
-        and the next commit collects what this one left."""
+        Nothing reads them again, and each would stay under ``kv/`` (which the controller
+        reads whole when it starts and at every relist) for the job's whole life. Best
+        effort: a failure is logged, and the next commit collects what this one left."""
         base = self.keys.kv(m.job)
         try:
             keys = await self.store.keys(base)

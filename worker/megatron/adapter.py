@@ -372,8 +372,17 @@ class MegatronJob(TrainingJob):
     # -- the step -----------------------------------------------------------------------------
 
     def compute(self, step: int) -> float:
+        self._begin_step()
+        return self._forward_backward(step)
+
+    def _begin_step(self) -> None:
+        """Before the step's first collective that may be aborted: what :meth:`discard`
+        rewinds the TP tracker to."""
         self._require_model()
         self._tracker_before = _clone(self.tracker.get_states())
+
+    def _forward_backward(self, step: int) -> float:
+        """Forward, backward and the DP gradient synchronisation; returns the loss."""
         tokens, labels = (t.to(self.device) for t in self.batch(step))
         positions = torch.arange(self.shape.seq_length, device=self.device).expand_as(tokens)
         for p in self.params:

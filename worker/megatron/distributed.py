@@ -275,13 +275,13 @@ class ShardedMegatronJob(MegatronJob):
     # -- the step -----------------------------------------------------------------------------
 
     def compute(self, step: int) -> float:
-        # What discard rewinds the TP tracker to, taken before the first collective that may
-        # be aborted (the base class takes it again before forward: the same streams).
-        self._tracker_before = _clone(self.tracker.get_states())
+        # The tracker is saved before the buddy check and the all-gather, the first
+        # collectives that may be aborted.
+        self._begin_step()
         resync = self._start_resync()
         self._gather()
         self.ddp.zero_grad_buffer()
-        loss = super().compute(step)
+        loss = self._forward_backward(step)
         self._finish_resync(resync)
         return loss
 
