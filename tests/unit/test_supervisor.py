@@ -265,8 +265,16 @@ def test_duplicate_live_name_is_refused_and_close_stops_children(tmp_path: Path)
 
 
 def _local(pid: int) -> tuple[str | None, str | None]:
-    """The child's LOCAL_RANK and LOCAL_WORLD_SIZE, from its environment as the kernel holds it."""
-    environ = psutil.Process(pid).environ()
+    """The child's LOCAL_RANK and LOCAL_WORLD_SIZE, from its environment as the kernel holds it
+    once its program runs: ``spawn`` may return while the kernel is still setting the new
+    program up, when /proc shows no arguments and no environment yet (a suite run once read
+    (None, None) there)."""
+    proc = psutil.Process(pid)
+    deadline = time.monotonic() + 10
+    while "time.sleep" not in " ".join(proc.cmdline()):
+        assert time.monotonic() < deadline, f"child {pid} never ran its program"
+        time.sleep(0.01)
+    environ = proc.environ()
     return environ.get(env.TORCH_LOCAL_RANK), environ.get(env.TORCH_LOCAL_WORLD_SIZE)
 
 
