@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from understudy.common import config
+from understudy.common import store as store_module
 from understudy.common.errors import StoreError
 from understudy.common.store import RESYNC, EtcdStore, WatchEvent
 from understudy.testing.embedded_etcd import EmbeddedEtcd, free_port
@@ -165,5 +166,83 @@ def test_a_refused_endpoint_is_skipped_within_the_same_call(etcd: EmbeddedEtcd) 
                 await lone.get("/t/k")
         finally:
             await lone.close()
+
+    asyncio.run(run())
+
+
+def test_a_prefix_past_the_message_cap_is_read_whole_in_pages(etcd: EmbeddedEtcd) -> None:
+    # The security review's H7: 13 values of 700 KiB under one prefix, 9.1 MB in all, made a
+    # single range fail at the client's 8 MiB cap ("Received message larger than max"), and
+    # with it every controller round.
+    value = bytes(range(256)) * (700 * 4)
+
+    async def run() -> None:
+        s = _store(etcd.endpoint)
+        try:
+            for i in range(13):
+                await s.put(f"/t/big/{i:02d}", value)
+            client = await s._get_client()
+            with pytest.raises(Exception, match="larger than max"):
+                await client.get_prefix(b"/t/big/")  # one range, as before
+            kvs, rev = await s.get_prefix("/t/big/")
+            assert [kv.key for kv in kvs] == [f"/t/big/{i:02d}" for i in range(13)]
+            assert all(kv.value == value for kv in kvs)
+            assert rev == await s.current_revision()
+            assert await s.keys("/t/big/") == [kv.key for kv in kvs]
+        finally:
+            await s.close()
+
+    asyncio.run(run())
+
+
+class _WritesBetweenPages(EtcdStore):
+    """A store that, once its first page is read, writes into the range (and compacts the
+    store, when ``compact``), as another client could between two pages."""
+
+    def __init__(self, *args: object, compact: bool = False, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.compact = compact
+        self.pages = 0
+
+    async def _range_page(self, *args: object, **kwargs: object) -> object:
+        page = await super()._range_page(*args, **kwargs)  # type: ignore[arg-type]
+        self.pages += 1
+        if self.pages == 1:
+            await self.put("/t/s/k3", b"changed")
+            await self.put("/t/s/k9", b"new")
+            if self.compact:
+                await (await self._get_client()).compact(await self.current_revision())
+        return page
+
+
+def test_a_paged_read_is_one_snapshot_and_starts_again_if_it_was_compacted(
+        etcd: EmbeddedEtcd, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(store_module, "_PAGE_KEYS", 2)
+    cfg = config.load(overrides={"etcd.endpoints": etcd.endpoint}, environ={},
+                      require_node=False).etcd
+
+    async def run() -> None:
+        s = EtcdStore(cfg)
+        try:
+            for i in range(5):
+                await s.put(f"/t/s/k{i}", b"old")
+            _, before = await s.get_prefix("/t/s/")
+            # Written after the first of three pages: not in the snapshot the read returns.
+            mid = _WritesBetweenPages(cfg)
+            kvs, rev = await mid.get_prefix("/t/s/")
+            assert rev == before and mid.pages == 3
+            assert [(kv.key, kv.value) for kv in kvs] == [(f"/t/s/k{i}", b"old") for i in range(5)]
+            await mid.close()
+            # Compacted past the snapshot's revision after its first page: read again, whole,
+            # at the new revision.
+            compacting = _WritesBetweenPages(cfg, compact=True)
+            kvs, rev = await compacting.get_prefix("/t/s/")
+            assert rev == await s.current_revision()
+            assert {kv.key: kv.value for kv in kvs} == {
+                **{f"/t/s/k{i}": b"old" for i in range(5)}, "/t/s/k3": b"changed",
+                "/t/s/k9": b"new"}
+            await compacting.close()
+        finally:
+            await s.close()
 
     asyncio.run(run())
