@@ -150,6 +150,11 @@ class DaemonClient:
         reply = self._call(Op.JOB, wait=timeout if unless is not None else 0.0, **args)
         return reply["job"], str(reply.get("token", ""))
 
+    @property
+    def following(self) -> bool:
+        """Whether :meth:`job` answers from a current view, with no round trip."""
+        return self._view is not None and self._view.current()[0]
+
     def follow_job(self, epoch: Callable[[], int], wait: float = JOB_POLL_WAIT_S) -> None:
         """From now on keep the job's view current on a thread of its own, with a connection
         of its own that long-polls the daemon (``epoch()``: the worker's epoch, for a

@@ -2,9 +2,10 @@
 place with the state of a data-parallel replica (the controller's side is ``daemon/planner.py``,
 the joiner's is :class:`~understudy.worker.migration.Joiner`).
 
-A survivor learns of the loss from its daemon: the collective it waits in is released within
-:data:`~understudy.worker.migration.RECOVERY_POLL_S` of the recovery plan reaching the daemon
-(or at once, when the peer's death resets the connection), and :meth:`Runtime.run` raises. Then
+A survivor learns of the loss from its daemon: the collective or the compute it waits in is
+released at its next check of the job's view (every 50 ms: ``JobContext.poll_interval``) once
+the daemon's long poll brought the recovery plan (or at once, when the peer's death resets the
+connection), and :meth:`Runtime.run` raises. Then
 :func:`recover`, on every survivor, against the plan's reports in the key-value namespace
 ``<job>/migration/<id>``:
 

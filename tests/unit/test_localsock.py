@@ -26,12 +26,15 @@ from tests.unit.test_snapshots import _runtime
 from understudy.common import config, env
 from understudy.common.daemon_client import DaemonClient, DaemonError
 from understudy.common.keys import Keys
-from understudy.common.records import Assignment
+from understudy.common.layout import Layout
+from understudy.common.records import Assignment, Migration, MigrationPhase
 from understudy.common.snapshot_tiers import SnapshotReport
 from understudy.common.store import EtcdStore
 from understudy.daemon.localsock import LocalServer, fenced
 from understudy.daemon.peers import Peer, ancestors, read_peer, refusal
+from understudy.groups.groupset import GroupSet
 from understudy.testing.embedded_etcd import EmbeddedEtcd
+from understudy.worker import migration
 from understudy.worker.api import JobContext
 from understudy.worker.snapshots import Snapshotter, _reporter, complete_copies
 
@@ -302,3 +305,70 @@ def test_a_process_that_does_not_descend_from_the_daemon_is_refused(
                 if "Refused a connection to the workers' socket" in line]
     assert len(warnings) == 1 and str(orphan["pid"]) in warnings[0], warnings
     assert daemon.value("j/snapshots/x") is None
+
+
+def test_a_plan_reaches_a_waiting_standby_and_a_following_rank_once_the_daemon_reads_it(
+        daemon: _Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A standby waits for its plan on the daemon's long poll, and a rank that follows the
+    job's view reads a recovery from it at every check: neither waits out a polling period
+    (the throttle is set to a minute here, which only a broken view falls back to)."""
+    monkeypatch.setattr(migration, "RECOVERY_POLL_S", 60.0)
+    view: dict[str, Any] = {"info": {"assignment": None, "status": None, "migration": None,
+                                     "stop": None}, "published": asyncio.Event()}
+
+    def publish(migration_record: Migration) -> None:
+        def swap() -> None:
+            view["info"] = {**view["info"], "migration": json.loads(migration_record.encode())}
+            published, view["published"] = view["published"], asyncio.Event()
+            published.set()
+        daemon.loop.call_soon_threadsafe(swap)
+
+    daemon.server.job_info = lambda job: view["info"] if job == "j" else None
+    daemon.server.next_view = lambda: view["published"]
+    standby, rank = _client(daemon, "j", 0), _client(daemon, "j", 1)
+    stop = threading.Event()
+    found: list[tuple[migration.Plan, int] | None] = []
+    waiter = threading.Thread(target=lambda: found.append(
+        migration.wait_for_plan(standby, "node-s1", stop)))
+    try:
+        rank.follow_job(lambda: 1)
+        _until(lambda: rank.following)
+        hook = migration.MigrationHook(rank, GroupSet("j", "r0-node-a", epoch=1), job="j",
+                                       rank=0, node="node-a", layout=Layout(2, 1, 1),
+                                       nodes=("node-a", "node-b"))
+        assert hook.recovery() is None
+        waiter.start()
+        time.sleep(0.3)
+        assert not found, "the standby was not chosen yet"
+        publish(Migration(job="j", id="e2-1", from_epoch=1, to_epoch=2, ranks=(1,),
+                          leavers=("node-b",), joiners=("node-s1",), donors=(0,),
+                          kind="recovery", phase=MigrationPhase.PLANNED, reason="rank 1 died",
+                          created_at=1.0, deadline=100.0, updated_at=1.0))
+        waiter.join(5)
+        assert found and found[0] is not None
+        plan, taken = found[0]
+        assert (plan.id, taken) == ("e2-1", 1)
+        _until(lambda: (rank.job() or {}).get("migration") is not None)
+        seen = hook.recovery()
+        assert seen is not None and seen.id == "e2-1" and seen.donors == {1: 0}
+        # Stopped while nothing names it: the standby's wait ends within its long poll.
+        other: list[tuple[migration.Plan, int] | None] = []
+        waiting = threading.Thread(target=lambda: other.append(
+            migration.wait_for_plan(standby, "node-s2", stop)))
+        waiting.start()
+        time.sleep(0.2)
+        stop.set()
+        waiting.join(migration.PLAN_WAIT_S + 2)
+        assert other == [None]
+    finally:
+        stop.set()
+        waiter.join(5) if waiter.is_alive() else None
+        standby.close()
+        rank.close()
+
+
+def _until(done: Any, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "not in time"
+        time.sleep(0.01)
