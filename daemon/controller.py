@@ -45,7 +45,7 @@ from understudy.common.snapshot_tiers import MemoryCopies, SnapshotReport, count
 from understudy.common.states import NodeState
 from understudy.common.store import KV, EtcdStore, WatchEvent, wait_any
 from understudy.daemon.events import EventLog
-from understudy.daemon.metrics import ControllerMetrics, Metrics
+from understudy.daemon.metrics import BadValues, ControllerMetrics, Metrics
 from understudy.daemon.node import NodeAgent
 from understudy.daemon.planner import (
     Action,
@@ -88,7 +88,7 @@ class Controller:
         self._drain_deadlines: dict[str, float] = {}
         self._changed = asyncio.Event()
         self._need_relist = False
-        self._bad_seen: set[tuple[str, int]] = set()
+        self._bad_values = BadValues(metrics, self.log)
         #: when the current mass disruption was first seen, and until when node losses are held
         #: (see _view)
         self._disruption_since: float | None = None
@@ -289,11 +289,19 @@ class Controller:
         kvs, _ = await self.store.get_prefix(self.keys.nodes)
         for kv in kvs:
             self._ingest(self.keys.nodes, kv, deleted=False)
+        counted = self._jobs.downtimes_counted
         self._jobs = _JobTables()
         self._jobs.on_downtime = self._downtime
         kvs, _ = await self.store.get_prefix(self.keys.jobs)
         for kv in kvs:
             self._ingest(self.keys.jobs, kv, deleted=False)
+        # The downtime reports still in etcd are read again below: those counted already stay
+        # counted (each relist counted them again, up to six times in the minute a migration's
+        # downtime is taken: tests/integration/test_controller_races.py). Only the jobs'
+        # current migrations' are kept: an older one's report is never counted.
+        self._jobs.downtimes_counted = {
+            (job, mid) for job, mid in counted
+            if (m := self._jobs.migrations.get(job)) is not None and m[0].id == mid}
         for prefix in (self.keys.drains, self.keys.kv_root):
             for kv in (await self.store.get_prefix(prefix))[0]:
                 self._ingest(prefix, kv, deleted=False)
@@ -345,10 +353,7 @@ class Controller:
             self._bad(kv, prefix.rstrip("/").rsplit("/", 1)[-1], exc)
 
     def _bad(self, kv: KV, collection: str, exc: RecordError) -> None:
-        if (kv.key, kv.mod_revision) not in self._bad_seen:
-            self._bad_seen.add((kv.key, kv.mod_revision))
-            self.metrics.bad_values.labels(collection=collection).inc()
-            self.log.warning("Ignoring a bad value in etcd.", key=kv.key, problem=str(exc))
+        self._bad_values.found(collection, kv.key, kv.mod_revision, str(exc))
 
     def _view(self) -> ClusterView:
         now = self.wall()
@@ -591,7 +596,8 @@ class _JobTables:
         self.abort_reasons: dict[tuple[str, str], str] = {}
         #: called once per migration with its downtime as a rank reported it (job, id, s)
         self.on_downtime: Callable[[str, str, float], None] = lambda job, mid, s: None
-        self._downtimes: set[tuple[str, str]] = set()
+        #: the (job, migration) pairs whose downtime report was handed to ``on_downtime``
+        self.downtimes_counted: set[tuple[str, str]] = set()
         #: job -> rank -> its newest snapshot report, and before it the last one of an older
         #: epoch (a joiner's first report does not list its predecessor's copies)
         self.snapshot_reports: dict[str, dict[int, tuple[SnapshotReport, ...]]] = {}
@@ -618,10 +624,10 @@ class _JobTables:
             return
         job, _, mig_id, report = parts
         if report.startswith(f"{Report.DOWNTIME}/"):
-            if not deleted and (job, mig_id) not in self._downtimes:
+            if not deleted and (job, mig_id) not in self.downtimes_counted:
                 seconds = _seconds(value)
                 if seconds is not None:
-                    self._downtimes.add((job, mig_id))
+                    self.downtimes_counted.add((job, mig_id))
                     self.on_downtime(job, mig_id, seconds)
             return
         reports = self.progress.setdefault(job, {}).setdefault(mig_id, set())

@@ -39,6 +39,7 @@ from understudy.common.records import (
 )
 from understudy.common.states import NodeState
 from understudy.common.store import EtcdStore, wait_any
+from understudy.daemon.metrics import BadValues
 from understudy.daemon.node import NodeAgent
 from understudy.daemon.ranklogs import RankLogs
 from understudy.daemon.restarts import torchrun_env
@@ -107,10 +108,10 @@ class JobRunner:
         self.wall = wall
         self.resync_interval = resync_interval
         self.log = logs.get(node=self.node)
+        self._bad_values = BadValues(agent.metrics, self.log)
         self._changed = asyncio.Event()
         #: set (and replaced) each time the jobs' view is read afresh: see next_view()
         self._published = asyncio.Event()
-        self._bad_seen: set[tuple[str, int]] = set()
         #: (job, rank, epoch) whose process ended here, even if etcd has not heard yet: never
         #: started again under that epoch (after a fence, the old epoch's rank stays dead).
         self._ended: set[tuple[str, int, int]] = set()
@@ -178,11 +179,7 @@ class JobRunner:
                     job, name, record = decoded
                     setattr(jobs.setdefault(job, _Job()), name, record)
             except RecordError as exc:
-                if (kv.key, kv.mod_revision) not in self._bad_seen:
-                    self._bad_seen.add((kv.key, kv.mod_revision))
-                    self.agent.metrics.bad_values.labels(collection="jobs").inc()
-                    self.log.warning("Ignoring a bad value in etcd.", key=kv.key,
-                                     problem=str(exc))
+                self._bad_values.found("jobs", kv.key, kv.mod_revision, str(exc))
         return {name: j for name, j in jobs.items() if j.complete}
 
     async def _reconcile(self) -> None:

@@ -28,7 +28,7 @@ from understudy.common.ranklogs import (
     LogRequest,
 )
 from understudy.common.store import RESYNC, EtcdStore, WatchEvent, wait_any
-from understudy.daemon.metrics import Metrics
+from understudy.daemon.metrics import BadValues, Metrics
 from understudy.daemon.ranklogs import RankLogs, segments
 
 #: how often a follower with nothing new looks at its file anyway (a write it missed)
@@ -51,7 +51,7 @@ class LogServer:
         self.log = logs.get(node=self.node, component="log-server")
         self._serving: dict[str, asyncio.Task[None]] = {}
         self._slots = asyncio.Semaphore(MAX_SERVING)
-        self._bad_seen: set[tuple[str, int]] = set()
+        self._bad_values = BadValues(metrics, self.log)
 
     async def run(self) -> None:
         try:
@@ -90,10 +90,7 @@ class LogServer:
                 raise RecordError(f"log request {req.id!r} for node {req.node!r} is under "
                                   f"{key!r}")
         except RecordError as exc:
-            if (key, revision) not in self._bad_seen:
-                self._bad_seen.add((key, revision))
-                self.metrics.bad_values.labels(collection="log-requests").inc()
-                self.log.warning("Ignoring a bad value in etcd.", key=key, problem=str(exc))
+            self._bad_values.found("log-requests", key, revision, str(exc))
             return
         task = asyncio.create_task(self._serve(req), name=f"log-request-{req.id}")
         self._serving[req.id] = task

@@ -153,6 +153,28 @@ class Metrics:
             self._server = None
 
 
+class BadValues:
+    """A bad value in etcd (garbage, a foreign write), counted in
+    ``understudy_bad_values_total{collection}`` and logged once per key and revision, however
+    often it is read again. At most ``limit`` are remembered: past that the memory starts over,
+    so a flood of distinct bad writes is counted and logged again at worst, never held without
+    bound (the security review's L7)."""
+
+    def __init__(self, metrics: Metrics, log: Any, limit: int = 4096) -> None:
+        self.metrics, self.log, self.limit = metrics, log, limit
+        self._seen: set[tuple[str, int]] = set()
+
+    def found(self, collection: str, key: str, revision: int, problem: str) -> None:
+        if (key, revision) in self._seen:
+            return
+        if len(self._seen) >= self.limit:
+            self._seen.clear()
+        self._seen.add((key, revision))
+        self.metrics.bad_values.labels(collection=collection).inc()
+        self.log.warning("Ignoring a bad value in etcd.", key=key, revision=revision,
+                         problem=problem)
+
+
 #: a migration's kind as the metrics name it (a planned migration is a drain's)
 MIGRATION_KIND = {"planned": "drain", "recovery": "recovery", "rollback": "rollback",
                   "reshape": "reshape", "restart": "restart"}

@@ -43,7 +43,7 @@ from understudy.common.states import NodeLifecycle, NodeState
 from understudy.common.store import EtcdStore, WatchEvent, wait_any
 from understudy.daemon.events import EventLog
 from understudy.daemon.fencing import FenceTimer
-from understudy.daemon.metrics import Metrics
+from understudy.daemon.metrics import BadValues, Metrics
 
 VERSION = "0.1.0"
 
@@ -100,8 +100,8 @@ class NodeAgent:
         #: Awaited by a drain before the workers are stopped, with a wall-clock deadline.
         self.before_stop: Callable[[float], Awaitable[Any]] | None = None
         self._drain_task: asyncio.Task[None] | None = None
-        self._bad_seen: set[tuple[str, int]] = set()
         self.log = logs.get(node=cfg.node)
+        self._bad_values = BadValues(metrics, self.log)
 
     @property
     def state(self) -> NodeState:
@@ -127,11 +127,7 @@ class NodeAgent:
 
 
     def _bad_value(self, collection: str, key: str, rev: int, exc: RecordError) -> None:
-        if (key, rev) not in self._bad_seen:
-            self._bad_seen.add((key, rev))
-            self.metrics.bad_values.labels(collection=collection).inc()
-            self.log.warning("Ignoring a bad value in etcd.", key=key, revision=rev,
-                             problem=str(exc))
+        self._bad_values.found(collection, key, rev, str(exc))
 
     async def _read_registry(self) -> tuple[RegistryEntry | None, int]:
         key = self.keys.registry_entry(self.cfg.node)

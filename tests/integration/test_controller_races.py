@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 from understudy.common import config
 from understudy.common.keys import Keys
-from understudy.common.records import NodeRecord, RegistryEntry
+from understudy.common.records import Migration, MigrationPhase, NodeRecord, RegistryEntry
 from understudy.common.states import NodeState
 from understudy.common.store import EtcdStore
 from understudy.daemon.controller import Controller
@@ -81,5 +82,43 @@ def test_a_joining_node_seen_by_its_registry_entry_first_is_not_failed(
         assert kv is not None and RegistryEntry.decode(kv.value).state == NodeState.FAILED
         assert len((await store.get_prefix(keys.events))[0]) == 1
         await store.close()
+
+    asyncio.run(run())
+
+
+def test_a_downtime_report_is_counted_once_through_every_relist(etcd: EmbeddedEtcd) -> None:
+    """The controller re-reads its whole view every 10 s (and after a compaction), rebuilding
+    its job tables; a rank's downtime report, still in etcd, must not be counted again at each
+    of those reads while the migration runs or has just ended."""
+
+    async def run() -> None:
+        cfg = config.load(overrides={"node": "ctl", "etcd.endpoints": etcd.endpoint},
+                          environ={})
+        store, metrics, stop = EtcdStore(cfg.etcd), Metrics(), asyncio.Event()
+        keys = Keys(cfg.etcd.prefix)
+        events = EventLog(store, keys, "ctl", metrics)
+        agent = NodeAgent(cfg, store, metrics, events, _NoWorkers(), stop)
+        ctl = Controller(agent, store, metrics, events, stop)
+        now = time.time()
+        m = Migration(job="j", id="e2-1", from_epoch=1, to_epoch=2, ranks=(1,),
+                      leavers=("node-b",), joiners=("node-s",), phase=MigrationPhase.SWITCHING,
+                      reason="drain of node-b", created_at=now, deadline=now + 60,
+                      updated_at=now)
+        await store.put(keys.job_migration("j"), m.encode())
+        await store.put(keys.kv("j/migration/e2-1/downtime/0"), b"0.125")
+        try:
+            for _ in range(3):
+                await ctl._relist()
+            drains = ctl.job_metrics.downtime["drain"]
+            assert (sum(drains.counts), drains.total) == (1, 0.125)
+            # A migration the job has moved on from is forgotten: the next one counts anew.
+            m2 = dataclasses.replace(m, id="e3-2", from_epoch=2, to_epoch=3)
+            await store.put(keys.job_migration("j"), m2.encode())
+            await store.put(keys.kv("j/migration/e3-2/downtime/0"), b"0.25")
+            for _ in range(2):
+                await ctl._relist()
+            assert (sum(drains.counts), drains.total) == (2, 0.375)
+        finally:
+            await store.close()
 
     asyncio.run(run())

@@ -6,7 +6,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from understudy.common.records import JobState
-from understudy.daemon.metrics import ControllerMetrics
+from understudy.daemon.metrics import BadValues, ControllerMetrics, Metrics
 
 
 def _samples(m: ControllerMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -95,3 +95,33 @@ def test_a_worker_report_is_checked_field_by_field_and_counted_under_its_rank() 
     assert "understudy_worker_steps_total" in generate_latest(m.registry).decode()
     m.forget_jobs(set())  # deleted: its series go
     assert 'job="j"' not in generate_latest(m.registry).decode()
+
+
+class _Log:
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, dict[str, object]]] = []
+
+    def warning(self, message: str, **fields: object) -> None:
+        self.lines.append((message, fields))
+
+
+def test_a_bad_value_is_counted_and_logged_once_per_revision_and_remembered_within_a_bound(
+        ) -> None:
+    m, log = Metrics(), _Log()
+    bad = BadValues(m, log, limit=3)
+
+    def counted(collection: str) -> float:
+        return m.bad_values.labels(collection=collection)._value.get()
+
+    for _ in range(5):  # the same value read again at every relist
+        bad.found("jobs", "/u/jobs/j/spec", 7, "not JSON")
+    assert counted("jobs") == 1 and log.lines == [
+        ("Ignoring a bad value in etcd.", {"key": "/u/jobs/j/spec", "revision": 7,
+                                           "problem": "not JSON"})]
+    bad.found("jobs", "/u/jobs/j/spec", 8, "not JSON")  # written again: a new bad value
+    bad.found("nodes", "/u/nodes/x", 9, "foreign")
+    assert (counted("jobs"), counted("nodes"), len(log.lines)) == (2, 1, 3)
+    # A flood of distinct bad writes: what is remembered stays within the bound.
+    for rev in range(100, 200):
+        bad.found("kv", "/u/kv/k", rev, "garbage")
+    assert len(bad._seen) <= 3 and counted("kv") == 100
