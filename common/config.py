@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import grp
+import ipaddress
 import os
 import re
 import tomllib
@@ -20,6 +21,9 @@ from understudy.common import env
 from understudy.common.errors import ConfigError
 
 NODE_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?$")
+#: a DNS host name (labels of letters, digits and '-', joined by dots)
+HOST_NAME_RE = re.compile(r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                          r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
 PREFIX_RE = re.compile(r"^/[A-Za-z0-9._/-]*[A-Za-z0-9._-]$")
 ROLES = ("active", "standby")
 
@@ -258,6 +262,21 @@ def load(
     return _build(raw, require_node)
 
 
+def _check_address(address: str) -> None:
+    """An ``addresses`` entry: an IP address or a host name that other nodes can reach this
+    node at; a wildcard (0.0.0.0, ::) or multicast address names no host."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        if not HOST_NAME_RE.fullmatch(address):
+            raise ConfigError(f"addresses: {address!r} is neither an IP address nor a host "
+                              "name") from None
+        return
+    if ip.is_unspecified or ip.is_multicast:
+        raise ConfigError(f"addresses: {address} names no host other nodes can reach: give "
+                          "this node's own address on the network its peers use")
+
+
 def _check_keys(raw: dict[str, Any]) -> None:
     for key, value in raw.items():
         if key in _SECTIONS:
@@ -307,6 +326,8 @@ def _build(raw: dict[str, Any], require_node: bool) -> Config:
         addresses = tuple(a for a in addresses.split(",") if a)
     if not isinstance(addresses, list | tuple) or not all(isinstance(a, str) for a in addresses):
         raise ConfigError(f"addresses must be a list of strings, got {addresses!r}")
+    for address in addresses:
+        _check_address(address)
     metrics_listen = str(raw.get("metrics_listen", "127.0.0.1:9464"))
     if metrics_listen:
         _, sep, port = metrics_listen.rpartition(":")

@@ -629,8 +629,8 @@ class JobRunner:
         else:
             name = standby_child(spec.name)
         worker_env.update(huge_pages(spec.env, os.environ))
-        if self.agent.cfg.addresses:  # where its servers (a snapshot holder) bind
-            worker_env[env.NODE_ADDRESS] = self.agent.cfg.addresses[0]
+        if self.agent.worker_address:  # its gloo groups and servers (a snapshot holder)
+            worker_env[env.NODE_ADDRESS] = self.agent.worker_address
         worker_env.update(extra or {})  # a restart-only rank's torchrun variables
         if rank is not None:
             self._started.add((spec.name, rank, assignment.epoch))

@@ -23,6 +23,7 @@ from understudy.common.config import Config
 from understudy.common.errors import ConfigError, StoreError, UnderstudyError
 from understudy.common.keys import Keys
 from understudy.common.store import EtcdStore, wait_any
+from understudy.daemon.address import check_local, worker_address
 from understudy.daemon.controller import Controller
 from understudy.daemon.events import EventLog
 from understudy.daemon.health import HealthMonitor
@@ -227,6 +228,12 @@ class Daemon:
         except OSError as exc:
             raise ConfigError(f"cannot create rank_logs.dir {str(self.cfg.rank_log_dir)!r}: "
                               f"{exc.strerror}") from exc
+        if self.cfg.addresses:
+            check_local(self.cfg.addresses[0])
+        self.agent.worker_address, why = worker_address(
+            self.cfg.addresses, [(ep.host, ep.port) for ep in self.cfg.etcd.endpoints])
+        if why:
+            self.log.warning(f"Workers' address: {why}.")
         if self.cfg.metrics_listen:
             port = self.metrics.serve(self.cfg.metrics_listen)
             self.log.info("Metrics endpoint is up.", port=port)

@@ -86,6 +86,8 @@ class NodeAgent:
         self.warmth: dict[str, dict[str, Any]] = {}
         #: ``HOST:PORT`` where this daemon answers probes (empty: probes are off)
         self.probe_address = ""
+        #: the address this node's workers bind to (``daemon/address.py``); None: gloo's own
+        self.worker_address: str | None = None
         #: Set once the node is registered and holds a live lease.
         self.registered = asyncio.Event()
         #: Set when a drain finishes; the daemon exits after a SIGTERM drain.

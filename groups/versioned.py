@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as _C_Backend
 from torch.distributed.distributed_c10d import _world
 
+from understudy.common import env
 from understudy.groups.errors import GroupBuildError, NoCurrentVersionError, RetiredVersionError
 
 #: Builds a torch store for one bootstrap namespace; waits in it stop when the event is set.
@@ -321,6 +322,24 @@ def _abort_device_backend(pg: Any) -> None:
         get(torch.device("cuda")).abort()
 
 
+def gloo_backend(store: dist.Store, rank: int, size: int,
+                 timeout: timedelta) -> dist.ProcessGroupGloo:
+    """Gloo for a group of this worker, its device bound to the node's address (the daemon's
+    first ``addresses`` entry, ``UNDERSTUDY_NODE_ADDRESS``): the address other nodes reach this
+    node's workers on. Without one, or with ``GLOO_SOCKET_IFNAME`` set (the operator's choice
+    of interfaces), torch's own choice: those interfaces, else the address the host name
+    resolves to, which on a stock Debian host is 127.0.1.1, a loopback address no other node
+    can reach."""
+    address = os.environ.get(env.NODE_ADDRESS)
+    if not address or os.environ.get("GLOO_SOCKET_IFNAME"):
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not in the stubs
+    opts._timeout = timeout
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+    opts._threads = 2  # torch's own: two per device
+    return dist.ProcessGroupGloo(store, rank, size, opts)
+
+
 def build_process_group(store: dist.Store, rank: int, size: int, timeout: timedelta,
                         backends: dict[str, str], device: torch.device | None) -> dist.ProcessGroup:
     """A real ``ProcessGroup`` with one backend per device type (``{"cpu": "gloo", "cuda":
@@ -337,7 +356,7 @@ def build_process_group(store: dist.Store, rank: int, size: int, timeout: timede
         backend: _C_Backend
         if name == "gloo":
             kind = dist.ProcessGroup.BackendType.GLOO
-            backend = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+            backend = gloo_backend(prefixed, rank, size, timeout)
         elif name == "nccl":
             if not dist.is_nccl_available():
                 raise GroupBuildError("NCCL was asked for but this torch has no NCCL")

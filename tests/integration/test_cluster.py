@@ -290,3 +290,12 @@ def test_bad_daemon_config_exits_2(tmp_path: Path, etcd: EmbeddedEtcd) -> None:
     assert busy.returncode == 2, busy.stderr
     assert f"cannot serve metrics on 127.0.0.1:{port}" in busy.stderr
     assert "Traceback" not in busy.stderr
+    # An address other nodes cannot reach, or one that is not this host's: refused at start.
+    wildcard = run("--node", "n1", "--etcd", etcd.endpoint, "--address", "0.0.0.0")
+    assert wildcard.returncode == 2 and "names no host other nodes can reach" in \
+        wildcard.stderr, wildcard.stderr
+    foreign = run("--node", "n1", "--etcd", etcd.endpoint, "--run-dir", str(tmp_path / "run"),
+                  "--address", "198.51.100.77")
+    assert foreign.returncode == 2, foreign.stderr
+    assert "'198.51.100.77' is not an address of this host" in foreign.stderr
+    assert "Traceback" not in foreign.stderr

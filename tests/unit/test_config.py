@@ -45,6 +45,10 @@ def test_precedence_file_env_flags(tmp_path: Path) -> None:
     ({"etcd.cert": "/x"}, "together"),
     ({"etcd.user": "root"}, "together"),
     ({"metrics_listen": "nope"}, "metrics_listen"),
+    ({"addresses": "0.0.0.0"}, "names no host other nodes can reach"),
+    ({"addresses": "10.0.0.7,::"}, "names no host other nodes can reach"),
+    ({"addresses": "239.1.2.3"}, "names no host other nodes can reach"),
+    ({"addresses": "node a"}, "neither an IP address nor a host name"),
     ({"log.level": "loud"}, "log.level"),
 ])
 def test_bad_settings_name_the_problem(override: dict[str, object], message: str) -> None:

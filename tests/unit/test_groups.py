@@ -16,10 +16,12 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
 
+from understudy.common import env
 from understudy.groups import abortable
 from understudy.groups.errors import (
     CollectiveAborted,
@@ -571,3 +573,43 @@ def test_a_lone_group_answers_every_collective_of_one_member_without_a_backend()
     with pytest.raises(RuntimeError, match="no peer"):
         g.send([t], 0, 0)
     g.unregister()
+
+
+def test_gloo_binds_the_nodes_address_unless_the_operator_named_interfaces(
+        shared_store: dist.Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon passes its node's address (``UNDERSTUDY_NODE_ADDRESS``: the first of
+    ``addresses``); a group's gloo device binds it, not what the host name resolves to (on a
+    stock Debian host 127.0.1.1, which no other node can reach). 127.0.0.2 is a loopback
+    address that nothing else here binds."""
+
+    def gloo_addresses() -> set[str]:  # where this process listens: what peers connect to
+        return {c.laddr.ip for c in psutil.Process().net_connections("tcp")
+                if c.status == psutil.CONN_LISTEN}
+
+    def connect(version: int) -> tuple[dict[str, float], set[str]]:
+        """Both members' sums of a pair group's all-reduce, and the addresses the group
+        listens on (read while it is up)."""
+        sets = {m: make_set(shared_store, m) for m in ("a", "b")}
+        before = gloo_addresses()
+
+        def build(member: str) -> float:
+            gs = sets[member]
+            gs.prepare("pair", version, ["a", "b"])
+            gs.switch(["pair"])
+            t = torch.ones(1)
+            dist.all_reduce(t, group=gs.current("pair"))
+            return float(t.item())
+
+        try:
+            return run_ranks({m: functools.partial(build, m) for m in sets}), \
+                gloo_addresses() - before
+        finally:
+            for gs in sets.values():
+                gs.close()
+
+    monkeypatch.setenv(env.NODE_ADDRESS, "127.0.0.2")
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    assert connect(1) == ({"a": 2.0, "b": 2.0}, {"127.0.0.2"})
+    # The operator's interfaces win: gloo's own choice on "lo" is 127.0.0.1.
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    assert connect(2) == ({"a": 2.0, "b": 2.0}, {"127.0.0.1"})
