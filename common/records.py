@@ -44,9 +44,10 @@ class Record:
         if len(data) > MAX_VALUE_BYTES:
             raise RecordError(f"value of {len(data)} bytes exceeds {MAX_VALUE_BYTES}")
         try:
-            body = json.loads(data.decode("utf-8"))
+            body = json.loads(data.decode("utf-8"), parse_constant=_not_json)
         except (UnicodeDecodeError, ValueError) as exc:
-            raise RecordError(f"value is not UTF-8 JSON ({exc.__class__.__name__})") from None
+            raise RecordError(f"value is not UTF-8 JSON ({exc.__class__.__name__}: "
+                              f"{str(exc)[:80]})") from None
         if not isinstance(body, dict):
             raise RecordError("value is not a JSON object")
         if body.get("schema") != SCHEMA:
@@ -65,6 +66,12 @@ class Record:
             return cls(**kwargs)
         except (TypeError, ValueError) as exc:
             raise RecordError(f"{cls.KIND} value is invalid: {exc}") from None
+
+
+def _not_json(constant: str) -> Any:
+    """``NaN`` and ``Infinity`` are Python's extension of JSON, not JSON: a deadline of NaN
+    passes every comparison's ``<= 0`` check and is never reached."""
+    raise ValueError(f"{constant} is not a JSON number")
 
 
 #: record class -> its resolved field types
@@ -732,6 +739,33 @@ def decode_job_record(path: str, value: bytes) -> tuple[str, str, Record] | None
     if named != job:
         raise RecordError(f"{name} under {job!r} names job {named!r}")
     return job, name, record
+
+
+def job_misfit(spec: JobSpec, assignment: Assignment | None,
+               migration: Migration | None) -> str | None:
+    """What makes a job's records, each valid alone, impossible together (None: nothing). Each
+    record is checked when it is decoded; this checks them against each other, so that a
+    schema-valid but inconsistent write (an assignment with more ranks than the job has, a
+    migration naming a rank past it) is a bad value a daemon ignores, not an index error that
+    stops it (the security review's H4)."""
+    group = spec.tp * spec.pp
+    if assignment is not None:
+        n = len(assignment.ranks)
+        if not 0 < n <= spec.world_size or n % group:
+            return (f"its assignment places {n} rank(s); the job has {spec.world_size}, in "
+                    f"replicas of {group}")
+    if migration is not None:
+        if migration.kind == "reshape":
+            size = len(migration.replicas) * group
+            if size > spec.world_size:
+                return (f"its reshape makes {len(migration.replicas)} replica(s) of {group}; "
+                        f"the job has {spec.world_size} rank(s)")
+        else:
+            size = len(assignment.ranks) if assignment is not None else spec.world_size
+        named = (*migration.ranks, *migration.donors)
+        if any(not 0 <= r < size for r in named):
+            return (f"its migration names rank(s) {sorted(set(named))} of a world of {size}")
+    return None
 
 
 def event_id(time_s: float, node: str, seq: int) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import socket
@@ -12,6 +13,14 @@ from pathlib import Path
 import pytest
 
 from tests.integration.scenarios import wait_log
+from understudy.common.records import (
+    Assignment,
+    JobSpec,
+    JobState,
+    JobStatus,
+    Migration,
+    MigrationPhase,
+)
 from understudy.testing.embedded_etcd import EmbeddedEtcd
 from understudy.testing.localcluster import LocalCluster
 
@@ -216,12 +225,32 @@ def test_bad_values_are_ignored_and_counted(cluster: LocalCluster, etcd: Embedde
         f"{p}/registry/node-b": b'{"schema":"understudy/v1","record":"registry","name":"node-b"}',
     }
 
+    # Valid records that do not fit together (the security review's H4): an assignment with
+    # more ranks than its job has, and a migration naming a rank past the job's world. A daemon
+    # named in them used to stop on an index error, and crash again once restarted.
+    now = time.time()
+    ghost = JobSpec(name="ghost", argv=("true",), cwd="/", tp=1, dp=1, standby=0,
+                    created_at=now)
+    stray = dataclasses.replace(ghost, name="stray", dp=2)
+    for spec, ranks in ((ghost, ("node-a", "node-a")), (stray, ("node-a", "node-b"))):
+        garbage[f"{p}/jobs/{spec.name}/spec"] = spec.encode()
+        garbage[f"{p}/jobs/{spec.name}/status"] = JobStatus(
+            job=spec.name, state=JobState.RUNNING, reason="", updated_at=now).encode()
+        garbage[f"{p}/jobs/{spec.name}/assignment"] = Assignment(
+            job=spec.name, epoch=1, ranks=ranks, standbys=("node-s",), reason="",
+            updated_at=now).encode()
+    garbage[f"{p}/jobs/stray/migration"] = Migration(
+        job="stray", id="e2-1", from_epoch=1, to_epoch=2, ranks=(5,), leavers=("node-b",),
+        joiners=("node-s",), phase=MigrationPhase.PLANNED, reason="", created_at=now,
+        deadline=now + 60, updated_at=now).encode()
+
     async def write() -> None:
         cfg = config.load(overrides={"etcd.endpoints": etcd.endpoint}, environ={},
                           require_node=False)
         s = EtcdStore(cfg.etcd)
-        for k, v in garbage.items():
-            await s.put(k, v)
+        # At once: a job's records one by one could fit together for a moment.
+        assert await s.txn(compare=[], success=[("put", k, v, None)
+                                                for k, v in garbage.items()])
         await s.close()
 
     asyncio.run(write())
@@ -237,6 +266,13 @@ def test_bad_values_are_ignored_and_counted(cluster: LocalCluster, etcd: Embedde
     total = sum(_metric(d.metrics_port, "understudy_bad_values_total")
                 for d in cluster.daemons.values())
     assert total >= 3
+    # The misfit jobs are bad values to the nodes they name: nothing started, nobody stopped.
+    for node, job in (("node-a", "ghost"), ("node-a", "stray"), ("node-b", "stray"),
+                      ("node-s", "stray")):
+        wait_log(cluster.daemons[node], f"the records of job {job} do not fit together")
+    for d in cluster.daemons.values():
+        assert d.alive() and "Started rank" not in d.log_text()
+        assert "Job reconcile failed" not in d.log_text()
     out = cluster.cli("status")
     assert out.returncode == 0 and "unreadable" in out.stdout
 
@@ -253,6 +289,9 @@ def test_cli_misuse_changes_nothing(cluster: LocalCluster, etcd: EmbeddedEtcd) -
     assert bad.returncode == 2
     neg = cluster.cli("drain", "node-a", "--deadline", "-3")
     assert neg.returncode == 2
+    for endless in ("nan", "inf"):  # NaN passes "<= 0"; it once wrote "deadline":NaN
+        out = cluster.cli("drain", "node-a", "--deadline", endless)
+        assert out.returncode == 2 and "--deadline must be a positive number" in out.stderr
     assert cluster.cli("frobnicate").returncode == 2
     assert cluster.status().revision == before, "a refused command wrote to etcd"
     down = LocalCluster(etcd_endpoint="127.0.0.1:1", base_dir=cluster.base_dir)

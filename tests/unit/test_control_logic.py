@@ -28,6 +28,7 @@ from understudy.common.records import (
     ResizeRequest,
     StopRequest,
     decode_job_record,
+    job_misfit,
     stopped_cleanly,
 )
 from understudy.common.states import IllegalTransition, NodeLifecycle, NodeState
@@ -133,6 +134,16 @@ def test_bad_values_raise_record_error(value: bytes, problem: str) -> None:
         NodeRecord.decode(value)
 
 
+def test_a_deadline_that_is_no_json_number_is_a_bad_value() -> None:
+    # Python's json writes and reads NaN and Infinity; JSON has neither, and a NaN deadline
+    # passes every "<= 0" check and is never reached (a drain went to drained in 13 ms).
+    req = DrainRequest(node="a", source="cli", reason="r", requested_at=1.0, deadline=2.0)
+    for constant in ("NaN", "Infinity", "-Infinity"):
+        value = req.encode().replace(b'"deadline":2.0', b'"deadline":' + constant.encode())
+        with pytest.raises(RecordError, match=f"{constant} is not a JSON number"):
+            DrainRequest.decode(value)
+
+
 def test_decoding_resolves_a_record_class_s_field_types_once(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # Resolving the annotations was ~70 % of a decode; the controller decodes every node's
@@ -181,6 +192,41 @@ def test_job_records_are_read_by_one_decoder_that_refuses_another_job_s_record()
         decode_job_record("k/status", status.encode())
     with pytest.raises(RecordError):
         decode_job_record("j/status", spec.encode())
+
+
+def test_records_valid_alone_that_do_not_fit_together_are_named() -> None:
+    spec = _spec("j")  # TP 2 x DP 2: four ranks, in replicas of two
+
+    def a(*ranks: str) -> Assignment:
+        return Assignment(job="j", epoch=1, ranks=ranks, standbys=("s",), reason="",
+                          updated_at=0)
+
+    def m(kind: str = "planned", ranks: tuple[int, ...] = (3,), leaver: str = "b",
+          donors: tuple[int, ...] = (), replicas: tuple[int, ...] = (),
+          from_dp: int = 0) -> Migration:
+        return Migration(job="j", id="e2-1", from_epoch=1, to_epoch=2, ranks=ranks,
+                         leavers=(leaver,) * len(ranks), joiners=("s",) * len(ranks),
+                         kind=kind, phase=MigrationPhase.PLANNED, reason="", created_at=1.0,
+                         deadline=9.0, updated_at=1.0, donors=donors, replicas=replicas,
+                         from_dp=from_dp)
+
+    four, two = a("a", "a", "b", "b"), a("a", "a")
+    assert job_misfit(spec, four, None) is None
+    assert job_misfit(spec, two, None) is None  # shrunk to one replica
+    assert job_misfit(spec, four, m()) is None
+    assert job_misfit(spec, four, m("recovery", (1,), donors=(3,))) is None
+    grow = m("reshape", (2, 3), leaver="", donors=(0, 1), replicas=(0, -1), from_dp=1)
+    assert job_misfit(spec, two, grow) is None
+    assert "places 5 rank(s); the job has 4, in replicas of 2" in str(
+        job_misfit(spec, a("a", "a", "b", "b", "c"), None))
+    assert "places 3 rank(s)" in str(job_misfit(spec, a("a", "a", "b"), None))
+    assert "names rank(s) [4] of a world of 4" in str(job_misfit(spec, four, m(ranks=(4,))))
+    assert "names rank(s) [1, 7] of a world of 4" in str(
+        job_misfit(spec, four, m("recovery", (1,), donors=(7,))))
+    assert "names rank(s) [3] of a world of 2" in str(job_misfit(spec, two, m()))
+    too_big = m("reshape", (), leaver="", replicas=(0, 1, -1), from_dp=2)
+    assert "makes 3 replica(s) of 2; the job has 4 rank(s)" in str(
+        job_misfit(spec, four, too_big))
 
 
 def _live(name: str, state: NodeState, slots: int) -> NodeRecord:
