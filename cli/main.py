@@ -14,6 +14,7 @@ import contextlib
 import datetime
 import getpass
 import json
+import math
 import os
 import socket
 import sys
@@ -479,8 +480,8 @@ async def _run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "deadline", 1.0) <= 0:
-        parser.error("--deadline must be positive")
+    if not 0 < getattr(args, "deadline", 1.0) < math.inf:  # NaN too: no comparison holds
+        parser.error("--deadline must be a positive number of seconds")
     if not 0 < getattr(args, "grace", 1.0) <= 1e6:
         parser.error("--grace must be positive seconds, at most 1e6")
     if args.command == "run" and not [a for a in args.argv if a != "--"]:

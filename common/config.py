@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import grp
 import ipaddress
+import math
 import os
 import re
 import tomllib
@@ -461,9 +462,12 @@ def _float(label: str, v: Any) -> float:
     try:
         if isinstance(v, bool):
             raise ValueError
-        return float(v)
+        out = float(v)
     except (TypeError, ValueError):
         raise ConfigError(f"{label} must be a number, got {v!r}") from None
+    if not math.isfinite(out):  # NaN passes every "<= 0" check and is never reached
+        raise ConfigError(f"{label} must be a finite number, got {v!r}")
+    return out
 
 
 def validate(cfg: Config) -> None:
@@ -497,6 +501,9 @@ def validate(cfg: Config) -> None:
         )
     if cfg.health.interval <= 0 or cfg.health.failures_before_drain < 1:
         raise ConfigError("health.interval must be positive and failures_before_drain >= 1")
+    if cfg.health.min_disk_free_gib < 0:
+        raise ConfigError(f"health.min_disk_free_gib ({cfg.health.min_disk_free_gib:g}) must "
+                          "be at least 0")
     if cfg.notices.interval <= 0 or not 0 < cfg.notices.timeout < cfg.notices.interval + 30:
         raise ConfigError("notices.interval and notices.timeout must be positive")
     probe = cfg.probe

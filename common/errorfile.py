@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import sys
 import tempfile
 import time
@@ -181,13 +182,21 @@ def record_error(exc: BaseException, path: str | os.PathLike[str] | None = None)
 def read_error(path: str | os.PathLike[str]) -> ErrorRecord | None:
     """The record in ``path``, or None when there is none.
 
+    The worker controls what is at ``path``, and the daemon reads it on its event loop: a
+    symbolic link is not followed, and anything but a regular file (a FIFO would block the
+    read, and the loop with it, until the watchdog killed the daemon) is refused at once.
+
     Raises:
-        ValueError: the file exists but holds no valid record (garbage or oversized).
-        OSError: the file exists but cannot be read.
+        ValueError: the file exists but holds no valid record (garbage, oversized, not a
+            regular file).
+        OSError: the file exists but cannot be read (a symbolic link among them).
     """
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_RECORD_BYTES + 1)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{os.fspath(path)} is not a regular file")
+        data = f.read(MAX_RECORD_BYTES + 1)
     return ErrorRecord.from_json(data)

@@ -368,6 +368,25 @@ def test_garbage_records_are_refused(data: bytes, reason: str) -> None:
         ErrorRecord.from_json(data)
 
 
+def test_an_error_file_that_is_no_plain_file_is_refused_at_once(tmp_path: Path) -> None:
+    """The worker controls its error file's path and the daemon reads it on its event loop: a
+    FIFO there (whose read would block until a writer came) and a symbolic link (to a file of
+    someone else's) are refused without waiting; a missing file is no record."""
+    rec = ErrorRecord(message="m", exc_type="E", traceback="", time=1.0, pid=1, where="")
+    plain = tmp_path / "plain.json"
+    plain.write_bytes(rec.to_json())
+    assert read_error(plain) == rec
+    assert read_error(tmp_path / "missing.json") is None
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="not a regular file"):
+        read_error(fifo)
+    link = tmp_path / "link.json"
+    link.symlink_to(plain)
+    with pytest.raises(OSError):
+        read_error(link)
+
+
 def test_excepthook_records_an_uncaught_exception(tmp_path: Path) -> None:
     async def body(sup: Supervisor, exits: Exits) -> None:
         await sup.spawn("hooked", py("""
