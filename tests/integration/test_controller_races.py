@@ -29,6 +29,16 @@ class _NoWorkers:
         pass
 
 
+def _controller(etcd: EmbeddedEtcd) -> tuple[Controller, EtcdStore, Keys]:
+    """A controller of node "ctl" on ``etcd``, not started: the test drives it."""
+    cfg = config.load(overrides={"node": "ctl", "etcd.endpoints": etcd.endpoint}, environ={})
+    store, metrics, stop = EtcdStore(cfg.etcd), Metrics(), asyncio.Event()
+    keys = Keys(cfg.etcd.prefix)
+    events = EventLog(store, keys, "ctl", metrics)
+    agent = NodeAgent(cfg, store, metrics, events, _NoWorkers(), stop)
+    return Controller(agent, store, metrics, events, stop), store, keys
+
+
 def test_a_joining_node_seen_by_its_registry_entry_first_is_not_failed(
         etcd: EmbeddedEtcd) -> None:
     """A node's record and registry entry are written in one transaction but reach the
@@ -38,13 +48,7 @@ def test_a_joining_node_seen_by_its_registry_entry_first_is_not_failed(
     this daemon still holds the controller key it won (a deposed controller writes nothing)."""
 
     async def run() -> None:
-        cfg = config.load(overrides={"node": "ctl", "etcd.endpoints": etcd.endpoint},
-                          environ={})
-        store, metrics, stop = EtcdStore(cfg.etcd), Metrics(), asyncio.Event()
-        keys = Keys(cfg.etcd.prefix)
-        events = EventLog(store, keys, "ctl", metrics)
-        agent = NodeAgent(cfg, store, metrics, events, _NoWorkers(), stop)
-        ctl = Controller(agent, store, metrics, events, stop)
+        ctl, store, keys = _controller(etcd)
         lease = await store.grant(30)
         rec = NodeRecord(name="node-j", incarnation="i1", lease=lease, state=NodeState.ACTIVE,
                          role="active", slots=1)
@@ -61,7 +65,7 @@ def test_a_joining_node_seen_by_its_registry_entry_first_is_not_failed(
         assert won is not None
         ctl._leader_key_revision = won.create_revision
         # (past the settle time: a node counts as lost after half a keep-alive interval)
-        actions = plan(ctl._view(), time.time() + cfg.lease.keepalive_interval)
+        actions = plan(ctl._view(), time.time() + ctl.agent.cfg.lease.keepalive_interval)
         assert [type(a) for a in actions] == [MarkFailed]
         await ctl._apply(actions)
         kv = await store.get(keys.registry_entry("node-j"))
@@ -92,13 +96,7 @@ def test_a_downtime_report_is_counted_once_through_every_relist(etcd: EmbeddedEt
     of those reads while the migration runs or has just ended."""
 
     async def run() -> None:
-        cfg = config.load(overrides={"node": "ctl", "etcd.endpoints": etcd.endpoint},
-                          environ={})
-        store, metrics, stop = EtcdStore(cfg.etcd), Metrics(), asyncio.Event()
-        keys = Keys(cfg.etcd.prefix)
-        events = EventLog(store, keys, "ctl", metrics)
-        agent = NodeAgent(cfg, store, metrics, events, _NoWorkers(), stop)
-        ctl = Controller(agent, store, metrics, events, stop)
+        ctl, store, keys = _controller(etcd)
         now = time.time()
         m = Migration(job="j", id="e2-1", from_epoch=1, to_epoch=2, ranks=(1,),
                       leavers=("node-b",), joiners=("node-s",), phase=MigrationPhase.SWITCHING,
