@@ -63,6 +63,7 @@ import secrets
 import socket
 import struct
 import threading
+import time
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -80,6 +81,10 @@ MAX_FETCH = 1 << 40
 CHUNK = 4 * 1024 * 1024
 #: concurrent connections a holder serves; more are closed at once
 MAX_CONNECTIONS = 64
+#: seconds a new connection has to deliver its first request's header, all of it: one that
+#: trickles its bytes in (each read within the I/O timeout) would otherwise hold a connection
+#: slot, unauthenticated, for as long as it likes (64 of them shut every rank out)
+FIRST_FRAME_S = 5.0
 #: a torch.save archive is a zip file
 _ZIP = b"PK\x03\x04"
 _TOKEN_RE = re.compile(r"^[0-9a-f]{32,128}$")
@@ -120,11 +125,12 @@ def send_frame(sock: socket.socket, header: dict[str, Any],
         sock.sendall(view[i:i + CHUNK])
 
 
-def _recv_exactly(sock: socket.socket, n: int) -> bytearray:
+def _recv_exactly(sock: socket.socket, n: int, deadline: float | None = None) -> bytearray:
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
+        _before(sock, deadline)
         k = sock.recv_into(view[got:], min(n - got, CHUNK))
         if k == 0:
             raise ProtocolError(f"the connection closed {got} bytes into a {n}-byte read")
@@ -132,16 +138,28 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
-def recv_head(sock: socket.socket) -> tuple[dict[str, Any], int, int] | None:
+def _before(sock: socket.socket, deadline: float | None) -> None:
+    """Bound the next read by ``deadline`` (monotonic; None: the socket's own timeout)."""
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the deadline for the frame passed")
+        sock.settimeout(left)
+
+
+def recv_head(sock: socket.socket, deadline: float | None = None
+              ) -> tuple[dict[str, Any], int, int] | None:
     """A frame's header, payload length and crc; None if the peer closed between frames.
+    ``deadline`` (monotonic): the whole header must have arrived by then.
 
     Raises:
-        ProtocolError: not a frame of this protocol.
+        ProtocolError: not a frame of this protocol. TimeoutError: past the deadline.
     """
+    _before(sock, deadline)
     first = sock.recv(_HEAD.size)
     if not first:
         return None
-    raw = bytes(first) + bytes(_recv_exactly(sock, _HEAD.size - len(first)))
+    raw = bytes(first) + bytes(_recv_exactly(sock, _HEAD.size - len(first), deadline))
     magic, version, head_len, payload_len, crc = _HEAD.unpack(raw)
     if magic != MAGIC:
         raise ProtocolError(f"not a snapshot-holder frame (magic {magic!r})")
@@ -150,7 +168,7 @@ def recv_head(sock: socket.socket) -> tuple[dict[str, Any], int, int] | None:
     if head_len > MAX_HEADER:
         raise ProtocolError(f"a header of {head_len} bytes exceeds {MAX_HEADER}")
     try:
-        header = json.loads(_recv_exactly(sock, head_len))
+        header = json.loads(_recv_exactly(sock, head_len, deadline))
     except (UnicodeDecodeError, ValueError) as exc:
         raise ProtocolError(f"the header is not JSON ({type(exc).__name__})") from None
     if not isinstance(header, dict):
@@ -405,13 +423,19 @@ class SnapshotHolder:
 
     def _serve(self, conn: socket.socket) -> None:
         pending: _Admitted | None = None  # a push admitted, its data not arrived yet
+        # The first request's header within FIRST_FRAME_S; once it carried the token, the
+        # connection's reads are bounded by the I/O timeout alone.
+        deadline: float | None = time.monotonic() + min(FIRST_FRAME_S, self.io_timeout)
         try:
             while not self._stop.is_set():
                 try:
-                    head = recv_head(conn)
+                    head = recv_head(conn, deadline)
                     if head is None:
                         return
                     pending = self._answer(conn, pending, *head)
+                    if deadline is not None:
+                        deadline = None
+                        conn.settimeout(self.io_timeout)
                 except ProtocolError as exc:
                     self._refuse(conn, exc)
                     _linger(conn)

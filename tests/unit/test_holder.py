@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from understudy.common.snapshot_tiers import MemoryCopies
+from understudy.worker import holder as holder_module
 from understudy.worker.holder import (
     MAGIC,
     MAX_HEADER,
@@ -203,6 +204,38 @@ def test_a_stalled_client_does_not_hold_up_the_others(holder: SnapshotHolder) ->
         stalled.sendall(MAGIC + b"\x01")  # half a frame, then nothing
         assert push(holder.advertised(), 2, 0, _archive(0)).steps == (0,)
         assert bytes(fetch(holder.advertised(), 2, 0)) == _archive(0)
+
+
+def test_a_connection_that_trickles_its_first_header_in_is_closed_at_its_deadline(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each byte within the I/O timeout, but the first request's header not whole within
+    FIRST_FRAME_S (5 s; here 0.5 s): the holder closes the connection, unauthenticated, instead of
+    keeping one of its slots for it (the security review's M7: 64 such connections shut every
+    rank out). A client that asks at once is served as before."""
+    monkeypatch.setattr(holder_module, "FIRST_FRAME_S", 0.5)
+    h = SnapshotHolder("node-s1", host="127.0.0.1", keep=2, capacity=1 << 20, io_timeout=5.0)
+    try:
+        host, port = h.advertised().endpoint()
+        frame = _HEAD.pack(MAGIC, 1, 10, 0, 0) + b'{"op": 1}\n'
+        with socket.create_connection((host, port), timeout=5) as slow:
+            sent = 0  # bytes of the frame sent when the holder closed the connection
+            for byte in frame:
+                try:
+                    slow.sendall(bytes([byte]))
+                    sent += 1
+                    slow.settimeout(0.2)
+                    if slow.recv(1) == b"":
+                        break
+                except TimeoutError:
+                    continue  # still open: the next byte
+                except (ConnectionResetError, BrokenPipeError):
+                    break
+            # Closed before the header was whole (a whole one is refused for its missing
+            # token: that would close it too, but only after all of it came in).
+            assert sent < len(frame), "the whole header was let in, one byte at a time"
+            assert push(h.advertised(), 2, 0, _archive(0)).steps == (0,)
+    finally:
+        h.close()
 
 
 def test_clients_name_the_holder_when_it_is_wrong_or_gone(holder: SnapshotHolder) -> None:
