@@ -16,6 +16,7 @@ import getpass
 import json
 import math
 import os
+import re
 import socket
 import sys
 import time
@@ -169,6 +170,18 @@ def _store(args: argparse.Namespace) -> tuple[EtcdStore, Keys]:
     return EtcdStore(cfg.etcd), Keys(cfg.etcd.prefix)
 
 
+#: C0 and C1 control characters, DEL included: a terminal acts on them (ESC starts a sequence)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _safe(text: str) -> str:
+    """``text`` with its control characters written as escapes (``\\x1b``). What the status
+    and event lines show comes from etcd, where workers and other nodes write it (a rank's first
+    failure, a health check's message, a standby's warmth, an event's message): none of it may
+    move the operator's cursor or recolour the terminal."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
 def _fmt_time(t: float) -> str:
     if not t:
         return "-"
@@ -177,7 +190,7 @@ def _fmt_time(t: float) -> str:
 
 def _print_status(status: ClusterStatus) -> None:
     print(f"controller: {status.controller or '(none)'}")
-    rows = [("NODE", "STATE", "ROLE", "WORKERS", "SINCE", "NOTE")]
+    rows: list[tuple[str, ...]] = [("NODE", "STATE", "ROLE", "WORKERS", "SINCE", "NOTE")]
     for n in status.nodes:
         notes = []
         if not n.online:
@@ -194,20 +207,22 @@ def _print_status(status: ClusterStatus) -> None:
             notes.append(f"warm: {warm}")
         if n.reason and not n.online:
             notes.append(n.reason)
-        rows.append((n.name, n.state, n.role or "-", str(n.workers) if n.online else "-",
-                     _fmt_time(n.since), ", ".join(notes)))
+        rows.append(tuple(_safe(c) for c in (
+            n.name, n.state, n.role or "-", str(n.workers) if n.online else "-",
+            _fmt_time(n.since), ", ".join(notes))))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r[:5], widths, strict=True)) + "  " + r[5])
     if status.ignored:
-        print(f"({len(status.ignored)} unreadable value(s) ignored: {', '.join(status.ignored)})")
+        print(_safe(f"({len(status.ignored)} unreadable value(s) ignored: "
+                    f"{', '.join(status.ignored)})"))
 
 
 def _print_jobs(status: ClusterStatus) -> None:
     if not status.jobs:
         return
     print()
-    rows = [("JOB", "STATE", "EPOCH", "LAYOUT", "RANKS")]
+    rows: list[tuple[str, ...]] = [("JOB", "STATE", "EPOCH", "LAYOUT", "RANKS")]
     for j in status.jobs:
         a = j.assignment
         placement = ""
@@ -223,9 +238,10 @@ def _print_jobs(status: ClusterStatus) -> None:
         dp = f"{j.dp_now}/{j.spec.dp}" if j.dp_now != j.spec.dp else str(j.spec.dp)
         state = j.state + (" (stopping)" if j.stop is not None and j.state not in ENDED
                            else "")
-        rows.append((j.spec.name, state, str(a.epoch) if a else "-",
-                     f"tp{j.spec.tp}xdp{dp}"
-                     + (f"xpp{j.spec.pp}" if j.spec.pp > 1 else ""), placement))
+        rows.append(tuple(_safe(c) for c in (
+            j.spec.name, state, str(a.epoch) if a else "-",
+            f"tp{j.spec.tp}xdp{dp}" + (f"xpp{j.spec.pp}" if j.spec.pp > 1 else ""),
+            placement)))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r[:4], widths, strict=True)) + "  " + r[4])
@@ -241,7 +257,8 @@ def _print_jobs(status: ClusterStatus) -> None:
                 moved = [f"rank {r} {ln} -> {jn}" for r, ln, jn in
                          zip(m.ranks, m.leavers, m.joiners, strict=True) if ln != jn]
                 moves = "restart of every rank" + (f"; {', '.join(moved)}" if moved else "")
-            print(f"  migration {m.id} of {j.spec.name}: {m.phase} ({m.reason}): {moves}")
+            print(_safe(f"  migration {m.id} of {j.spec.name}: {m.phase} ({m.reason}): "
+                        f"{moves}"))
     for j in status.jobs:
         if j.logs:
             places = "; ".join(f"{node}:{where}/ (ranks {','.join(map(str, ranks))})"
@@ -256,7 +273,7 @@ def _print_event(ev: Event, as_json: bool) -> None:
                           "message": ev.message, "details": ev.details}), flush=True)
     else:
         stamp = datetime.datetime.fromtimestamp(ev.time).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
-        print(f"{stamp}  {ev.kind:<20} {ev.node:<16} {ev.message}", flush=True)
+        print(_safe(f"{stamp}  {ev.kind:<20} {ev.node:<16} {ev.message}"), flush=True)
         timings = ev.details.get("timings") if ev.kind.startswith("migration-") else None
         if isinstance(timings, dict):
             phases = sorted(((v, k) for k, v in timings.items() if isinstance(v, int | float)))

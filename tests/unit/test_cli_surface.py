@@ -6,7 +6,10 @@ import argparse
 
 import pytest
 
+from understudy.cli.cluster import ClusterStatus, NodeView
+from understudy.cli.main import _print_event, _print_status
 from understudy.cli.main import build_parser as cli_parser
+from understudy.common.records import Event
 from understudy.daemon.main import build_parser as daemon_parser
 
 CONNECTION = ["--ca", "--cert", "--config", "--etcd", "--key", "--prefix", "--timeout", "--user"]
@@ -61,3 +64,24 @@ def test_cli_misuse_is_a_usage_error(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         cli_parser().parse_args(argv)
     assert exc.value.code == 2
+
+
+def test_strings_from_etcd_reach_the_terminal_with_their_control_characters_escaped(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A rank's first failure, a health message, an event's message: workers and other nodes
+    write them, and the CLI prints them. An escape sequence among them is shown, not obeyed
+    (the security review's L6); the columns still line up on what is shown."""
+    clear = "\x1b[2J\x1b[H"  # clear the screen, cursor home
+    node = NodeView(name="node-a", state="active", online=True, role="active",
+                    first_failure=f"worker died{clear}", health=("disk\x07 full",))
+    _print_status(ClusterStatus(nodes=[node, NodeView(name="node-b", state="active",
+                                                      online=True)],
+                                controller="node-a", revision=1, ignored=["/u/x\x1b"]))
+    _print_event(Event(time=0.0, kind="rank-failed", node="node-a",
+                       message=f"rank 1 said {clear}bye\x9b"), as_json=False)
+    out = capsys.readouterr().out
+    assert not [c for c in out if c != "\n" and (ord(c) < 32 or 127 <= ord(c) < 160)]
+    assert "first failure: worker died\\x1b[2J\\x1b[H" in out and "disk\\x07 full" in out
+    assert "rank 1 said \\x1b[2J\\x1b[Hbye\\x9b" in out and "/u/x\\x1b" in out
+    lines = out.splitlines()
+    assert lines[2].index("active") == lines[3].index("active")  # node-a and node-b aligned
