@@ -1148,8 +1148,8 @@ if __name__ == "__main__":
 
 
 @pytest.mark.parametrize("device", [
-    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="needs CUDA: no GPU on this machine"))])
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs CUDA: no GPU on this machine")])])
 def test_a_digest_queued_on_the_device_equals_the_hosts_and_survives_the_buffers_reuse(
         device: str) -> None:
     from understudy.worker.transfer.wire import _DeviceDigest, _finish_device_digests
