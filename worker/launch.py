@@ -37,6 +37,7 @@ from understudy.common.daemon_client import DaemonClient, DaemonError
 from understudy.common.env import RECORDINGS, WorkerRole
 from understudy.common.errorfile import record_error
 from understudy.common.layout import Layout
+from understudy.groups.errors import GroupBuildError
 from understudy.groups.groupset import GroupSet
 from understudy.sandbox.manifest import CodeVersion
 from understudy.sandbox.recording import Recorder, should_record
@@ -175,6 +176,9 @@ class _Seat:
     #: the migration this worker completed as its joiner, if it took the rank over
     finished: tuple[str, ...] = ()
     recorder: Recorder | None = None
+    #: a rank whose first groups were cut short by the job's recovery (``_first_groups``):
+    #: it trains only once it took part in that recovery
+    interrupted: CollectiveAborted | None = None
 
 
 def _start(make_job: Callable[[], TrainingJob], seed: int, timeout: float,
@@ -411,11 +415,12 @@ def _start_rank(w: _Worker) -> _Seat:
     recording its first iterations for the standbys' sandbox where this rank is one that
     records."""
     rank = int(_env(env.RANK))
+    failpoints.hit("rank.first-groups")  # started, not yet in any group: lost as the job starts
     groups = GroupSet(w.job, member(rank, w.node), epoch=w.epoch, timeout=w.timeout,
                       device=w.device)
     for name in w.layout.concrete(rank).values():
         groups.prepare(name, w.epoch, group_members(name, w.nodes, w.layout))
-    groups.switch(groups.pending())
+    interrupted = _first_groups(w, groups)
     recorder = None
     if w.recordings is not None and w.epoch == 1 and should_record(rank, w.layout):
         recorder = Recorder(w.recordings, job=w.job, layout=w.layout, rank=rank,
@@ -423,7 +428,71 @@ def _start_rank(w: _Worker) -> _Seat:
         recorder.tap(JobGroups(groups, rank, w.layout))
     runtime = w.runtime(rank, groups)
     runtime.build()
-    return _Seat(rank, groups, runtime, w.nodes, recorder=recorder)
+    return _Seat(rank, groups, runtime, w.nodes, recorder=recorder, interrupted=interrupted)
+
+
+#: How often a rank whose first groups are still building asks its daemon whether the job is
+#: recovering from this epoch already (a peer lost as the job started).
+FIRST_GROUPS_POLL_S = 0.1
+
+
+def _first_groups(w: _Worker, groups: GroupSet) -> CollectiveAborted | None:
+    """Switch in the rank's first group versions, prepared in ``groups``, once they are built.
+
+    A peer lost as the job starts (its node failed, its process died in its imports) never
+    joins them, and waiting out the group timeout would fail this rank too, with the job's
+    only copy of the state it was about to build. So while they build, the rank watches its job:
+    once a recovery from this epoch is planned, it switches in what did build, keeps the rest
+    as groups without a version (``GroupSet.reserve``), and returns the interruption. The rank
+    then builds its job and takes part in the recovery as a survivor of an aborted step 0 (the
+    recovery rebuilds every group a member holds no version of). None: every group is in.
+
+    Raises:
+        GroupBuildError: a build failed, or did not finish within the timeout with no recovery
+            planned (as before any recovery existed: the worker fails).
+    """
+    names = groups.pending()
+    t0 = time.monotonic()
+    deadline = t0 + w.timeout
+    asked = 0.0
+    while not groups.ready(names) and time.monotonic() < deadline:
+        if time.monotonic() - asked >= FIRST_GROUPS_POLL_S:
+            asked = time.monotonic()
+            if _recovering_from(w.control, w.epoch):
+                break
+        time.sleep(0.01)
+    else:
+        groups.switch(names, timeout=max(0.0, deadline - time.monotonic()))
+        return None
+    built = []
+    for name in names:
+        if groups.ready([name]):
+            with contextlib.suppress(GroupBuildError):  # a build that failed: not built
+                groups.switch([name], timeout=0)
+                built.append(name)
+    unbuilt = [n for n in names if n not in built]
+    rank = int(_env(env.RANK))
+    for name in unbuilt:
+        members = group_members(name, w.nodes, w.layout)
+        groups.reserve(name, members.index(member(rank, w.node)), len(members))
+    groups.abandon(unbuilt)
+    waited = time.monotonic() - t0
+    w.log.warning(f"The job began a recovery while this rank's first groups were building: "
+                  f"{unbuilt} not built; taking part in it from step 0.", rank=rank,
+                  built=built, waited=round(waited, 3))
+    return CollectiveAborted("a peer was lost while the rank's first groups were building",
+                             what="the first group builds", waited=waited)
+
+
+def _recovering_from(control: DaemonClient, epoch: int) -> bool:
+    """Whether ``control``'s job is recovering from ``epoch`` (a daemon that does not answer
+    says no: the caller's own timeout still bounds its wait)."""
+    try:
+        info = control.job()
+    except DaemonError:
+        return False
+    plan = Plan.from_info(info or {})
+    return plan is not None and plan.recovery and plan.active and plan.from_epoch == epoch
 
 
 def _run_rank(w: _Worker, seat: _Seat, steps: int,
@@ -452,7 +521,8 @@ def _run_rank(w: _Worker, seat: _Seat, steps: int,
             snapshotter.close()
             snapshotter = start_snapshotter(runtime, w.job, lambda: hook.groups.epoch)
 
-    outcome = _train(runtime, hook, steps, w.stop, w.timeout, w.log, w.snapshots, reshaped)
+    outcome = _train(runtime, hook, steps, w.stop, w.timeout, w.log, w.snapshots, reshaped,
+                     interrupted=seat.interrupted)
     if snapshotter is not None:
         snapshotter.close()
     if seat.recorder is not None:
@@ -485,13 +555,19 @@ def _report_recovered(hook: MigrationHook, plan: Plan, aborted: float, first: in
 
 def _train(runtime: Runtime, hook: MigrationHook, steps: int, stop: threading.Event,
            timeout: float, log: Any, snapshots: Path | None = None,
-           reshaped: Callable[[], None] = lambda: None) -> Outcome:
+           reshaped: Callable[[], None] = lambda: None,
+           interrupted: CollectiveAborted | None = None) -> Outcome:
     """Run the loop; after a step aborted by a lost peer, take part in the job's recovery (or
     reshape: then ``reshaped()``) and run on. A step aborted with no recovery coming (and the
     job not paused waiting for a standby) fails this worker after ``timeout`` seconds: never a
-    silent hang. A rank of a replica a reshape drops waits for its daemon to stop it."""
+    silent hang. A rank of a replica a reshape drops waits for its daemon to stop it.
+    ``interrupted``: the rank's first groups were cut short by a recovery (``_first_groups``);
+    it takes part in that before its first step."""
     while True:
         try:
+            if interrupted is not None:  # before the first step: to the recovery at once
+                cut, interrupted = interrupted, None
+                raise cut
             return runtime.run(steps)
         except CollectiveAborted as exc:
             aborted = time.monotonic()

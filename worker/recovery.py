@@ -324,7 +324,9 @@ class _Survivor:
         for name in self._my_groups():
             ranks = self.layout.members(name)
             counts = {self.stopped[r]["ops"].get(name) for r in ranks if r not in lost}
-            if lost & set(ranks) or len(counts) > 1:
+            # -1: a member holds no version of it (fenced, or never built: a rank whose first
+            # groups a peer's loss cut short), so it is rebuilt even where all agree on that.
+            if lost & set(ranks) or len(counts) > 1 or -1 in counts:
                 rebuild.append(name)
         for name in rebuild:
             self._guarded(self.groups.prepare, name, self.plan.version,

@@ -94,6 +94,26 @@ def test_a_killed_rank_is_replaced_from_its_replica_and_the_result_is_bitwise_id
         assert_bitwise_equal(reference, out, world=4)
 
 
+def test_a_node_lost_as_the_job_starts_is_replaced_and_the_result_is_bitwise_identical(
+        etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:
+    # Both of node-b's ranks die as they start, before they join any group: node-a's ranks wait
+    # in their first group builds for peers that never come. They must not wait out the group
+    # timeout and fail (the job lost, with nothing committed yet): once the recovery is planned
+    # they take part in it from step 0, donors of the state they built.
+    armed = {"node-b": {"UNDERSTUDY_FAILPOINTS": "rank.first-groups=exit(9)"}}
+    with training(etcd, tmp_path, {"node-a": 2, "node-b": 2}, STANDBYS, armed=armed,
+                  standby=2) as (c, out):
+        _recovery_done(c)
+        job = _finish(c)
+        assert job.assignment is not None
+        assert sorted(job.assignment.ranks[2:]) == ["node-s1", "node-s2"]
+        a = c.daemons["node-a"].log_text()
+        assert a.count("Started rank 0 of job mig") == a.count("Started rank 1 of job mig") == 1
+        assert a.count("taking part in it from step 0") == 2, a[-3000:]
+        assert "was not built within" not in a
+        assert_bitwise_equal(reference, out, world=4)
+
+
 def test_a_crashed_node_is_found_by_its_closed_probe_port_and_replaced(
         etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:
     # node-a leads: the controller's own node is not probed (its loss is the TTL's, and an
