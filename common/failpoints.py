@@ -20,10 +20,14 @@ Actions:
 ``raise``
     raise :class:`FailpointFired` (a ``RuntimeError``): a bug at exactly that point.
 
-Each armed failpoint fires once per process and logs ``failpoint <name> fired: <action>``
-(warning) first. Nothing is armed unless the variable is set; an unarmed ``hit`` is one dict
-lookup. A malformed value raises :class:`FailpointError` naming the part that is wrong, at the
-first ``hit`` (or at :func:`configure` / :func:`check`, which entry points call at start-up).
+``N*action`` (etcd gofail's form) fires the action at the first ``N`` hits instead of the first
+only: ``controller.round=10*raise`` breaks ten rounds in a row.
+
+Each armed failpoint fires once per process (``N`` times, so armed) and logs
+``failpoint <name> fired: <action>`` (warning) first. Nothing is armed unless the variable is
+set; an unarmed ``hit`` is one dict lookup. A malformed value raises :class:`FailpointError`
+naming the part that is wrong, at the first ``hit`` (or at :func:`configure` / :func:`check`,
+which entry points call at start-up).
 
 **Off unless the daemon's configuration enables them.** Failpoints are a test facility compiled
 into production binaries (as gofail's are only in test builds), so the variable alone arms
@@ -45,7 +49,7 @@ from dataclasses import dataclass
 
 from understudy.common import env, logs
 
-_ACTION = re.compile(r"^(?:(sleep|exit)\(([0-9]+(?:\.[0-9]+)?)\)|(raise))$")
+_ACTION = re.compile(r"^(?:([1-9][0-9]*)\*)?(?:(sleep|exit)\(([0-9]+(?:\.[0-9]+)?)\)|(raise))$")
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 
 
@@ -59,11 +63,14 @@ class FailpointFired(RuntimeError):
 
 @dataclass(frozen=True)
 class Action:
-    kind: str  # "sleep" | "exit"
+    kind: str  # "sleep" | "exit" | "raise"
     arg: float
+    #: how many hits fire it (``N*action``); once by default
+    times: int = 1
 
     def __str__(self) -> str:
-        return self.kind if self.kind == "raise" else f"{self.kind}({self.arg:g})"
+        what = self.kind if self.kind == "raise" else f"{self.kind}({self.arg:g})"
+        return what if self.times == 1 else f"{self.times}*{what}"
 
 
 def parse(spec: str) -> dict[str, Action]:
@@ -78,12 +85,13 @@ def parse(spec: str) -> dict[str, Action]:
         m = _ACTION.match(action)
         if m is None:
             raise FailpointError(f"{env.FAILPOINTS}: {action!r} (for {name}) is not sleep(S), "
-                                 f"exit(N) or raise")
-        if m[1] == "exit" and not m[2].isdigit():
-            raise FailpointError(f"{env.FAILPOINTS}: exit takes a whole number, got {m[2]}")
+                                 f"exit(N) or raise, each with an optional N* before it")
+        if m[2] == "exit" and not m[3].isdigit():
+            raise FailpointError(f"{env.FAILPOINTS}: exit takes a whole number, got {m[3]}")
         if name in armed:
             raise FailpointError(f"{env.FAILPOINTS}: {name} is armed twice")
-        armed[name] = Action("raise", 0.0) if m[3] else Action(m[1], float(m[2]))
+        times = int(m[1] or 1)
+        armed[name] = Action("raise", 0.0, times) if m[4] else Action(m[2], float(m[3]), times)
     return armed
 
 
@@ -126,7 +134,8 @@ def _decide(enabled: bool, decided_by: str) -> dict[str, Action]:
 
 
 def hit(name: str) -> None:
-    """Fire failpoint ``name`` if it is armed and has not fired in this process yet."""
+    """Fire failpoint ``name`` if it is armed and has not fired in this process as many times
+    as it was armed for (once, or ``N``)."""
     if _armed is None:
         check()
     assert _armed is not None
@@ -134,6 +143,8 @@ def hit(name: str) -> None:
         return
     with _lock:
         action = _armed.pop(name, None)
+        if action is not None and action.times > 1:  # armed for more hits: one fewer now
+            _armed[name] = Action(action.kind, action.arg, action.times - 1)
     if action is None:
         return
     logs.get().warning(f"failpoint {name} fired: {action}", failpoint=name, pid=os.getpid())

@@ -66,6 +66,13 @@ from understudy.daemon.probe import Prober
 DOWNTIME_REPORT_S = 60.0
 #: deletes per transaction when removing retired namespaces (etcd's --max-txn-ops: 128)
 TXN_DELETES = 100
+#: A controller whose rounds fail this many times in a row with an error of its own (not an
+#: etcd outage, which fails every daemon's alike) resigns: a daemon whose code or environment
+#: breaks every round must not keep the cluster without a controller while others could lead.
+RESIGN_AFTER_FAILED_ROUNDS = 5
+#: ... and stands aside this long before it campaigns again (another daemon takes the key; if
+#: every one fails the same way, the leadership goes round at this pace, not in a tight loop).
+RESIGN_BACKOFF_S = 60.0
 
 
 class Controller:
@@ -102,6 +109,8 @@ class Controller:
         #: node -> why this controller revoked its lease (its probes: see _probe_failed); a
         #: node lost on evidence needs neither the settle time nor a hold
         self._evidence: dict[str, str] = {}
+        #: wall time until which this daemon, having resigned, does not campaign
+        self._resigned_until = 0.0
 
     # -- election ---------------------------------------------------------------------------
 
@@ -117,6 +126,10 @@ class Controller:
     async def _campaign_once(self) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.agent.registered.wait(), 1.0)
+        if (aside := self._resigned_until - self.wall()) > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), min(aside, 1.0))
+            return
         lease = self.agent.lease
         if lease is None or self.stop.is_set():
             return
@@ -165,7 +178,9 @@ class Controller:
                                f"Node {self.agent.cfg.node} became the controller.")
         lost = asyncio.Event()
         watches: list[asyncio.Task[None]] = []
-        failed_rounds = 0
+        failed_rounds = 0  # in a row, an outage's included
+        broken_rounds = 0  # in a row, failed with an error of this controller's own
+        self.metrics.controller_failed_rounds.set(0)
         try:
             rev = await self._relist()
             last_list = self.wall()
@@ -198,11 +213,13 @@ class Controller:
                     await self._apply(plan(view, now))
                     if failed_rounds:
                         self.log.info(f"Controller rounds succeed again after {failed_rounds} "
-                                      "that could not reach etcd.")
-                        failed_rounds = 0
+                                      "that failed.")
+                        failed_rounds = broken_rounds = 0
+                        self.metrics.controller_failed_rounds.set(0)
                 except StoreError as exc:
                     # An etcd outage fails every round until it ends: say so once, not each time.
                     failed_rounds += 1
+                    self.metrics.controller_failed_rounds.set(failed_rounds)
                     (self.log.warning if failed_rounds == 1 else self.log.debug)(
                         "Controller round failed; retrying until etcd answers.", error=str(exc))
                     with contextlib.suppress(TimeoutError):
@@ -210,9 +227,15 @@ class Controller:
                 except Exception:
                     # A bug here would crash every daemon in turn as each is elected, and take
                     # every node's workers with it: contain it, shout, and retry each second.
+                    failed_rounds += 1
+                    broken_rounds += 1
+                    self.metrics.controller_failed_rounds.set(failed_rounds)
                     self.metrics.errors.labels(kind="controller").inc()
                     self.log.exception("The controller's round failed; it did nothing this "
-                                       "round and tries again.")
+                                       "round and tries again.", failed_in_a_row=broken_rounds)
+                    if broken_rounds >= RESIGN_AFTER_FAILED_ROUNDS:
+                        await self._resign(broken_rounds)
+                        return
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self.stop.wait(), 1.0)
         finally:
@@ -223,11 +246,27 @@ class Controller:
                 await asyncio.wait(watches, timeout=2)
             self.is_leader = False
             self.metrics.controller.set(0)
+            self.metrics.controller_failed_rounds.set(0)  # counted while it leads
             self.metrics.registry.unregister(self.job_metrics)  # another controller's now
             self.log.info("This daemon is no longer the controller.")
             if self.stop.is_set() and self.agent.lease == lease:
                 with contextlib.suppress(StoreError):
                     await self.store.delete(self.keys.controller)
+
+    async def _resign(self, rounds: int) -> None:
+        """Give the leadership up after ``rounds`` failed rounds in a row: delete the controller
+        key if it is still the one this daemon won, and stand aside ``RESIGN_BACKOFF_S``."""
+        self._resigned_until = self.wall() + RESIGN_BACKOFF_S
+        why = (f"Node {self.agent.cfg.node} resigned as the controller: its last {rounds} "
+               f"rounds failed with errors of its own (see its log); it stands aside "
+               f"{RESIGN_BACKOFF_S:g} s.")
+        self.log.error(why)
+        with contextlib.suppress(StoreError):
+            await self.store.txn(
+                compare=[("create", self.keys.controller, self._leader_key_revision)],
+                success=[("delete", self.keys.controller)])
+        with contextlib.suppress(Exception):  # saying so must not fail the resignation
+            await self.events.emit("controller-resigned", why)
 
     def _downtime(self, job: str, migration: str, seconds: float) -> None:
         """A rank's downtime report: counted if it is of the job's migration now, or of one

@@ -38,6 +38,10 @@ class Metrics:
                               registry=r)
         self.controller = Gauge("understudy_controller",
                                 "1 while this daemon is the elected controller.", registry=r)
+        self.controller_failed_rounds = Gauge(
+            "understudy_controller_failed_rounds",
+            "Rounds in a row this controller failed (an etcd outage or an error of its own; it "
+            "resigns after 10 of its own); 0 once a round succeeds.", registry=r)
         self.workers = Gauge("understudy_workers", "Running child workers.", registry=r)
         self.standby_warm_since = Gauge(
             "understudy_standby_warm_since_timestamp_seconds",

@@ -107,6 +107,35 @@ def test_a_failing_controller_round_is_contained(cluster: LocalCluster) -> None:
     assert _metric(cluster.daemons[leader].metrics_port, "understudy_errors_total") >= 1
 
 
+def test_a_controller_whose_every_round_fails_resigns_and_another_leads(
+        cluster: LocalCluster) -> None:
+    # node-a's rounds all raise (a failpoint standing in for a bug, or an environment, of that
+    # daemon alone): it must not keep the cluster without a working controller. After 5 in a
+    # row it gives the key up and stands aside; another daemon leads and decides.
+    a = cluster.add("node-a", "active",
+                    env={"UNDERSTUDY_FAILPOINTS": "controller.round=1000*raise"})
+    cluster.wait_state("node-a", "active")
+    cluster.wait_for("node-a to lead", lambda s: s.controller == "node-a")
+    cluster.add("node-b", "active")
+    cluster.add("node-s", "standby")
+    wait_log(a, "The controller's round failed", timeout=10)
+    assert _metric(a.metrics_port, "understudy_controller_failed_rounds") >= 1
+    cluster.wait_for("another controller", lambda s: s.controller not in (None, "node-a"),
+                     timeout=60)
+    resigned = [e for e in cluster.events() if e.kind == "controller-resigned"]
+    assert [e.node for e in resigned] == ["node-a"], resigned
+    assert "its last 5 rounds failed" in resigned[0].message
+    assert a.alive()
+    assert _metric(a.metrics_port, "understudy_controller") == 0
+    assert _metric(a.metrics_port, "understudy_controller_failed_rounds") == 0
+    # The new controller decides: the third node, killed, is declared failed.
+    leader = cluster.status().controller
+    victim = next(n for n in ("node-b", "node-s") if n != leader)
+    cluster.daemons[victim].kill9()
+    cluster.wait_state(victim, "failed", timeout=cluster.lease_ttl + 5)
+    assert cluster.status().controller == leader  # node-a stood aside
+
+
 def test_drain_undrain_cordon_via_cli(cluster: LocalCluster) -> None:
     _three(cluster)
     out = cluster.cli("drain", "node-b", "--deadline", "20", "--wait")

@@ -14,13 +14,14 @@ from understudy.common import env, failpoints
 
 
 def test_specs_parse_and_bad_ones_name_the_culprit() -> None:
-    armed = failpoints.parse(" a.b=sleep(0.5); c-d=exit(3) ;e=raise")
+    armed = failpoints.parse(" a.b=sleep(0.5); c-d=exit(3) ;e=raise; f=3*raise")
     assert {k: str(v) for k, v in armed.items()} == {"a.b": "sleep(0.5)", "c-d": "exit(3)",
-                                                     "e": "raise"}
+                                                     "e": "raise", "f": "3*raise"}
     assert failpoints.parse("") == {}
     for bad, words in (("a.b", "not name=action"), ("A=sleep(1)", "not name=action"),
                        ("a=kill(1)", "not sleep(S), exit(N) or raise"), ("a=exit(1.5)", "whole"),
-                       ("a=sleep(1);a=exit(1)", "armed twice"), ("a=sleep(-1)", "sleep(S)")):
+                       ("a=sleep(1);a=exit(1)", "armed twice"), ("a=sleep(-1)", "sleep(S)"),
+                       ("a=0*raise", "N* before it"), ("a=*raise", "N* before it")):
         with pytest.raises(failpoints.FailpointError, match=words.replace("(", r"\(")
                            .replace(")", r"\)")):
             failpoints.parse(bad)
@@ -42,6 +43,12 @@ def test_an_armed_point_fires_once_and_others_do_nothing(monkeypatch: pytest.Mon
     monkeypatch.setattr(failpoints, "_armed", None)
     with pytest.raises(failpoints.FailpointFired, match="failpoint bug"):
         failpoints.hit("bug")
+    failpoints.hit("bug")
+    monkeypatch.setenv(env.FAILPOINTS, "bug=3*raise")  # the first three hits
+    monkeypatch.setattr(failpoints, "_armed", None)
+    for _ in range(3):
+        with pytest.raises(failpoints.FailpointFired, match="failpoint bug"):
+            failpoints.hit("bug")
     failpoints.hit("bug")
 
 
