@@ -56,6 +56,14 @@ STANDBY_SILENCE_S = 10.0
 #: transfer before it calls the migration off anyway: longer than a leaver's send may take to fail
 #: (its transfer timeout, 60 s), since a decision without that word can lose the rank.
 JOINER_VERDICT_WAIT_S = 90.0
+#: A joiner whose leaver said the state went through has only its prepared groups left to
+#: switch in, which takes well under a second. One that has not said it switched this long
+#: after is hung (deadlocked, stopped, swapping), and the job's other ranks wait on it in
+#: their first collective of the new epoch, with no recovery coming while the switch stands
+#: (review M5). Its daemon stops it: its rank is then recovered from a replica, as after a
+#: joiner that died holding the state. Below the job's collective timeout (60 s by default),
+#: so that the ranks waiting on it are still there to take part.
+JOINER_SWITCH_S = 30.0
 
 
 def rank_child(job: str, rank: int) -> str:
@@ -133,6 +141,9 @@ class JobRunner:
         #: joiner chosen on this node: its promotion stands even if the migration record is
         #: replaced by the next one before this daemon saw it done
         self._chosen: dict[str, tuple[str, int, int, int]] = {}
+        #: (migration id, rank) -> when this daemon first saw its joiner here hold the state
+        #: without having switched (see JOINER_SWITCH_S)
+        self._holding_since: dict[tuple[str, int], float] = {}
         #: job -> monotonic time of the last request from its standby worker's reporting
         #: connection
         self._standby_seen: dict[str, float] = {}
@@ -287,6 +298,7 @@ class JobRunner:
         await asyncio.gather(*(self.supervisor.stop(name, self._stop_grace(name, jobs))
                                for name in stopping))
         await self._check_standbys(jobs, running)
+        await self._check_switches(jobs)
         await self._back_to_the_pool(jobs, promotions)
 
     def _stop_grace(self, name: str, jobs: dict[str, _Job]) -> float:
@@ -460,6 +472,39 @@ class JobRunner:
             self._publish_warmth = False
             with contextlib.suppress(StoreError):
                 await self.agent.publish()
+
+    async def _check_switches(self, jobs: dict[str, _Job]) -> None:
+        """Stop a joiner here that holds its rank's state but has not switched within
+        ``JOINER_SWITCH_S`` (it is hung; see there)."""
+        now = time.monotonic()
+        seen = set()
+        for job in jobs.values():
+            m = job.migration
+            if m is None or m.phase != MigrationPhase.SWITCHING or self.node not in m.joiners:
+                continue
+            prefix = self.keys.kv(f"{m.job}/migration/{m.id}")
+            for rank, joiner in zip(m.ranks, m.joiners, strict=True):
+                chosen = self._chosen.get(rank_child(m.job, rank))
+                if joiner != self.node or chosen is None or chosen[0] != m.id:
+                    continue
+                transferred = await self.store.get(prefix + Report.TRANSFERRED.of(rank))
+                if transferred is None or transferred.value != TRANSFER_OK or \
+                        await self.store.get(prefix + Report.SWITCHED.of(rank)) is not None:
+                    continue
+                seen.add((m.id, rank))
+                since = self._holding_since.setdefault((m.id, rank), now)
+                child = next((n for n, c in self.supervisor.children.items()
+                              if c.pid == chosen[3] and c.state == ChildState.RUNNING), None)
+                if child is None or now - since <= JOINER_SWITCH_S:
+                    continue
+                self.log.error(f"The joiner of rank {rank} of job {m.job} holds the rank's state "
+                               f"but has not switched in {now - since:.0f} s: it is hung. "
+                               "Stopping it; the rank is recovered from a replica.",
+                               job=m.job, rank=rank, migration=m.id, child=child)
+                self.agent.metrics.errors.labels(kind="joiner-hung").inc()
+                await self.supervisor.stop(child, 0.5)
+        for key in set(self._holding_since) - seen:
+            del self._holding_since[key]
 
     def _assigned_here(self, job: _Job) -> set[str]:
         assert job.spec and job.assignment

@@ -526,6 +526,30 @@ def test_a_joiner_dying_after_its_state_arrived_is_recovered_after_the_drain_com
         assert_bitwise_equal(reference, out, world=4)
 
 
+def test_a_joiner_hung_at_the_switch_is_stopped_and_its_rank_recovered(
+        etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:
+    # node-s2's joiner (rank 3) holds the leaver's state and hangs before it switches (review
+    # M5): the stayers wait on it in their first collective of the new epoch, and while the
+    # switch stands no recovery is planned. Before, the job stood still until their collective
+    # timeout failed them, and the migration stayed in its switch for good. Its daemon now
+    # stops it after JOINER_SWITCH_S; the drain commits and rank 3 is recovered from rank 1.
+    armed = {"node-s2": {"UNDERSTUDY_FAILPOINTS": "joiner.switch=sleep(600)"}}
+    with training(etcd, tmp_path, {"node-a": 2, "node-b": 2}, (*STANDBYS, "node-s3"),
+                  armed=armed, standby=3) as (c, out):
+        _wait_steps(c.daemons["node-b"], 3, 50)
+        drain = c.cli("drain", "node-b", "--deadline", "120", "--wait", timeout=180)
+        assert drain.returncode == 0, drain.stdout + drain.stderr
+        job = _finish(c)
+        assert "holds the rank's state but has not switched" in \
+            c.daemons["node-s2"].log_text()
+        planned = [e["message"] for e in events(c) if e["kind"] == "migration-planned"]
+        assert len(planned) == 2 and "recovery: rank 3 -> node-s3 (state from rank 1)" in \
+            planned[1], planned
+        assert job.assignment.epoch == 3
+        assert job.assignment.ranks == ("node-a", "node-a", "node-s1", "node-s3")
+        assert_bitwise_equal(reference, out, world=4)
+
+
 def test_a_stayer_dying_at_the_switch_is_recovered_after_the_drain_commits(
         etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:
     # One rank per node. node-b (rank 1) is drained; rank 2 on node-c crashes in phase 2, at
