@@ -506,6 +506,15 @@ class JobRunner:
         for key in set(self._holding_since) - seen:
             del self._holding_since[key]
 
+    def worker_job(self, pid: int) -> str | None:
+        """The job of this daemon's running child ``pid`` (None: no such child): what the local
+        socket binds that child's connections to."""
+        for name, child in self.supervisor.children.items():
+            if child.pid == pid and child.state == ChildState.RUNNING:
+                m = _CHILD_RE.match(name)
+                return m["job"] if m else None
+        return None
+
     def _assigned_here(self, job: _Job) -> set[str]:
         assert job.spec and job.assignment
         return {rank_child(job.spec.name, r) for r in job.assignment.ranks_on(self.node)}

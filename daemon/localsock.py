@@ -121,6 +121,14 @@ def _ignore_report(job: str, report: WorkerReport) -> None:
     return None
 
 
+#: the job of the daemon's child with this pid, while it runs (None: no such child)
+WorkerJob = Callable[[int], str | None]
+
+
+def _no_workers(pid: int) -> str | None:
+    return None
+
+
 def _warmth(req: dict[str, Any]) -> dict[str, Any]:
     mode, roles, detail = req.get("mode"), req.get("roles", []), req.get("detail", "")
     if not isinstance(mode, str) or not 0 < len(mode) <= 40:
@@ -152,8 +160,11 @@ class LocalServer:
                  epoch_check: EpochCheck = _accept_all, job_info: JobInfo = _no_jobs,
                  standby_report: StandbyReport = _ignore_standby,
                  next_view: NextView | None = None, socket_group: int | None = None,
-                 worker_report: WorkerReportSink = _ignore_report) -> None:
+                 worker_report: WorkerReportSink = _ignore_report,
+                 worker_job: WorkerJob = _no_workers) -> None:
         self.path, self.store, self.keys = path, store, keys
+        self.worker_job = worker_job
+        self._foreign: set[tuple[str, str]] = set()  # (job, namespace) refused and logged
         self.epoch_check = epoch_check
         self.job_info = job_info
         quiet = asyncio.Event()  # no jobs' view: nothing ever changes
@@ -194,7 +205,12 @@ class LocalServer:
         task = asyncio.current_task()
         assert task is not None
         self._conns.add(task)
-        refused = self.gate.check(writer.get_extra_info("socket"))
+        refused, worker = self.gate.admit(writer.get_extra_info("socket"))
+        # A worker (or a process below it) acts for its own job only (review H3).
+        bound = self.worker_job(worker) if worker is not None else None
+        if refused is None and worker is not None and bound is None:
+            refused = (f"process {worker}, which this connection comes from, is no worker this "
+                       "daemon runs now")
         if refused is not None:
             try:
                 await self._refuse(reader, writer, refused)
@@ -220,7 +236,7 @@ class LocalServer:
                     rid = req.get("id")
                     op = Op(str(req.get("op")))
                     if op == Op.HELLO:
-                        namespace, epoch = self._hello(req)
+                        namespace, epoch = self._hello(req, bound)
                         reply: dict[str, Any] = {}
                     elif namespace is None:
                         raise RequestError("the first request must be hello")
@@ -301,11 +317,21 @@ class LocalServer:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(changed.wait(), remaining)
 
-    def _hello(self, req: dict[str, Any]) -> tuple[str, int]:
+    def _hello(self, req: dict[str, Any], job: str | None) -> tuple[str, int]:
+        """The connection's namespace and epoch. ``job``: the job of the worker it comes
+        from, whose namespaces alone it may use (None: not a worker's, bound to no job)."""
         ns, epoch = req.get("namespace"), req.get("epoch", 0)
         if not isinstance(ns, str) or not NAMESPACE_RE.match(ns) or len(ns) > 200 \
                 or any(part in (".", "..") for part in ns.split("/")):
             raise RequestError(f"namespace {ns!r} is not a valid path of names")
+        if job is not None and ns.split("/", 1)[0] != job:
+            if (job, ns) not in self._foreign:  # one warning each, however often it asks
+                if len(self._foreign) >= 1024:
+                    self._foreign.clear()
+                self._foreign.add((job, ns))
+                self.log.warning("Refused a worker's request for another job's namespace.",
+                                 job=job, namespace=ns)
+            raise RequestError(f"a worker of job {job!r} may not use namespace {ns!r}")
         if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
             raise RequestError(f"epoch {epoch!r} is not a non-negative integer")
         refusal = self.epoch_check(ns, epoch)

@@ -114,6 +114,7 @@ class Daemon:
                                  job_info=self.jobs.job_info, next_view=self.jobs.next_view,
                                  standby_report=self.jobs.standby_report,
                                  worker_report=self.metrics.worker_report,
+                                 worker_job=self.jobs.worker_job,
                                  socket_group=config_mod.group_id(cfg.socket_group)
                                  if cfg.socket_group else None)
         self.probe = ProbeResponder(cfg.node, lambda: self.agent.incarnation)

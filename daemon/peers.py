@@ -1,13 +1,17 @@
 """Who may use the daemon's local socket: its own workers, and members of one configured group.
 
-The socket serves a job's key-value store, its view and its migration reports; whoever connects
-can act for any job on the node (``daemon/localsock.py``). So the daemon asks the kernel who is
+The socket serves a job's key-value store, its view and its migration reports
+(``daemon/localsock.py``). So the daemon asks the kernel who is
 at the other end of each connection, as it connects, and admits:
 
 - the daemon itself, and every process descended from it: the workers the supervisor starts and
   their own children (data loaders, compile workers), which inherit ``$UNDERSTUDY_SOCKET``;
 - a process whose effective group, or one of whose supplementary groups, is the configured
   ``socket_group`` (a monitoring agent, a job started through a container runtime).
+
+A worker, and every process below it, acts for its own job only: the daemon maps the
+connection to the child it descends from, and refuses a namespace of another job
+(``daemon/localsock.py``; review H3). A member of the socket group is bound to no job.
 
 Nothing else: not root, not the daemon's own user. A refused connection is answered with one
 error line and closed; the daemon logs one warning per refused process. The credentials are
@@ -19,6 +23,7 @@ orphaned by its worker's death is re-parented and no longer admitted.
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import struct
@@ -63,6 +68,17 @@ def refusal(peer: Peer, ancestors: tuple[int, ...], daemon_pid: int,
         "(socket_group is not set)"
     return (f"{peer} is not a worker of this daemon (pid {daemon_pid}); besides its workers it "
             f"admits {admits}")
+
+
+def worker_of(peer: Peer, ancestors: tuple[int, ...], daemon_pid: int) -> int | None:
+    """The daemon's child that ``peer`` is, or descends from (a worker, for its data loaders
+    and other children): the pid whose parent is the daemon. None for the daemon itself and
+    for a process that does not descend from it (a member of the socket group)."""
+    chain = (peer.pid, *ancestors)
+    for pid, parent in itertools.pairwise(chain):
+        if parent == daemon_pid:
+            return pid
+    return None
 
 
 def read_peer(sock: Any) -> Peer:
@@ -112,15 +128,21 @@ class PeerGate:
 
     def check(self, sock: Any) -> str | None:
         """Why the process at the other end of ``sock`` is refused, or None."""
+        return self.admit(sock)[0]
+
+    def admit(self, sock: Any) -> tuple[str | None, int | None]:
+        """Why the process at the other end of ``sock`` is refused (or None), and the daemon's
+        child it is or descends from (:func:`worker_of`)."""
         try:
             peer = read_peer(sock)
         except OSError as exc:
-            return f"the daemon cannot tell who connected: {exc.strerror}"
-        why = refusal(peer, ancestors(peer.pid), self.daemon_pid, self.group)
+            return f"the daemon cannot tell who connected: {exc.strerror}", None
+        chain = ancestors(peer.pid)
+        why = refusal(peer, chain, self.daemon_pid, self.group)
         if why is not None and peer.pid not in self._warned:
             if len(self._warned) >= _MAX_REMEMBERED:
                 self._warned.clear()
             self._warned.add(peer.pid)
             self.log.warning("Refused a connection to the workers' socket.", pid=peer.pid,
                              uid=peer.uid, gid=peer.gid, reason=why)
-        return why
+        return why, (worker_of(peer, chain, self.daemon_pid) if why is None else None)

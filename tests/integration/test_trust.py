@@ -86,12 +86,17 @@ def test_only_the_daemons_own_workers_use_its_socket(production: LocalCluster,
     production.wait_state("node-a", "active")
     production.wait_for("a controller", lambda s: s.controller is not None)
     # A worker the daemon started reaches the job's store through the socket.
-    out = production.cli("run", "--job", "j", "--tp", "1", "--dp", "1", "--",
-                         sys.executable, PROBE)
+    # It acts for its own job only (review H3): another job's namespace is refused.
+    out = production.cli("run", "--job", "j", "--tp", "1", "--dp", "1",
+                         "--env=PROBE_FOREIGN=other/probe", "--", sys.executable, PROBE)
     assert out.returncode == 0, out.stderr
     production.wait_for("j done", lambda s: s.job("j") is not None
                         and s.job("j").state == "done", timeout=60)  # type: ignore[union-attr]
     assert _kv(etcd, f"{production.prefix}/kv/j/probe/rank0") == b"1,1,1,0,0,node-a"
+    assert _kv(etcd, f"{production.prefix}/kv/j/probe/foreign0") == \
+        b"a worker of job 'j' may not use namespace 'other/probe'"
+    assert _kv(etcd, f"{production.prefix}/kv/other/probe/from-another-job") is None
+    assert "Refused a worker's request for another job's namespace." in d.log_text()
     # This test process runs as root, as the daemon does, and is refused all the same: twice,
     # with one warning in the daemon's log.
     for _ in range(2):

@@ -31,7 +31,7 @@ from understudy.common.records import Assignment, Migration, MigrationPhase
 from understudy.common.snapshot_tiers import SnapshotReport
 from understudy.common.store import EtcdStore
 from understudy.daemon.localsock import LocalServer, fenced
-from understudy.daemon.peers import Peer, ancestors, read_peer, refusal
+from understudy.daemon.peers import Peer, ancestors, read_peer, refusal, worker_of
 from understudy.groups.groupset import GroupSet
 from understudy.testing.embedded_etcd import EmbeddedEtcd
 from understudy.worker import migration
@@ -56,7 +56,10 @@ class _Daemon:
                                        daemon=True)
         self.thread.start()
         self.store = EtcdStore(cfg.etcd)
-        self.server = LocalServer(path, self.store, KEYS, "node-a", epoch_check=self._check)
+        #: pid -> job of the processes this test starts as the daemon's workers
+        self.workers: dict[int, str] = {}
+        self.server = LocalServer(path, self.store, KEYS, "node-a", epoch_check=self._check,
+                                  worker_job=self.workers.get)
         self.run(self.server.start())
 
     def _check(self, namespace: str, epoch: int) -> str | None:
@@ -239,6 +242,47 @@ def test_the_peer_decision_admits_descendants_and_the_group_only() -> None:
     assert refusal(root, (), daemon_pid=100, group=None) is not None  # gone: no ancestry
 
 
+def test_the_worker_a_peer_descends_from_is_the_daemons_child_in_its_ancestry() -> None:
+    assert worker_of(Peer(200, 0, 0, ()), (100, 1), daemon_pid=100) == 200  # the worker
+    assert worker_of(Peer(250, 0, 0, ()), (200, 100, 1), daemon_pid=100) == 200  # its loader
+    assert worker_of(Peer(100, 0, 0, ()), (1,), daemon_pid=100) is None  # the daemon
+    assert worker_of(Peer(300, 0, 0, ()), (1,), daemon_pid=100) is None  # a group member
+
+
+_FOREIGN = """
+import json, sys
+from understudy.common.daemon_client import DaemonClient, DaemonError
+out = {}
+for ns in sys.argv[2:]:
+    try:
+        with DaemonClient(ns, epoch=1, path=sys.argv[1], timeout=5) as c:
+            c.set("k", b"v")
+        out[ns] = "admitted"
+    except DaemonError as exc:
+        out[ns] = str(exc)
+print(json.dumps(out))
+"""
+
+
+def test_a_worker_uses_its_own_jobs_namespaces_only(daemon: _Daemon) -> None:
+    """Review H3: any process the daemon admitted could act for any job (abort another job's
+    migration, re-point its holders). A worker of job j now reaches j's namespaces only; a
+    process below the daemon that is no worker it runs is refused."""
+    child = subprocess.Popen([sys.executable, "-c", _FOREIGN, str(daemon.path), "j/migration/m1",
+                              "j", "other/migration/m1", "other", "jx/control"],
+                             stdout=subprocess.PIPE, text=True)
+    daemon.workers[child.pid] = "j"
+    out, _ = child.communicate(timeout=60)
+    got = json.loads(out)
+    assert got["j/migration/m1"] == got["j"] == "admitted"
+    for ns in ("other/migration/m1", "other", "jx/control"):
+        assert got[ns] == f"a worker of job 'j' may not use namespace {ns!r}", got
+    assert daemon.value("other/migration/m1/k") is None and daemon.value("j/k") == b"v"
+    stranger = subprocess.run([sys.executable, "-c", _FOREIGN, str(daemon.path), "j"],
+                              capture_output=True, text=True, timeout=60)
+    assert json.loads(stranger.stdout)["j"].endswith("is no worker this daemon runs now")
+
+
 def test_the_kernel_reports_a_peers_credentials_and_ancestry() -> None:
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     with a, b:
@@ -284,9 +328,10 @@ def test_a_process_that_does_not_descend_from_the_daemon_is_refused(
     one warning), whatever its uid."""
     with _client(daemon, "j/snapshots", 1) as c:
         c.ping()
-    child = subprocess.run([sys.executable, "-c", _ORPHAN.replace("os.fork()", "False"),
-                            str(daemon.path), str(tmp_path / "child.json")], timeout=60)
-    assert child.returncode == 0
+    child = subprocess.Popen([sys.executable, "-c", _ORPHAN.replace("os.fork()", "False"),
+                              str(daemon.path), str(tmp_path / "child.json")])
+    daemon.workers[child.pid] = "j"  # a worker of job j, as the supervisor would know it
+    assert child.wait(60) == 0
     assert json.loads((tmp_path / "child.json").read_text())["results"] == ["admitted"] * 2
     out = tmp_path / "orphan.json"
     subprocess.run([sys.executable, "-c", _ORPHAN, str(daemon.path), str(out)], timeout=60,
