@@ -57,6 +57,7 @@ import contextlib
 import enum
 import hmac
 import json
+import mmap
 import os
 import re
 import secrets
@@ -125,8 +126,22 @@ def send_frame(sock: socket.socket, header: dict[str, Any],
         sock.sendall(view[i:i + CHUNK])
 
 
+#: what a payload is read into: a bytearray, or past LAZY_BYTES on a fetch an anonymous
+#: mapping whose pages exist only once data lands in them
+Payload = bytearray | mmap.mmap
+#: payloads from this size on are read into memory committed as it arrives (``lazy``)
+LAZY_BYTES = 16 << 20
+
+
 def _recv_exactly(sock: socket.socket, n: int, deadline: float | None = None) -> bytearray:
     buf = bytearray(n)
+    _recv_into(sock, buf, deadline)
+    return buf
+
+
+def _recv_into(sock: socket.socket, buf: Payload, deadline: float | None = None) -> None:
+    """Fill ``buf`` from ``sock``. Raises ProtocolError if the peer closes early."""
+    n = len(buf)
     view = memoryview(buf)
     got = 0
     while got < n:
@@ -135,7 +150,6 @@ def _recv_exactly(sock: socket.socket, n: int, deadline: float | None = None) ->
         if k == 0:
             raise ProtocolError(f"the connection closed {got} bytes into a {n}-byte read")
         got += k
-    return buf
 
 
 def _before(sock: socket.socket, deadline: float | None) -> None:
@@ -176,8 +190,27 @@ def recv_head(sock: socket.socket, deadline: float | None = None
     return header, payload_len, crc
 
 
-def recv_payload(sock: socket.socket, n: int, crc: int) -> bytearray:
-    data = _recv_exactly(sock, n)
+def recv_payload(sock: socket.socket, n: int, crc: int, lazy: bool = False) -> Payload:
+    """A frame's payload of ``n`` bytes, checked against ``crc``.
+
+    ``lazy``: ``n`` is the peer's claim, not yet earned (a fetch's reply): past
+    ``LAZY_BYTES`` the buffer is an anonymous mapping, whose memory the kernel commits page by
+    page as the bytes arrive, so a peer that claims a terabyte and sends little costs what it
+    sent, not what it claimed (review M7); a claim the kernel cannot map at all is refused.
+
+    Raises:
+        ProtocolError: the peer closed early, the crc does not match, or the claim cannot be
+            mapped here.
+    """
+    data: Payload
+    if lazy and n >= LAZY_BYTES:
+        try:
+            data = mmap.mmap(-1, n)
+        except (OSError, OverflowError, ValueError) as exc:
+            raise ProtocolError(f"a payload of {n} bytes cannot be held here: {exc}") from None
+    else:
+        data = bytearray(n)
+    _recv_into(sock, data)
     if zlib.crc32(data) != crc:
         raise ProtocolError(f"the payload's crc32 does not match ({n} bytes)")
     return data
@@ -471,7 +504,9 @@ class SnapshotHolder:
             if pending is None or size != pending.size:
                 said = None if pending is None else (pending.rank, pending.step, pending.size)
                 raise ProtocolError(f"{size} bytes of data, but {said} was admitted")
+            # admitted within the holder's budget at PUSH: read as it comes
             data = recv_payload(conn, size, crc)  # ProtocolError: released by the caller
+            assert isinstance(data, bytearray)
             if not data.startswith(_ZIP):
                 raise ProtocolError("the payload is not a torch.save archive")
             try:  # the reservation is used up either way

@@ -16,6 +16,7 @@ from understudy.worker.holder import (
     HolderAddress,
     HolderError,
     Op,
+    Payload,
     ProtocolError,
     SnapshotHolder,
     recv_head,
@@ -43,7 +44,7 @@ class _Connection:
         self.sock.close()
 
     def request(self, header: dict[str, Any], payload: bytes | memoryview = b""
-                ) -> tuple[dict[str, Any], bytearray]:
+                ) -> tuple[dict[str, Any], Payload]:
         where = f"holder on {self.holder.node} ({self.holder.address})"
         try:
             send_frame(self.sock, {**header, "token": self.holder.token}, payload)
@@ -53,7 +54,7 @@ class _Connection:
             reply, size, crc = head
             if size > MAX_FETCH:
                 raise ProtocolError(f"a reply of {size} bytes exceeds {MAX_FETCH}")
-            data = recv_payload(self.sock, size, crc)
+            data = recv_payload(self.sock, size, crc, lazy=True)
         except HolderError as exc:
             raise HolderError(f"{where}: {exc}") from exc
         except OSError as exc:
@@ -64,7 +65,7 @@ class _Connection:
 
 
 def _request(holder: HolderAddress, header: dict[str, Any], *,
-             timeout: float) -> tuple[dict[str, Any], bytearray]:
+             timeout: float) -> tuple[dict[str, Any], Payload]:
     with _Connection(holder, timeout) as conn:
         return conn.request(header)
 
@@ -104,7 +105,7 @@ def _ints(value: Any) -> bool:
 
 
 def fetch(holder: HolderAddress, rank: int, step: int, *, epoch: int | None = None,
-          timeout: float = 60.0) -> bytearray:
+          timeout: float = 60.0) -> Payload:
     """This rank's snapshot of ``step`` from ``holder``, checked against the push's crc;
     ``epoch``: only the copy pushed under that epoch.
 

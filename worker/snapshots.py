@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import io
 import json
+import mmap
 import os
 import pickle
 import re
@@ -207,7 +208,8 @@ def serialize(state: Any) -> memoryview:
     return buf.getbuffer()
 
 
-def load_serialized(data: bytes | bytearray | memoryview, runtime: Runtime) -> None:
+def load_serialized(data: bytes | bytearray | memoryview | mmap.mmap,
+                    runtime: Runtime) -> None:
     """Put ``runtime`` back to a state :func:`serialize` made. Only tensors, containers and
     scalars are unpickled (``weights_only``).
 
@@ -263,6 +265,7 @@ def restore(runtime: Runtime, step: int, source: str, *, directory: Path | None,
                                 f"{directory}: {exc}") from exc
         return "from storage"
     try:
+        data: bytes | bytearray | mmap.mmap
         if local is not None and (local.node, local.id) == (copies.node, copies.holder):
             data = local.get(rank, step, written)
             where = "from this standby's own memory"

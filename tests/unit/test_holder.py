@@ -357,3 +357,51 @@ def test_a_push_overtaken_by_a_newer_epoch_while_its_data_is_on_the_way_keeps_no
     assert reply["op"] == "error" and "from epoch 4 is stale" in reply["error"], reply
     assert holder.held_epochs() == {0: {20: 5}} and holder.reserved == 0
     assert holder.used == len(_archive(20))
+
+
+def test_a_fetch_reply_that_claims_more_than_it_sends_costs_only_what_arrived() -> None:
+    """Review M7: a holder's reply claiming 2 GiB made the fetching rank allocate 2 GiB before
+    the first byte came (``bytearray(n)``). Now the memory is committed as bytes arrive: a
+    fake holder that claims 2 GiB and sends 1 MiB, then stalls, costs the rank about 1 MiB;
+    when it closes, the fetch fails naming it."""
+    import threading
+
+    import psutil
+
+    claimed, sent = 2 << 30, 1 << 20
+    stalled, done = threading.Event(), threading.Event()
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def fake_holder() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(_HEAD.size, socket.MSG_WAITALL)
+            head = json.dumps({"op": "ok", "rank": 0, "step": 0}).encode()
+            conn.sendall(_HEAD.pack(MAGIC, VERSION, len(head), claimed, 0) + head + b"x" * sent)
+            stalled.set()
+            done.wait(30)
+
+    threading.Thread(target=fake_holder, daemon=True).start()
+    outcome: list[BaseException] = []
+
+    def fetching() -> None:
+        try:
+            fetch(HolderAddress("node-x", f"127.0.0.1:{port}", "ab12cd34", "a" * 32), 0, 0,
+                  timeout=30)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    me = psutil.Process()
+    before = me.memory_info().rss
+    client = threading.Thread(target=fetching)
+    client.start()
+    assert stalled.wait(10)
+    time.sleep(0.5)  # the client has read what was sent and waits for the rest
+    grown = me.memory_info().rss - before
+    done.set()
+    client.join(30)
+    server.close()
+    assert grown < 256 << 20, f"the fetch took {grown >> 20} MiB for {sent >> 20} MiB received"
+    assert len(outcome) == 1 and isinstance(outcome[0], HolderError), outcome
+    assert "holder on node-x" in str(outcome[0]), outcome[0]
