@@ -406,11 +406,17 @@ async def _run_job(store: EtcdStore, keys: Keys, args: argparse.Namespace) -> in
     if free < spec.world_size:
         raise CliError(f"cannot place job {spec.name!r}: it needs {spec.world_size} slots on "
                        f"active nodes and {free} are free")
-    standbys = [n for n in status.nodes if n.online and n.state == "standby"
-                and not n.cordoned]
+    # A standby node another running job holds in reserve is not free (the planner's rule,
+    # daemon/planner.py reserved_standbys: a job the CLI let through would wait unplaced).
+    reserved = {n for j in status.jobs if j.assignment is not None and j.state not in ENDED
+                for n in j.assignment.standbys}
+    online = [n for n in status.nodes if n.online and n.state == "standby" and not n.cordoned]
+    standbys = [n for n in online if n.name not in reserved]
     if len(standbys) < spec.standby:
+        held = len(online) - len(standbys)
         raise CliError(f"cannot place job {spec.name!r}: it needs {spec.standby} standby "
-                       f"nodes and {len(standbys)} are online")
+                       f"nodes and {len(standbys)} are free"
+                       + (f" ({held} more held in reserve by other jobs)" if held else ""))
     if not await store.txn(compare=[("create", keys.job_spec(spec.name), 0)],
                            success=[("put", keys.job_spec(spec.name), spec.encode(), None)]):
         raise CliError(f"a job named {spec.name!r} already exists")

@@ -138,6 +138,21 @@ def test_submissions_that_cannot_be_satisfied_change_nothing(cluster: LocalClust
     assert cluster.cli("resize", "rs").returncode == 2  # --dp is required
     for job in ("nope", "dup", "rs"):
         assert _kv(etcd, f"{cluster.prefix}/jobs/{job}/resize") is None
+    # The only standby node is held in reserve by a running job: it is not free for another
+    # (the planner would never place that job; the CLI counted the node as free).
+    held = cluster.cli("run", "--job", "held", "--tp", "1", "--dp", "1", "--standby", "1",
+                       "--env", "PROBE_SLEEP=60", "--", sys.executable, PROBE)
+    assert held.returncode == 0, held.stderr
+    cluster.wait_for("held's standby", lambda s: s.job("held") is not None and s.job(
+        "held").assignment is not None and s.job("held").assignment.standbys == ("node-s",))
+    cluster.wait_for("dup to end and free its slot", lambda s: s.job("dup") is not None and
+                     s.job("dup").state == "done", timeout=60)  # type: ignore[union-attr]
+    taken = cluster.cli("run", "--job", "sb2", "--tp", "1", "--dp", "1", "--standby", "1",
+                        "--", "true")
+    assert (taken.returncode, taken.stderr) == (1, (
+        "understudy: cannot place job 'sb2': it needs 1 standby nodes and 0 are free (1 more "
+        "held in reserve by other jobs)\n")), taken.stderr
+    assert _kv(etcd, f"{cluster.prefix}/jobs/sb2/spec") is None
 
 
 def test_workers_see_their_job_and_a_stale_epoch_is_refused(cluster: LocalCluster,
