@@ -207,7 +207,7 @@ _SECTIONS: dict[str, type] = {
 _TOP_LEVEL = {"node", "etcd", "role", "slots", "failure_domain", "addresses", "run_dir",
               "metrics_listen", "socket_group", "failpoints_enabled"}
 _ETCD_KEYS = {"endpoints", "prefix", "timeout", "ca", "cert", "key", "user", "password",
-              "password_file"}
+              "password_file", "insecure"}
 
 # Environment variable -> dotted setting. Flags are given to load() as dotted settings too.
 _ENV_SETTINGS = {
@@ -260,7 +260,7 @@ def load(
     for dotted, value in (overrides or {}).items():
         if value is not None:
             _set(raw, dotted, value)
-    return _build(raw, require_node)
+    return _build(raw, require_node, environ.get("CREDENTIALS_DIRECTORY"))
 
 
 def _check_address(address: str) -> None:
@@ -307,7 +307,7 @@ def _set(raw: dict[str, Any], dotted: str, value: Any) -> None:
     section[tail] = value
 
 
-def _build(raw: dict[str, Any], require_node: bool) -> Config:
+def _build(raw: dict[str, Any], require_node: bool, credentials: str | None = None) -> Config:
     node = raw.get("node", "")
     if not isinstance(node, str):
         raise ConfigError(f"node must be a string, got {node!r}")
@@ -317,7 +317,7 @@ def _build(raw: dict[str, Any], require_node: bool) -> Config:
         raise ConfigError(
             f"node name {node!r} must be 1-63 lowercase letters, digits, '.' or '-'"
         )
-    etcd_cfg = _build_etcd(raw.get("etcd"))
+    etcd_cfg = _build_etcd(raw.get("etcd"), credentials)
     role = raw.get("role", "active")
     if role not in ROLES:
         raise ConfigError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
@@ -356,7 +356,26 @@ def _build(raw: dict[str, Any], require_node: bool) -> Config:
     return cfg
 
 
-def _build_etcd(value: Any) -> EtcdConfig:
+def _read_password_file(name: str, credentials: str | None) -> str:
+    """The etcd password from ``name``: a path, or under systemd's ``LoadCredential=`` a
+    relative name in ``$CREDENTIALS_DIRECTORY`` (``credentials``). A file that others than its
+    owner may read is refused: the secret would not be one."""
+    path = Path(name)
+    if not path.is_absolute() and credentials:
+        path = Path(credentials) / path
+    try:
+        mode = path.stat().st_mode
+        if mode & 0o077:
+            raise ConfigError(f"etcd.password_file {str(path)!r} may be read by others than its "
+                              f"owner (mode {mode & 0o777:04o}): chmod 600 it, or hand it over "
+                              "with systemd's LoadCredential=")
+        return path.read_text().strip()
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot read etcd.password_file {str(path)!r}: {exc.strerror}") from exc
+
+
+def _build_etcd(value: Any, credentials: str | None = None) -> EtcdConfig:
     if value is None:
         raise ConfigError("no etcd endpoint: pass --etcd HOST:PORT or set UNDERSTUDY_ETCD")
     if isinstance(value, str | list):
@@ -368,12 +387,7 @@ def _build_etcd(value: Any) -> EtcdConfig:
         raise ConfigError("no etcd endpoint: pass --etcd HOST:PORT or set UNDERSTUDY_ETCD")
     password = value.get("password")
     if value.get("password_file") and not password:
-        try:
-            password = Path(value["password_file"]).read_text().strip()
-        except OSError as exc:
-            raise ConfigError(
-                f"cannot read etcd.password_file {value['password_file']!r}: {exc.strerror}"
-            ) from exc
+        password = _read_password_file(str(value["password_file"]), credentials)
     prefix = str(value.get("prefix", "/understudy"))
     if not PREFIX_RE.match(prefix):
         raise ConfigError(f"etcd prefix {prefix!r} must start with '/' and not end with '/'")
@@ -388,6 +402,18 @@ def _build_etcd(value: Any) -> EtcdConfig:
     user = value.get("user") or None
     if (user is None) != (password is None):
         raise ConfigError("etcd user and password must be given together")
+    insecure = value.get("insecure", False)
+    if not isinstance(insecure, bool):
+        raise ConfigError(f"etcd.insecure must be true or false, got {insecure!r}")
+    asked_tls = [e.strip() for e in str(endpoints).split(",")
+                 if e.strip().startswith("https://")]
+    if asked_tls and paths["ca"] is None:
+        raise ConfigError(f"etcd endpoint {asked_tls[0]!r} asks for TLS, but etcd.ca is not "
+                          "set: give the CA that signed etcd's certificate (without it the "
+                          "connection would be plaintext)")
+    if password is not None and paths["ca"] is None and not insecure:
+        raise ConfigError("etcd.user and its password would cross the network in clear: set "
+                          "etcd.ca (TLS), or etcd.insecure = true to accept that")
     return EtcdConfig(
         endpoints=parse_endpoints(str(endpoints)),
         prefix=prefix,

@@ -91,3 +91,29 @@ def test_trust_settings_are_off_by_default_and_checked(tmp_path: Path) -> None:
         config.load(overrides={**BASE, "socket_group": "no-such-group"}, environ={})
     with pytest.raises(ConfigError, match="failpoints_enabled must be true or false"):
         config.load(overrides={**BASE, "failpoints_enabled": "sometimes"}, environ={})
+
+
+def test_etcd_credentials_are_refused_where_they_would_not_stay_secret(tmp_path: Path) -> None:
+    """Review M6: an https:// endpoint without a CA was dialled in plaintext, a password was
+    sent without TLS, and a password file anyone could read was taken."""
+    secret = tmp_path / "etcd-password"
+    secret.write_text("s3cret\n")
+    secret.chmod(0o644)
+    for override, message in (
+            ({"etcd.endpoints": "https://127.0.0.1:2379"}, "asks for TLS, but etcd.ca is not set"),
+            ({"etcd.user": "u", "etcd.password": "p"}, "would cross the network in clear"),
+            ({"etcd.user": "u", "etcd.password": "p", "etcd.insecure": "yes"},
+             "etcd.insecure must be true or false"),
+            ({"etcd.user": "u", "etcd.password_file": str(secret), "etcd.insecure": True},
+             r"may be read by others than its owner \(mode 0644\)")):
+        with pytest.raises(ConfigError, match=message):
+            config.load(overrides={**BASE, **override}, environ={})
+    secret.chmod(0o600)
+    cfg = config.load(overrides={**BASE, "etcd.user": "u", "etcd.password_file": str(secret),
+                                 "etcd.insecure": True}, environ={})
+    assert (cfg.etcd.user, cfg.etcd.password) == ("u", "s3cret")
+    # systemd's LoadCredential=: a relative name is read from $CREDENTIALS_DIRECTORY.
+    cfg = config.load(overrides={**BASE, "etcd.user": "u", "etcd.password_file": secret.name,
+                                 "etcd.insecure": True},
+                      environ={"CREDENTIALS_DIRECTORY": str(tmp_path)})
+    assert cfg.etcd.password == "s3cret"
