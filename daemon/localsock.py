@@ -62,6 +62,9 @@ NAMESPACE_RE = re.compile(r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$")
 MAX_WAIT = 600.0
 #: how long a refused connection may take to send its first request, answered with the refusal
 REFUSAL_READ_S = 2.0
+#: connections served at once; past it a new one is answered "busy" and closed (each can hold a
+#: megabyte of buffer and a long poll: a runaway client must not take the daemon's memory)
+MAX_CONNECTIONS = 4096
 
 
 #: a job's namespaces (``<job>/<name>``) whose writes are fenced, beside ``<job>`` itself
@@ -164,6 +167,7 @@ class LocalServer:
                  worker_job: WorkerJob = _no_workers) -> None:
         self.path, self.store, self.keys = path, store, keys
         self.worker_job = worker_job
+        self.max_connections = MAX_CONNECTIONS
         self._foreign: set[tuple[str, str]] = set()  # (job, namespace) refused and logged
         self.epoch_check = epoch_check
         self.job_info = job_info
@@ -181,12 +185,18 @@ class LocalServer:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
-        self._server = await asyncio.start_unix_server(self._serve, path=str(self.path),
+        # Bound under a name of its own, given its group and mode, and only then renamed into
+        # place: no client ever finds the socket with the umask's mode (review L3). The mode is
+        # a first gate only: every connection's process is checked (PeerGate).
+        staging = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+        with contextlib.suppress(FileNotFoundError):
+            staging.unlink()
+        self._server = await asyncio.start_unix_server(self._serve, path=str(staging),
                                                        limit=MAX_LINE)
-        # The mode is a first gate only: every connection's process is checked (PeerGate).
         if self.socket_group is not None:
-            os.chown(self.path, -1, self.socket_group)
-        self.path.chmod(0o660)
+            os.chown(staging, -1, self.socket_group)
+        staging.chmod(0o660)
+        os.replace(staging, self.path)
 
     async def close(self) -> None:
         if self._server is not None:
@@ -205,6 +215,13 @@ class LocalServer:
         task = asyncio.current_task()
         assert task is not None
         self._conns.add(task)
+        if len(self._conns) > self.max_connections:
+            try:
+                await self._refuse(reader, writer, f"the daemon is serving {self.max_connections} "
+                                   "connections already; try again")
+            finally:
+                self._conns.discard(task)
+            return
         refused, worker = self.gate.admit(writer.get_extra_info("socket"))
         # A worker (or a process below it) acts for its own job only (review H3).
         bound = self.worker_job(worker) if worker is not None else None
@@ -256,8 +273,11 @@ class LocalServer:
                     if standby_of is not None and op != Op.WARMTH:
                         self.standby_report(standby_of, None)
                     out = {"id": rid, "ok": True, **reply}
-                except (RequestError, ValueError) as exc:
-                    out = {"id": rid, "ok": False, "error": str(exc)}
+                except (RequestError, ValueError, RecursionError) as exc:
+                    # RecursionError: JSON nested past the parser's depth (review L3)
+                    what = "the request nests too deeply" if isinstance(exc, RecursionError) \
+                        else str(exc)
+                    out = {"id": rid, "ok": False, "error": what}
                     if namespace is None:
                         writer.write(frame(out))
                         break
@@ -265,6 +285,11 @@ class LocalServer:
                     # "retry": the request was fine, etcd did not answer (an outage).
                     out = {"id": rid, "ok": False, "error": f"etcd unavailable: {exc}",
                            "retry": True}
+                except Exception as exc:  # a bug: this request fails, the connection serves on
+                    self.log.exception("A request on the workers' socket failed.",
+                                       namespace=namespace)
+                    out = {"id": rid, "ok": False,
+                           "error": f"the daemon failed this request: {type(exc).__name__}"}
                 writer.write(frame(out))
                 await writer.drain()
         except (ConnectionError, asyncio.CancelledError):

@@ -417,3 +417,31 @@ def _until(done: Any, timeout: float = 5.0) -> None:
     while not done():
         assert time.monotonic() < deadline, "not in time"
         time.sleep(0.01)
+
+
+def test_junk_nested_past_the_parsers_depth_is_answered_and_the_connection_serves_on(
+        daemon: _Daemon) -> None:
+    """Review L3: JSON nested deeper than the parser goes raised a RecursionError out of the
+    connection's handler: no answer, an event-loop error logged."""
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(10)
+        sock.connect(str(daemon.path))
+        f = sock.makefile("rwb")
+        for line in (b'{"id": 1, "op": "hello", "namespace": "j", "epoch": 0}',
+                     b"[" * 100_000 + b"]" * 100_000,
+                     b'{"id": 3, "op": "ping"}'):
+            f.write(line + b"\n")
+            f.flush()
+        replies = [json.loads(f.readline()) for _ in range(3)]
+    assert [r["ok"] for r in replies] == [True, False, True], replies
+    assert replies[1]["error"] == "the request nests too deeply"
+    assert oct(daemon.path.stat().st_mode & 0o777) == "0o660"
+
+
+def test_connections_past_the_cap_are_told_so_and_closed(daemon: _Daemon) -> None:
+    daemon.server.max_connections = 2
+    with _client(daemon, "j", 0), _client(daemon, "j", 0), \
+            pytest.raises(DaemonError, match="serving 2 connections already"):
+        _client(daemon, "j", 0)
+    with _client(daemon, "j", 0) as c:  # below the cap again
+        c.ping()
