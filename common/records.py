@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import math
 import re
 import types
 import typing
@@ -707,6 +708,41 @@ class ProgressReport(Record):
 
 #: the workers' key-value namespace of a job's progress reports
 PROGRESS_NAMESPACE = "{job}/progress"
+
+
+@dataclass(frozen=True)
+class StuckReport(Record):
+    """A rank that has waited ``waited`` seconds in one collective (``what``), at step ``step``
+    of ``epoch``, as it said at ``at``: written by the worker through its daemon to
+    :data:`STUCK_NAMESPACE`, key ``<rank>``, while the wait lasts past half the job's
+    collective timeout, and deleted when it ends (``worker/stuck.py``). The controller reads
+    them to find a rank that hangs: the one its peers wait on (``daemon/planner.py``,
+    ``hung_ranks``). Untrusted: a value that does not decode is no report."""
+
+    KIND: ClassVar[str] = "stuck"
+    job: str
+    rank: int
+    epoch: int
+    step: int
+    waited: float
+    what: str
+    at: float
+    #: after how long a wait this rank reports it (half its collective timeout)
+    after: float
+
+    def __post_init__(self) -> None:
+        if min(self.rank, self.epoch, self.step) < 0:
+            raise ValueError("rank, epoch and step must be >= 0")
+        if not 0 < self.after < 1e7:
+            raise ValueError(f"after ({self.after}) must be a positive number of seconds")
+        if not 0 <= self.waited < 1e7 or not math.isfinite(self.at):
+            raise ValueError(f"waited ({self.waited}) and at ({self.at}) must be finite times")
+        if len(self.what) > 200:
+            raise ValueError("what must be at most 200 characters")
+
+
+#: the workers' key-value namespace of a job's stuck reports
+STUCK_NAMESPACE = "{job}/stuck"
 
 
 #: what a job keeps under ``jobs/<job>/``: key name -> record (``exits/<epoch>/<rank>`` hold

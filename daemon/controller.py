@@ -39,6 +39,7 @@ from understudy.common.records import (
     Report,
     ResizeRequest,
     StopRequest,
+    StuckReport,
     decode_job_record,
 )
 from understudy.common.snapshot_tiers import MemoryCopies, SnapshotReport, counted_copies
@@ -640,6 +641,8 @@ class _JobTables:
         #: job -> rank -> its newest snapshot report, and before it the last one of an older
         #: epoch (a joiner's first report does not list its predecessor's copies)
         self.snapshot_reports: dict[str, dict[int, tuple[SnapshotReport, ...]]] = {}
+        #: job -> rank -> its newest stuck report (``worker/stuck.py``)
+        self.stuck: dict[str, dict[int, StuckReport]] = {}
 
     @property
     def snapshots(self) -> dict[str, dict[int, tuple[int, ...]]]:
@@ -658,6 +661,9 @@ class _JobTables:
         parts = path.split("/", 3)
         if len(parts) == 3 and parts[1] == "snapshots":
             self._ingest_snapshots(parts[0], parts[2], value, deleted)
+            return
+        if len(parts) == 3 and parts[1] == "stuck":
+            self._ingest_stuck(parts[0], parts[2], value, deleted)
             return
         if len(parts) != 4 or parts[1] != "migration":
             return
@@ -679,6 +685,22 @@ class _JobTables:
                 reports.add(Report.ABORTED)
                 self.abort_reasons.setdefault((job, mig_id),
                                               value[:300].decode(errors="replace"))
+
+    def _ingest_stuck(self, job: str, rank: str, value: bytes, deleted: bool) -> None:
+        """``<job>/stuck/<rank>``: that rank's report of a collective it has waited in long
+        (``StuckReport``); anything else there, or a report for another rank or job, is none."""
+        table = self.stuck.setdefault(job, {})
+        report = None
+        if not deleted and rank.isdigit():
+            try:
+                report = StuckReport.decode(value)
+            except RecordError:
+                report = None
+        if report is None or report.job != job or str(report.rank) != rank:
+            if rank.isdigit():
+                table.pop(int(rank), None)
+            return
+        table[report.rank] = report
 
     def _ingest_snapshots(self, job: str, rank: str, value: bytes, deleted: bool) -> None:
         """``<job>/snapshots/<rank>``: which steps that rank's snapshots hold, in storage and
@@ -769,7 +791,9 @@ class _JobTables:
                                 if m else "", snapshots=storage, memory_snapshots=memory,
                                 storage_epochs=storage_epochs,
                                 resize=r[0] if (r := self.resizes.get(name)) else None,
-                                stop=q[0] if (q := self.stops.get(name)) else None)
+                                stop=q[0] if (q := self.stops.get(name)) else None,
+                                stuck={r: rep for r, rep in self.stuck.get(name, {}).items()
+                                       if a is not None and rep.epoch == a[0].epoch})
         return out
 
     def _counted_snapshots(self, job: str, epoch: int | None

@@ -31,6 +31,7 @@ from understudy.common.records import (
     Report,
     ResizeRequest,
     StopRequest,
+    StuckReport,
     current_layout,
     reshaped,
     reshaped_nodes,
@@ -137,6 +138,9 @@ class JobView:
     resize: ResizeRequest | None = None
     #: the operator's stop request (``understudy stop``), if any
     stop: StopRequest | None = None
+    #: rank -> its report of a collective it has waited in past half its timeout, under the
+    #: current epoch (``worker/stuck.py``)
+    stuck: Mapping[int, StuckReport] = field(default_factory=dict)
 
     @property
     def target_dp(self) -> int:
@@ -291,6 +295,12 @@ def _plan_job(name: str, job: JobView, view: ClusterView, now: float) -> list[Ac
     if job.spec.restart_only:
         return restarts().plan_restart_only(job, job.assignment, view, now)
     gone = _gone_ranks(job, job.assignment, view, now)
+    if not gone and (hung := hung_ranks(job, job.assignment, now)):
+        # A suspicion recovers a job, never fails or pauses it: without a replica or a
+        # snapshot to recover from, the waiting ranks' own timeouts decide as before.
+        recovery = _plan_recovery(job, job.assignment, hung, view, now)
+        if any(isinstance(act, StartMigration) for act in recovery):
+            return recovery
     if gone:
         ended = _end_after_finish(name, job, job.assignment, gone)
         if ended is not None:
@@ -367,6 +377,34 @@ def _gone_ranks(job: JobView, a: Assignment, view: ClusterView,
         if lost(view, n, now) and r not in job.exits:
             gone[r] = f"node {n} holding rank {r} is gone"
     return dict(sorted(gone.items()))
+
+
+#: a stuck report older than this (by its writer's clock against the controller's) is not
+#: counted: its writer re-reports every few seconds while it waits
+STUCK_REPORT_FRESH_S = 30.0
+
+
+def hung_ranks(job: JobView, a: Assignment, now: float) -> dict[int, str]:
+    """Ranks of the current epoch that hang -> why. A hung rank neither exits nor answers, so
+    its peers' collective timeout would fail them instead (the job then recovered, or paused,
+    on the wrong ranks). Each rank says when it has waited in one collective past half its
+    timeout (``worker/stuck.py``); the ranks still held that do not, once the longest waiter
+    has waited 3/4 of its timeout (every rank whose wait began up to a quarter of the timeout
+    later has said so by then), are hung. They are never more than the ranks that wait (one
+    rank waiting among four names no one)."""
+    held = [r for r in range(len(a.ranks)) if r not in job.exits]
+    waiting = {r: rep for r, rep in job.stuck.items()
+               if r in held and rep.epoch == a.epoch and now - rep.at < STUCK_REPORT_FRESH_S}
+    suspects = [r for r in held if r not in waiting]
+    if not waiting or not suspects or len(suspects) > len(waiting):
+        return {}
+    longest = max(waiting.values(), key=lambda rep: rep.waited + max(0.0, now - rep.at))
+    waited = longest.waited + max(0.0, now - longest.at)
+    if waited < 1.5 * longest.after:
+        return {}
+    return {r: f"rank {r} on {a.ranks[r]} hangs: rank(s) {_ranks(sorted(waiting))} have waited "
+               f"on it for {waited:.0f} s (in {longest.what})"
+            for r in suspects}
 
 
 def _finished(job: JobView) -> list[int]:

@@ -28,6 +28,17 @@ from understudy.groups.errors import CollectiveAborted, CollectiveFailed, Collec
 #: Default slice: how late an abort decision is noticed at most.
 SLICE = 0.05
 
+#: thread id -> (time.monotonic() at its start, what) of every wait in progress in this
+#: process: what a worker's stuck reporter reads (``worker/stuck.py``)
+_waiting: dict[int, tuple[float, str]] = {}
+
+
+def waiting() -> tuple[float, str] | None:
+    """The longest-running wait in progress in this process, as (``time.monotonic()`` at its
+    start, what it waits for); None when none is."""
+    now = list(_waiting.values())
+    return min(now) if now else None
+
 
 class Work(Protocol):
     """What a wait needs from an asynchronous collective's handle (``torch.distributed.Work``)."""
@@ -58,6 +69,7 @@ def wait(work: Work, *, abort: Callable[[], bool] | None = None,
     done = threading.Event()
     failed: list[BaseException] = []
     threaded = False
+    future: Any = None
     try:
         future = work.get_future()
     except RuntimeError:
@@ -78,7 +90,18 @@ def wait(work: Work, *, abort: Callable[[], bool] | None = None,
         # The callback runs on the communicator's thread and only sets a flag.
         future.add_done_callback(lambda _: done.set())
     start = clock()
+    me = threading.get_ident()
+    _waiting[me] = (time.monotonic(), what)
+    try:
+        _wait(work, done, failed, threaded, future, abort, timeout, slice_s, what, clock,
+              start)
+    finally:
+        _waiting.pop(me, None)
 
+
+def _wait(work: Work, done: threading.Event, failed: list[BaseException], threaded: bool,
+          future: Any, abort: Callable[[], bool] | None, timeout: float | None, slice_s: float,
+          what: str, clock: Callable[[], float], start: float) -> None:
     def give_up_if_told() -> None:
         waited = clock() - start
         if abort is not None and abort():

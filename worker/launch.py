@@ -71,6 +71,7 @@ from understudy.worker.progress import ProgressReporter
 from understudy.worker.recovery import recover, reshape, wait_for_recovery, wait_while_replaced
 from understudy.worker.runtime import Outcome, Runtime
 from understudy.worker.snapshots import SNAPSHOTS, start_holder, start_snapshotter
+from understudy.worker.stuck import StuckReporter
 from understudy.worker.telemetry import MetricsReporter
 from understudy.worker.transfer import TransferError
 
@@ -511,6 +512,9 @@ def _run_rank(w: _Worker, seat: _Seat, steps: int,
     snapshotter = start_snapshotter(runtime, w.job, lambda: hook.groups.epoch)
     progress = ProgressReporter(w.job, lambda: (hook.rank, hook.groups.epoch),
                                 lambda: runtime.step)
+    # Past half the collective timeout, a wait is reported: the controller finds a hung peer.
+    stuck = StuckReporter(w.job, lambda: (hook.rank, hook.groups.epoch), lambda: runtime.step,
+                          after=w.timeout / 2)
     w.metrics.bind(lambda: (hook.rank, hook.groups.epoch), lambda: runtime.timings)
 
     def reshaped() -> None:
@@ -529,6 +533,7 @@ def _run_rank(w: _Worker, seat: _Seat, steps: int,
         seat.recorder.close(timeout=30)
     w.log.info(f"Rank {hook.rank} finished: {outcome.value} at step {runtime.step}.",
                rank=hook.rank)
+    stuck.close()
     progress.close(final=outcome is not Outcome.HANDED_OFF)
     w.metrics.close()  # a leaver's too: what it sent its joiner counts
     if outcome is Outcome.HANDED_OFF:

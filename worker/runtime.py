@@ -47,7 +47,7 @@ from typing import Any, Protocol, cast
 import torch
 import torch.distributed as dist
 
-from understudy.common import logs
+from understudy.common import failpoints, logs
 from understudy.common.layout import Layout
 from understudy.worker import rng, slots
 from understudy.worker.api import (
@@ -325,6 +325,7 @@ class Runtime:
             if action is Action.SWITCH_GROUPS:
                 self.hook.switch_groups(step)
                 self._log.info("switched to the groups' next versions", step=step)
+            failpoints.hit(f"rank.step.{step}")  # a fault test's rank that hangs here
             attempt += 1
             if self._attempt(step, attempt, t0, action.value):
                 attempt = 0

@@ -550,6 +550,32 @@ def test_a_joiner_hung_at_the_switch_is_stopped_and_its_rank_recovered(
         assert_bitwise_equal(reference, out, world=4)
 
 
+def test_a_rank_that_hangs_is_found_by_its_waiting_peers_and_replaced(
+        etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:
+    # One rank per node. Rank 2 (node-c) hangs at step 40: alive, silent, no reset. Its peers
+    # wait on it in their collectives; before, their collective timeout failed *them* one by
+    # one, and the job paused with three failed ranks and the hung one holding its place. Now
+    # each says it waits past half its timeout (10 s here); the controller takes the one rank
+    # that does not wait for hung and recovers it from its replica (rank 0) while the others
+    # are still there, and its daemon stops it.
+    armed = {"node-c": {"UNDERSTUDY_FAILPOINTS": "rank.step.40=sleep(600)"}}
+    with training(etcd, tmp_path, {"node-a": 1, "node-b": 1, "node-c": 1, "node-d": 1},
+                  STANDBYS, armed=armed, extra=("--collective-timeout", "20")) as (c, out):
+        wait_log(c.daemons["node-c"], "failpoint rank.step.40 fired", timeout=120)
+        done = _recovery_done(c)
+        planned = next(e for e in events(c) if e["kind"] == "migration-planned")
+        assert "rank 2 on node-c hangs: rank(s) 0, 1, 3 have waited on it for" in \
+            planned["message"], planned["message"]
+        assert "recovery: rank 2 -> " in planned["message"]
+        assert done["details"]["id"] == planned["details"]["id"]
+        job = _finish(c)
+        assert job.assignment.epoch == 2
+        assert "node-c" not in job.assignment.ranks
+        for n, r in (("node-a", 0), ("node-b", 1), ("node-d", 3)):
+            assert c.daemons[n].log_text().count(f"Started rank {r} of job mig") == 1
+        assert_bitwise_equal(reference, out, world=4)
+
+
 def test_a_stayer_dying_at_the_switch_is_recovered_after_the_drain_commits(
         etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:
     # One rank per node. node-b (rank 1) is drained; rank 2 on node-c crashes in phase 2, at

@@ -27,6 +27,7 @@ from understudy.common.records import (
     Report,
     ResizeRequest,
     StopRequest,
+    StuckReport,
     decode_job_record,
     job_misfit,
     stopped_cleanly,
@@ -43,6 +44,7 @@ from understudy.daemon.planner import (
     PruneEvents,
     SetJobState,
     StartMigration,
+    hung_ranks,
     plan,
 )
 from understudy.worker.migration import Plan, _paused, committed
@@ -452,6 +454,55 @@ def test_recovery_without_a_replica_fails_the_job_with_the_reason() -> None:
     (failed,) = plan(_recovery_view({1: _crash(1)}, tp=4), 5.0)
     assert isinstance(failed, SetJobState) and failed.state == JobState.FAILED
     assert "no live data-parallel replica" in failed.reason
+
+
+def _stuck(view: ClusterView, waits: dict[int, float], at: float = 100.0, epoch: int = 3,
+           after: float = 10.0) -> ClusterView:
+    """``view`` with job j's ranks ``waits`` (rank -> seconds) reporting they wait, at ``at``."""
+    job = view.jobs["j"]
+    stuck = {r: StuckReport(job="j", rank=r, epoch=epoch, step=40, waited=w,
+                            what="the DP gradient all-reduce", at=at, after=after)
+             for r, w in waits.items()}
+    return dataclasses.replace(view, jobs={"j": dataclasses.replace(job, stuck=stuck)})
+
+
+def test_the_one_rank_its_peers_wait_on_is_taken_for_hung_and_recovered() -> None:
+    # Ranks 0, 1 and 3 have waited 16 s (past 1.5 x their 10 s) in collectives: rank 2, held
+    # and not waiting, hangs; it is recovered from its replica like a failed rank.
+    (start,) = plan(_stuck(_recovery_view(tp=1), {0: 16.0, 1: 16.0, 3: 15.5}), 100.0)
+    assert isinstance(start, StartMigration)
+    m = start.migration
+    assert m.kind == "recovery" and m.ranks == (2,) and m.donors == (3,)
+    assert "rank 2 on b hangs: rank(s) 0, 1, 3 have waited on it for 16 s (in the DP " \
+           "gradient all-reduce)" in m.reason
+    # The same 6 s later by the controller's clock: the wait goes on, so does the verdict.
+    assert plan(_stuck(_recovery_view(tp=1), {0: 10.0, 1: 16.0, 3: 15.5}, at=100.0), 106.0)
+    # A hung TP pair (both ranks of node b, say its GPU): two waiting name the two others.
+    view = _stuck(_recovery_view(tp=2), {0: 16.0, 1: 16.0})
+    assert set(hung_ranks(view.jobs["j"], view.jobs["j"].assignment, 100.0)) == {2, 3}  # type: ignore
+
+
+@pytest.mark.parametrize("waits, now, at, epoch, why", [
+    ({0: 12.0, 1: 12.0, 3: 12.0}, 100.0, 100.0, 3, "not yet 1.5 x the report threshold"),
+    ({3: 16.0}, 100.0, 100.0, 3, "one waiter names no one: three suspects of four"),
+    ({0: 16.0}, 100.0, 100.0, 3, "one waiter, three not waiting"),
+    ({0: 16.0, 1: 16.0, 3: 16.0}, 131.0, 100.0, 3, "the reports are stale"),
+    ({0: 16.0, 1: 16.0, 3: 16.0}, 100.0, 100.0, 2, "the reports are of another epoch"),
+    ({0: 16.0, 1: 16.0, 2: 16.0, 3: 16.0}, 100.0, 100.0, 3, "every rank waits"),
+])
+def test_no_rank_is_taken_for_hung_on_thin_evidence(waits: dict[int, float], now: float,
+                                                    at: float, epoch: int, why: str) -> None:
+    view = _stuck(_recovery_view(tp=1), waits, at=at, epoch=epoch)
+    assert hung_ranks(view.jobs["j"], view.jobs["j"].assignment, now) == {}, why  # type: ignore
+    assert plan(view, now) == [], why
+
+
+def test_a_hung_rank_without_a_replica_never_fails_the_job() -> None:
+    # TP 4: no replica holds rank 2's state. A failed rank would fail the job; a suspicion
+    # leaves it to the waiting ranks' own timeouts.
+    view = _stuck(_recovery_view(tp=4), {0: 16.0, 1: 16.0, 3: 16.0})
+    assert hung_ranks(view.jobs["j"], view.jobs["j"].assignment, 100.0)  # type: ignore
+    assert plan(view, 100.0) == []
 
 
 def test_a_recovery_donor_is_the_next_data_parallel_rank() -> None:

@@ -445,3 +445,54 @@ def test_connections_past_the_cap_are_told_so_and_closed(daemon: _Daemon) -> Non
         _client(daemon, "j", 0)
     with _client(daemon, "j", 0) as c:  # below the cap again
         c.ping()
+
+
+class _NeverDone:
+    """A collective whose peer never comes: no future, a wait that blocks until ``done``."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+
+    def get_future(self) -> None:
+        raise RuntimeError("no future")
+
+    def wait(self) -> bool:
+        self.done.wait(60)
+        return True
+
+
+def test_a_wait_past_its_threshold_is_reported_through_the_daemon_and_withdrawn_at_its_end(
+        daemon: _Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    """worker/stuck.py: a rank blocked in a collective past ``after`` says so in
+    ``<job>/stuck/<rank>`` (what it waits in, for how long, at which step), again while it
+    waits, and deletes the report once the wait is over."""
+    from understudy.common.records import StuckReport
+    from understudy.groups import abortable
+    from understudy.worker.stuck import StuckReporter
+
+    monkeypatch.setenv(env.CHILD_SOCKET, str(daemon.path))
+    work = _NeverDone()
+    waiter = threading.Thread(target=abortable.wait, args=(work,),
+                              kwargs={"what": "the DP gradient all-reduce", "timeout": 30})
+    reporter = StuckReporter("j", lambda: (2, 1), lambda: 40, after=0.3, look=0.05, every=0.1)
+    try:
+        assert daemon.value("j/stuck/2") is None
+        waiter.start()
+        deadline = time.monotonic() + 10
+        while (raw := daemon.value("j/stuck/2")) is None:
+            assert time.monotonic() < deadline, "no report"
+            time.sleep(0.05)
+        first = StuckReport.decode(raw)
+        assert (first.job, first.rank, first.epoch, first.step, first.after) == ("j", 2, 1, 40, 0.3)
+        assert first.what == "the DP gradient all-reduce" and first.waited >= 0.3
+        while StuckReport.decode(daemon.value("j/stuck/2") or raw).waited <= first.waited:
+            assert time.monotonic() < deadline, "not reported again"
+            time.sleep(0.05)
+        work.done.set()
+        waiter.join(10)
+        while daemon.value("j/stuck/2") is not None:
+            assert time.monotonic() < deadline, "the report outlived the wait"
+            time.sleep(0.05)
+    finally:
+        work.done.set()
+        reporter.close()
