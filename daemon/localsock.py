@@ -188,7 +188,8 @@ class LocalServer:
         # Bound under a name of its own, given its group and mode, and only then renamed into
         # place: no client ever finds the socket with the umask's mode (review L3). The mode is
         # a first gate only: every connection's process is checked (PeerGate).
-        staging = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+        # A name no longer than the socket's own: a Unix socket's path has 107 bytes at most.
+        staging = self.path.with_name(f".u{os.getpid()}"[:max(2, len(self.path.name))])
         with contextlib.suppress(FileNotFoundError):
             staging.unlink()
         self._server = await asyncio.start_unix_server(self._serve, path=str(staging),

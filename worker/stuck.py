@@ -4,7 +4,8 @@ rank its peers wait on.
 A rank that hangs (deadlocked, stopped, stuck in a driver call) sends no reset and does not
 exit: its peers wait for it in their next collective until their collective timeout fails
 *them*, and the job then recovers, or pauses, on the wrong ranks while the hung one holds its
-place (seen: a hung rank of a TP=2 x DP=2 job left the job paused with three failed ranks). So
+place (seen: two hung ranks of a TP=2 x DP=2 job left the two that waited on them failed by
+their timeout and the job paused). So
 every rank's worker runs a :class:`StuckReporter`: while one of its waits
 (``groups/abortable.py``) has lasted past ``after`` seconds (half the collective timeout), it
 writes a :class:`~understudy.common.records.StuckReport` to ``<job>/stuck`` key ``<rank>``

@@ -554,7 +554,7 @@ def test_a_rank_that_hangs_is_found_by_its_waiting_peers_and_replaced(
         etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:
     # One rank per node. Rank 2 (node-c) hangs at step 40: alive, silent, no reset. Its peers
     # wait on it in their collectives; before, their collective timeout failed *them* one by
-    # one, and the job paused with three failed ranks and the hung one holding its place. Now
+    # one, and the job paused with the hung one holding its place. Now
     # each says it waits past half its timeout (10 s here); the controller takes the one rank
     # that does not wait for hung and recovers it from its replica (rank 0) while the others
     # are still there, and its daemon stops it.
