@@ -31,6 +31,10 @@ SLICE = 0.05
 #: thread id -> (time.monotonic() at its start, what) of every wait in progress in this
 #: process: what a worker's stuck reporter reads (``worker/stuck.py``)
 _waiting: dict[int, tuple[float, str]] = {}
+#: set when a wait that lasted over ``LONG_WAIT_S`` ends: a stuck reporter withdraws its report
+#: at once instead of at its next look (short waits, every collective of a step, set nothing)
+long_wait_ended = threading.Event()
+LONG_WAIT_S = 1.0
 
 
 def waiting() -> tuple[float, str] | None:
@@ -96,7 +100,9 @@ def wait(work: Work, *, abort: Callable[[], bool] | None = None,
         _wait(work, done, failed, threaded, future, abort, timeout, slice_s, what, clock,
               start)
     finally:
-        _waiting.pop(me, None)
+        began = _waiting.pop(me, (time.monotonic(), what))[0]
+        if time.monotonic() - began > LONG_WAIT_S:
+            long_wait_ended.set()
 
 
 def _wait(work: Work, done: threading.Event, failed: list[BaseException], threaded: bool,

@@ -48,7 +48,13 @@ class StuckReporter:
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.look):
+        while not self._stop.is_set():
+            # A reported wait that ends is withdrawn at once: a report left up after its wait
+            # could make the controller take the ranks that did not wait for hung.
+            abortable.long_wait_ended.wait(self.look)
+            abortable.long_wait_ended.clear()
+            if self._stop.is_set():
+                return
             try:
                 self.check()
             except DaemonError:
