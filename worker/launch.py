@@ -421,7 +421,7 @@ def _start_rank(w: _Worker) -> _Seat:
                       device=w.device)
     for name in w.layout.concrete(rank).values():
         groups.prepare(name, w.epoch, group_members(name, w.nodes, w.layout))
-    interrupted = _first_groups(w, groups)
+    interrupted = _first_groups(w, groups, rank)
     recorder = None
     if w.recordings is not None and w.epoch == 1 and should_record(rank, w.layout):
         recorder = Recorder(w.recordings, job=w.job, layout=w.layout, rank=rank,
@@ -437,8 +437,8 @@ def _start_rank(w: _Worker) -> _Seat:
 FIRST_GROUPS_POLL_S = 0.1
 
 
-def _first_groups(w: _Worker, groups: GroupSet) -> CollectiveAborted | None:
-    """Switch in the rank's first group versions, prepared in ``groups``, once they are built.
+def _first_groups(w: _Worker, groups: GroupSet, rank: int) -> CollectiveAborted | None:
+    """Switch in ``rank``'s first group versions, prepared in ``groups``, once they are built.
 
     A peer lost as the job starts (its node failed, its process died in its imports) never
     joins them, and waiting out the group timeout would fail this rank too, with the job's
@@ -472,7 +472,6 @@ def _first_groups(w: _Worker, groups: GroupSet) -> CollectiveAborted | None:
                 groups.switch([name], timeout=0)
                 built.append(name)
     unbuilt = [n for n in names if n not in built]
-    rank = int(_env(env.RANK))
     for name in unbuilt:
         members = group_members(name, w.nodes, w.layout)
         groups.reserve(name, members.index(member(rank, w.node)), len(members))
@@ -493,7 +492,7 @@ def _recovering_from(control: DaemonClient, epoch: int) -> bool:
     except DaemonError:
         return False
     plan = Plan.from_info(info or {})
-    return plan is not None and plan.recovery and plan.active and plan.from_epoch == epoch
+    return plan is not None and plan.recovers_from(epoch)
 
 
 def _run_rank(w: _Worker, seat: _Seat, steps: int,

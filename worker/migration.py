@@ -270,6 +270,11 @@ class Plan:
     def active(self) -> bool:
         return self.phase not in ("done", "aborted")
 
+    def recovers_from(self, epoch: int) -> bool:
+        """Whether this is a recovery (or rollback, or reshape), not over, of a job at
+        ``epoch``: one the ranks of that epoch take part in."""
+        return self.recovery and self.active and self.from_epoch == epoch
+
     def source(self, rank: int, nodes: tuple[str, ...]) -> str:
         """The member that sends ``rank``'s state to its joiner: the leaver, or in a recovery
         the donor replica (``nodes``: each rank's node before the move)."""
@@ -418,8 +423,7 @@ class MigrationHook:
         return self._recovery
 
     def _note_recovery(self, plan: Plan | None) -> None:
-        self._recovery = plan if (plan is not None and plan.recovery and plan.active
-                                  and plan.from_epoch == self.groups.epoch
+        self._recovery = plan if (plan is not None and plan.recovers_from(self.groups.epoch)
                                   and plan.id not in self._finished) else None
 
     def recovered(self, plan: Plan) -> None:
