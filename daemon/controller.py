@@ -262,12 +262,13 @@ class Controller:
                f"rounds failed with errors of its own (see its log); it stands aside "
                f"{RESIGN_BACKOFF_S:g} s.")
         self.log.error(why)
+        # Said first: the event comes before the next controller's election, not after it.
+        with contextlib.suppress(Exception):  # saying so must not fail the resignation
+            await self.events.emit("controller-resigned", why)
         with contextlib.suppress(StoreError):
             await self.store.txn(
                 compare=[("create", self.keys.controller, self._leader_key_revision)],
                 success=[("delete", self.keys.controller)])
-        with contextlib.suppress(Exception):  # saying so must not fail the resignation
-            await self.events.emit("controller-resigned", why)
 
     def _downtime(self, job: str, migration: str, seconds: float) -> None:
         """A rank's downtime report: counted if it is of the job's migration now, or of one
