@@ -508,13 +508,17 @@ def wait_log(d: DaemonProcess, text: str, timeout: float) -> float:
 
 
 def worker_pid(d: DaemonProcess, child: str) -> int:
-    """The pid of the newest worker ``child`` (``mig.r1``) of daemon ``d``, from its log.
+    """The pid of the newest worker ``child`` (``mig.r1``) of daemon ``d``, from its log: the
+    newest started under that name, or renamed to it (a standby promoted into the rank keeps
+    its process: "Worker mig.standby is now mig.r1").
 
     Raises:
         BenchmarkError: no such worker ever started.
     """
     pids = [rec["pid"] for rec in log_records(d.log_text())
-            if rec.get("child") == child and "started with pid" in str(rec.get("event", ""))]
+            if rec.get("child") == child and rec.get("pid") is not None and (
+                "started with pid" in (event := str(rec.get("event", ""))) or
+                event.endswith(f" is now {child}."))]
     if not pids:
         raise BenchmarkError(f"{child} never started on {d.name}")
     return int(pids[-1])

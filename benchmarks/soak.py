@@ -67,7 +67,7 @@ import psutil
 import soak_plan
 import steplog
 import volatile
-from harness import PROCESS_ENV, TRAIN, log_records, read_records
+from harness import PROCESS_ENV, TRAIN, BenchmarkError, log_records, read_records
 from interruptions import JOB, TP, WORLD
 from soak_plan import Hit, Picture, Planned
 
@@ -76,6 +76,7 @@ from understudy.common import config as config_mod
 from understudy.common.errors import StoreError, UnderstudyError
 from understudy.common.keys import Keys
 from understudy.common.layout import Layout
+from understudy.testing.localcluster import DaemonProcess
 
 LAYOUT = Layout(world_size=WORLD, tp=TP)
 STANDBY = 2
@@ -214,18 +215,6 @@ class Steps:
         self.poll()
         newest = self.newest
         return len(newest) == WORLD and all(at > t for at, _, _ in newest.values())
-
-    def pid_of(self, rank: int) -> int:
-        """The process that committed ``rank``'s newest step.
-
-        Raises:
-            SoakError: no live process did.
-        """
-        self.poll()
-        _, _, pid = self.newest.get(rank, (0.0, 0, 0))
-        if not pid or not psutil.pid_exists(pid):
-            raise SoakError(f"no live process holds rank {rank}")
-        return pid
 
 
 def running(pid: int) -> bool:
@@ -412,6 +401,25 @@ class Soak:
         warm = {n.name for n in s.nodes if JOB in n.warmth}
         return len(pool) >= STANDBY and all(n in warm for n in pool)
 
+    @staticmethod
+    def rank_pid(d: DaemonProcess, rank: int) -> int:
+        """The process of ``rank`` under daemon ``d``, as the daemon named it (``mig.r1``, a
+        promoted standby included). Not from the step lines: a standby warming as that rank
+        writes some too (its shadow iterations' before it forgets them; the soak once killed
+        one of those for the rank, and the job then ran out of steps waiting on a recovery that
+        nothing called for).
+
+        Raises:
+            SoakError: no live process holds it there.
+        """
+        try:
+            pid = harness.worker_pid(d, f"{JOB}.r{rank}")
+        except BenchmarkError as exc:
+            raise SoakError(f"no process holds rank {rank} on {d.name}: {exc}") from exc
+        if not running(pid):
+            raise SoakError(f"rank {rank}'s process on {d.name} (pid {pid}) is not running")
+        return pid
+
     def wait_pool(self, what: str) -> None:
         self.wait(what, self.pool_ready, self.cfg.serve_timeout_s, interval=0.25,
                   autoscale=STANDBY)
@@ -424,7 +432,8 @@ class Soak:
         info: dict[str, Any] = hit.as_json()
         d = self.cluster.daemons.get(hit.node)
         if hit.action == "kill-worker":
-            pid = self.progress.pid_of(hit.rank)
+            assert d is not None
+            pid = self.rank_pid(d, hit.rank)
             info["pid"] = pid
             return lambda: os.kill(pid, signal.SIGKILL), info
         if hit.action == "kill-joiner":
@@ -444,7 +453,7 @@ class Soak:
                     d.wait(timeout=10)
                 return lose, info
 
-            info["rank_pids"] = [self.progress.pid_of(r) for r in hit.lost]
+            info["rank_pids"] = [self.rank_pid(d, r) for r in hit.lost]
 
             def freeze() -> None:
                 self.frozen[hit.node] = pids

@@ -124,6 +124,21 @@ class ProbeConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    """TLS of the Prometheus endpoint (``metrics_listen``); all empty: plain HTTP."""
+
+    #: the endpoint's certificate and key (PEM), given together: HTTPS
+    cert: str = ""
+    key: str = ""
+    #: a CA (PEM): only scrapers with a client certificate it signed are answered
+    client_ca: str = ""
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.cert)
+
+
+@dataclass(frozen=True)
 class LogConfig:
     level: str = "info"
     #: auto: JSON when stderr is not a terminal, readable lines when it is.
@@ -168,6 +183,7 @@ class Config:
     probe: ProbeConfig = ProbeConfig()
     log: LogConfig = LogConfig()
     rank_logs: RankLogsConfig = RankLogsConfig()
+    metrics: MetricsConfig = MetricsConfig()
 
     @property
     def socket_path(self) -> Path:
@@ -203,6 +219,7 @@ _SECTIONS: dict[str, type] = {
     "probe": ProbeConfig,
     "log": LogConfig,
     "rank_logs": RankLogsConfig,
+    "metrics": MetricsConfig,
 }
 _TOP_LEVEL = {"node", "etcd", "role", "slots", "failure_domain", "addresses", "run_dir",
               "metrics_listen", "socket_group", "failpoints_enabled"}
@@ -525,6 +542,16 @@ def validate(cfg: Config) -> None:
             f"drain.stop_grace ({cfg.drain.stop_grace}) must be below drain.deadline "
             f"({cfg.drain.deadline})"
         )
+    m = cfg.metrics
+    if bool(m.cert) != bool(m.key):
+        raise ConfigError("metrics.cert and metrics.key must be given together")
+    if m.client_ca and not m.cert:
+        raise ConfigError("metrics.client_ca checks scrapers over TLS: give metrics.cert and "
+                          "metrics.key as well")
+    for name in ("cert", "key", "client_ca"):
+        path = getattr(m, name)
+        if path and not Path(path).is_file():
+            raise ConfigError(f"metrics.{name} file {path!r} does not exist")
     if cfg.health.interval <= 0 or cfg.health.failures_before_drain < 1:
         raise ConfigError("health.interval must be positive and failures_before_drain >= 1")
     if cfg.health.min_disk_free_gib < 0:

@@ -30,7 +30,7 @@ from understudy.daemon.health import HealthMonitor
 from understudy.daemon.jobs import JobRunner
 from understudy.daemon.localsock import LocalServer
 from understudy.daemon.logserver import LogServer
-from understudy.daemon.metrics import Metrics
+from understudy.daemon.metrics import Metrics, exposed_without_tls
 from understudy.daemon.node import NodeAgent
 from understudy.daemon.notices import Notice, NoticeWatcher, pollers_from_config
 from understudy.daemon.probe import ProbeResponder
@@ -236,8 +236,14 @@ class Daemon:
         if why:
             self.log.warning(f"Workers' address: {why}.")
         if self.cfg.metrics_listen:
-            port = self.metrics.serve(self.cfg.metrics_listen)
-            self.log.info("Metrics endpoint is up.", port=port)
+            port = self.metrics.serve(self.cfg.metrics_listen, self.cfg.metrics)
+            self.log.info("Metrics endpoint is up.", port=port,
+                          tls=self.cfg.metrics.tls, client_ca=bool(self.cfg.metrics.client_ca))
+            if exposed_without_tls(self.cfg.metrics_listen, self.cfg.metrics):
+                self.log.warning(f"Metrics are served on {self.cfg.metrics_listen} in plain "
+                                 "HTTP, beyond this machine: anyone who reaches it reads the "
+                                 "node's jobs and state. Set [metrics] cert and key (and "
+                                 "client_ca), or listen on a loopback address.")
         await self.local.start()
         if self.cfg.probe.enabled:
             host = self.cfg.addresses[0] if self.cfg.addresses else "127.0.0.1"

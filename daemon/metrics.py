@@ -1,9 +1,17 @@
-"""Prometheus metrics of one daemon, served on ``metrics_listen`` (plain HTTP)."""
+"""Prometheus metrics of one daemon, served on ``metrics_listen``: plain HTTP, or HTTPS with
+``[metrics] cert`` and ``key`` (and scrapers' client certificates checked with ``client_ca``).
+
+Label values come from this daemon's own code, or from a bounded set: a value read from etcd
+(a drain request's source, which anyone who may write the prefix writes) is mapped onto the
+sources understudy writes, anything else counts as ``other``, so a foreign write cannot grow a
+series per value."""
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import itertools
+import ssl
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,6 +23,7 @@ from prometheus_client.core import (
     Metric,
 )
 
+from understudy.common.config import MetricsConfig
 from understudy.common.errors import ConfigError
 from understudy.common.records import JobState
 from understudy.common.states import NodeState
@@ -41,7 +50,7 @@ class Metrics:
         self.controller_failed_rounds = Gauge(
             "understudy_controller_failed_rounds",
             "Rounds in a row this controller failed (an etcd outage or an error of its own; it "
-            "resigns after 10 of its own); 0 once a round succeeds.", registry=r)
+            "resigns after 5 of its own); 0 once a round succeeds.", registry=r)
         self.workers = Gauge("understudy_workers", "Running child workers.", registry=r)
         self.standby_warm_since = Gauge(
             "understudy_standby_warm_since_timestamp_seconds",
@@ -136,12 +145,20 @@ class Metrics:
                 with contextlib.suppress(KeyError):
                     metric.remove(*labels, direction)
 
-    def serve(self, listen: str) -> int:
-        """Start the HTTP endpoint; returns the bound port (useful with port 0)."""
+    def serve(self, listen: str, tls: MetricsConfig | None = None) -> int:
+        """Start the endpoint, over HTTPS with ``tls`` (and only for scrapers whose client
+        certificate its ``client_ca`` signed, if given); returns the bound port (useful with
+        port 0)."""
         host, _, port = listen.rpartition(":")
+        tls = tls or MetricsConfig()
         try:
-            self._server, self._thread = start_http_server(int(port), addr=host or "127.0.0.1",
-                                                           registry=self.registry)
+            self._server, self._thread = start_http_server(
+                int(port), addr=host or "127.0.0.1", registry=self.registry,
+                certfile=tls.cert or None, keyfile=tls.key or None,
+                client_cafile=tls.client_ca or None, client_auth_required=bool(tls.client_ca))
+        except ssl.SSLError as exc:
+            raise ConfigError(f"cannot serve metrics over TLS: {exc} (check metrics.cert, "
+                              "metrics.key and metrics.client_ca)") from exc
         except OSError as exc:
             raise ConfigError(f"cannot serve metrics on {listen}: {exc.strerror or exc} (set "
                               "metrics_listen to a free HOST:PORT, HOST:0 for any free port, "
@@ -155,6 +172,30 @@ class Metrics:
             self._server.server_close()
             self._thread.join(timeout=2)
             self._server = None
+
+
+#: The drain sources understudy's own writers give (``understudy drain``, the daemon's SIGTERM
+#: and health checks, the cloud notices of ``daemon/notices.py``): the values of the drains
+#: counter's label.
+DRAIN_SOURCES = frozenset({"operator", "sigterm", "health", "aws-spot", "aws-rebalance",
+                           "gce-preemption", "gce-maintenance", "azure-scheduled-event"})
+
+
+def drain_source_label(source: str) -> str:
+    """``source`` if understudy writes it, else ``other``."""
+    return source if source in DRAIN_SOURCES else "other"
+
+
+def exposed_without_tls(listen: str, tls: MetricsConfig) -> bool:
+    """Whether the endpoint ``listen`` (HOST:PORT) answers beyond this machine in plain HTTP:
+    its host is not a loopback address (a host name counts as reachable)."""
+    if tls.tls or not listen:
+        return False
+    host = listen.rpartition(":")[0].strip("[]") or "127.0.0.1"
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host != "localhost"
 
 
 class BadValues:

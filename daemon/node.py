@@ -43,7 +43,7 @@ from understudy.common.states import NodeLifecycle, NodeState
 from understudy.common.store import EtcdStore, WatchEvent, wait_any
 from understudy.daemon.events import EventLog
 from understudy.daemon.fencing import FenceTimer
-from understudy.daemon.metrics import BadValues, Metrics
+from understudy.daemon.metrics import BadValues, Metrics, drain_source_label
 
 VERSION = "0.1.0"
 
@@ -456,7 +456,7 @@ class NodeAgent:
             self._drain_task = asyncio.create_task(self._drain(request), name="drain")
 
     async def _drain(self, request: DrainRequest) -> None:
-        self.metrics.drains.labels(source=request.source).inc()
+        self.metrics.drains.labels(source=drain_source_label(request.source)).inc()
         await self.set_state(NodeState.DRAINING, f"drain by {request.source}: {request.reason}")
         await self.events.emit("node-draining",
                                f"Node {self.cfg.node} is draining ({request.source}): "

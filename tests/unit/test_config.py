@@ -117,3 +117,22 @@ def test_etcd_credentials_are_refused_where_they_would_not_stay_secret(tmp_path:
                                  "etcd.insecure": True},
                       environ={"CREDENTIALS_DIRECTORY": str(tmp_path)})
     assert cfg.etcd.password == "s3cret"
+
+
+def test_metrics_tls_settings_are_checked(tmp_path: Path) -> None:
+    """Review L5: the metrics endpoint could only be plain HTTP. [metrics] cert and key come
+    together, a client CA needs them, and every file must exist."""
+    cert, key, ca = (tmp_path / n for n in ("m.crt", "m.key", "ca.crt"))
+    for p in (cert, key, ca):
+        p.write_text("x")
+    for override, message in (
+            ({"metrics.cert": str(cert)}, "metrics.cert and metrics.key must be given together"),
+            ({"metrics.client_ca": str(ca)}, "give metrics.cert and metrics.key as well"),
+            ({"metrics.cert": str(cert), "metrics.key": str(tmp_path / "gone")},
+             "metrics.key file .* does not exist")):
+        with pytest.raises(ConfigError, match=message):
+            config.load(overrides={**BASE, **override}, environ={})
+    cfg = config.load(overrides={**BASE, "metrics.cert": str(cert), "metrics.key": str(key),
+                                 "metrics.client_ca": str(ca)}, environ={})
+    assert cfg.metrics.tls and cfg.metrics.client_ca == str(ca)
+    assert not config.load(overrides=BASE, environ={}).metrics.tls

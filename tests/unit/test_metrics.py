@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import ssl
+import urllib.request
+from pathlib import Path
+
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.integration.certs import CertAuthority, have_openssl
+from understudy.common.config import MetricsConfig
 from understudy.common.records import JobState
-from understudy.daemon.metrics import BadValues, ControllerMetrics, Metrics
+from understudy.daemon.metrics import (
+    BadValues,
+    ControllerMetrics,
+    Metrics,
+    drain_source_label,
+    exposed_without_tls,
+)
 
 
 def _samples(m: ControllerMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -125,3 +138,46 @@ def test_a_bad_value_is_counted_and_logged_once_per_revision_and_remembered_with
     for rev in range(100, 200):
         bad.found("kv", "/u/kv/k", rev, "garbage")
     assert len(bad._seen) <= 3 and counted("kv") == 100
+
+
+def test_a_drain_source_from_etcd_is_a_bounded_label() -> None:
+    """Review L5: the drains counter's label was a drain request's source as written in etcd,
+    so foreign writes could grow a series per value."""
+    m = Metrics()
+    for source in ("operator", "aws-spot", "x" * 200, "evil-1", "evil-2"):
+        m.drains.labels(source=drain_source_label(source)).inc()
+    text = generate_latest(m.registry).decode()
+    counts = {s.labels["source"]: s.value for f in text_string_to_metric_families(text)
+              if f.name == "understudy_drains" for s in f.samples if s.name.endswith("_total")}
+    assert counts == {"operator": 1.0, "aws-spot": 1.0, "other": 3.0}
+
+
+def test_the_metrics_endpoint_serves_https_and_checks_client_certificates(
+        tmp_path: Path) -> None:
+    """Review L5: metrics over TLS ([metrics] cert, key, client_ca), and a warning for a plain
+    endpoint that answers beyond the machine."""
+    if not have_openssl():
+        pytest.fail("openssl is not installed: the test command installs it (scripts/setup)")
+    authority = CertAuthority.create(tmp_path / "pki")
+    server, client = authority.server("metrics"), authority.client("prometheus")
+    tls = MetricsConfig(cert=str(server.cert), key=str(server.key),
+                        client_ca=str(authority.cert))
+    m = Metrics()
+    port = m.serve("127.0.0.1:0", tls)
+    try:
+        url = f"https://127.0.0.1:{port}/metrics"
+        trusted = ssl.create_default_context(cafile=str(authority.cert))
+        with pytest.raises(OSError):  # plain HTTP gets no answer
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
+        with pytest.raises(OSError):
+            urllib.request.urlopen(url, context=trusted, timeout=5)  # no client certificate
+        trusted.load_cert_chain(str(client.cert), str(client.key))
+        with urllib.request.urlopen(url, context=trusted, timeout=5) as reply:
+            assert b"understudy_workers" in reply.read()
+    finally:
+        m.close()
+    assert exposed_without_tls("0.0.0.0:9464", MetricsConfig())
+    assert exposed_without_tls("node-a.example:9464", MetricsConfig())
+    assert not exposed_without_tls("127.0.0.1:9464", MetricsConfig())
+    assert not exposed_without_tls("[::1]:9464", MetricsConfig())
+    assert not exposed_without_tls("0.0.0.0:9464", tls)
