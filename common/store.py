@@ -11,6 +11,12 @@ Contract (tests/integration/test_store.py checks it against a real etcd):
 With several endpoints, a connection failure moves the client to the next endpoint. TLS with
 client certificates and etcd users/roles are supported (aetcd itself only opens plaintext
 channels, so the secure channel is opened here).
+
+Certificates are read again when their files change (looked at, by a stat of each, at most
+every :data:`TLS_CHECK_S` seconds, at the next call): a CA, certificate and key that load
+together replace the old ones and the connection is opened again with them, so rotating them
+takes no restart (and no drain). A new set that does not load (a certificate written but its
+key not yet) is logged once and the old one kept, until the files change again.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import ssl
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +41,7 @@ import grpc
 from aetcd import rpc
 from aetcd.utils import prefix_range_end
 
+from understudy.common import logs
 from understudy.common.config import EtcdConfig
 from understudy.common.errors import StoreError
 
@@ -151,6 +160,12 @@ def prefix_end(prefix: str) -> bytes:
     return aetcd.utils.prefix_range_end(prefix.encode())
 
 
+#: Seconds between two looks at the TLS files' stat (at the next call after it).
+TLS_CHECK_S = 10.0
+
+_TlsSignature = tuple[tuple[int, int, int] | None, ...]
+
+
 class EtcdStore:
     """An etcd client for one process. Not shared across processes (grpc is not fork-safe)."""
 
@@ -159,22 +174,71 @@ class EtcdStore:
         self._endpoint_index = 0
         self._client: _Client | None = None
         self._on_request = on_request or (lambda op: None)
+        self._tls_seen = self._tls_signature()
+        self._tls_refused: _TlsSignature | None = None
+        self._tls_checked = time.monotonic()
         self._credentials = self._load_credentials(cfg)
         self._closing: set[asyncio.Task[None]] = set()
 
     @staticmethod
     def _load_credentials(cfg: EtcdConfig) -> grpc.ChannelCredentials | None:
+        """The channel credentials of ``cfg``'s TLS files, which must load together (the key
+        is the certificate's, the CA is a certificate): grpc would only find out at the
+        handshake, as a refused connection."""
         if not cfg.tls:
             return None
         try:
             ca = cfg.ca.read_bytes() if cfg.ca else None
             cert = cfg.cert.read_bytes() if cfg.cert else None
             key = cfg.key.read_bytes() if cfg.key else None
+            check = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+            if ca is not None:
+                check.load_verify_locations(cadata=ca.decode("ascii", "replace"))
+            if cfg.cert and cfg.key:
+                check.load_cert_chain(cfg.cert, cfg.key)
+        except ssl.SSLError as exc:
+            raise StoreError(f"the etcd TLS files do not load together ({exc.reason or exc}): "
+                             "check that etcd.key is etcd.cert's key and etcd.ca a "
+                             "certificate") from exc
         except OSError as exc:
             raise StoreError(f"cannot read etcd TLS file {exc.filename!r}: {exc.strerror}") from exc
         return grpc.ssl_channel_credentials(
             root_certificates=ca, private_key=key, certificate_chain=cert
         )
+
+    def _tls_signature(self) -> _TlsSignature:
+        """What identifies the TLS files' current contents without reading them: device,
+        inode and change time of each (a rename over the file, or a write into it, changes
+        it)."""
+        out: list[tuple[int, int, int] | None] = []
+        for path in (self.cfg.ca, self.cfg.cert, self.cfg.key):
+            try:
+                st = os.stat(path) if path is not None else None
+            except OSError:
+                st = None
+            out.append(None if st is None else (st.st_dev, st.st_ino, st.st_ctime_ns))
+        return tuple(out)
+
+    async def _reload_if_rotated(self) -> None:
+        """Load the TLS files again if they changed since they were loaded (looked at every
+        :data:`TLS_CHECK_S` at most), and connect with them from the next call."""
+        if not self.cfg.tls or time.monotonic() - self._tls_checked < TLS_CHECK_S:
+            return
+        self._tls_checked = time.monotonic()
+        seen = self._tls_signature()
+        if seen == self._tls_seen or seen == self._tls_refused:
+            return
+        log = logs.get(component="etcd")
+        try:
+            credentials = self._load_credentials(self.cfg)
+        except StoreError as exc:
+            self._tls_refused = seen
+            log.warning(f"The etcd TLS files changed but do not load: {exc}. Keeping the ones "
+                        "loaded before.")
+            return
+        self._tls_seen, self._tls_refused, self._credentials = seen, None, credentials
+        log.info("The etcd TLS files changed: connecting with the new ones.")
+        await self.reset()
 
     @property
     def endpoint(self) -> str:
@@ -260,6 +324,7 @@ class EtcdStore:
     async def _call_once(self, op: str, fn: Callable[[_Client], Any],
                          timeout: float | None) -> Any:
         self._on_request(op)
+        await self._reload_if_rotated()
         client = await self._get_client()
         try:
             return await asyncio.wait_for(fn(client), timeout or self.cfg.timeout)

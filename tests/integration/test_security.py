@@ -37,6 +37,7 @@ from tests.integration.certs import CertAuthority, CertPair, have_openssl
 from tests.integration.scenarios import wait_log
 from understudy.common import config
 from understudy.common import env as env_vars
+from understudy.common import store as store_mod
 from understudy.common.config import EtcdConfig
 from understudy.common.errors import StoreError
 from understudy.common.keys import Keys
@@ -202,6 +203,66 @@ def test_store_without_a_trusted_certificate_fails_within_the_timeout(
     _one_sentence(message)
     assert message.startswith("etcd put failed"), message
     assert took < cfg.timeout + 0.5, f"refusal took {took:.2f}s"
+
+
+def test_rotated_certificates_are_loaded_again_without_a_restart(
+        pki: Pki, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review M6: the store read its CA, certificate and key once, so rotating them took a
+    daemon restart (which drains the node). Here etcd moves to a new CA; the store, given the
+    same paths, connects again once their new contents are in place, and keeps the old ones
+    while a half-written set (a key that is not the certificate's) does not load."""
+    monkeypatch.setattr(store_mod, "TLS_CHECK_S", 0.2)
+    live = tmp_path / "live"
+    live.mkdir()
+    ca, cert, key = live / "ca.pem", live / "client.pem", live / "client.key"
+
+    def install(authority: CertAuthority, client: CertPair) -> None:
+        for src, dst in ((authority.cert, ca), (client.cert, cert), (client.key, key)):
+            tmp = dst.with_suffix(".new")
+            shutil.copyfile(src, tmp)
+            os.replace(tmp, dst)  # as cert-manager and certbot do: a rename over the file
+
+    install(pki.ca, pki.client)
+    server = _start(pki, tmp_path / "etcd")
+    new_ca = CertAuthority.create(tmp_path / "new", "rotated-ca")
+    new_server, new_client = new_ca.server(), new_ca.client("node-client")
+    cfg = EtcdConfig(endpoints=config.parse_endpoints(server.endpoint), ca=ca, cert=cert,
+                     key=key, timeout=1.0)
+
+    async def put_until(store: EtcdStore, key_: str, within: float) -> float:
+        t0 = time.monotonic()
+        while True:
+            try:
+                await store.put(f"{PREFIX}/t/{key_}", b"1")
+                return time.monotonic() - t0
+            except StoreError:
+                if time.monotonic() - t0 > within:
+                    raise
+                await asyncio.sleep(0.1)
+
+    async def run() -> None:
+        store = EtcdStore(cfg)
+        try:
+            await store.put(f"{PREFIX}/t/before", b"1")
+            server.tls = TlsFiles(new_ca.cert, new_server.cert, new_server.key)
+            server.restart()
+            with pytest.raises(StoreError):  # the old CA does not trust the new server
+                await store.put(f"{PREFIX}/t/old-files", b"1")
+            # Half-way: the new certificate with the old key. Refused, the old set kept.
+            shutil.copyfile(new_client.cert, cert)
+            await asyncio.sleep(0.3)
+            with pytest.raises(StoreError):
+                await store.put(f"{PREFIX}/t/half", b"1")
+            assert store._tls_refused is not None
+            install(new_ca, new_client)
+            await put_until(store, "after", within=5.0)
+        finally:
+            await store.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        server.cleanup()
 
 
 # -- auth: the store ------------------------------------------------------------------------
