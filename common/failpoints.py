@@ -41,6 +41,7 @@ arms nothing; the daemon does not pass its own copy on to its workers then.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import threading
@@ -136,21 +137,36 @@ def _decide(enabled: bool, decided_by: str) -> dict[str, Action]:
 def hit(name: str) -> None:
     """Fire failpoint ``name`` if it is armed and has not fired in this process as many times
     as it was armed for (once, or ``N``)."""
+    action = _take(name)
+    if action is not None and action.kind == "sleep":
+        time.sleep(action.arg)
+
+
+async def ahit(name: str) -> None:
+    """:func:`hit` for a coroutine on an event loop: ``sleep(S)`` suspends the caller only
+    (the daemon's other tasks, its lease among them, run on meanwhile)."""
+    action = _take(name)
+    if action is not None and action.kind == "sleep":
+        await asyncio.sleep(action.arg)
+
+
+def _take(name: str) -> Action | None:
+    """The action of failpoint ``name`` if it fires now (one hit fewer left); ``exit`` and
+    ``raise`` act here, ``sleep`` is the caller's."""
     if _armed is None:
         check()
     assert _armed is not None
     if name not in _armed:
-        return
+        return None
     with _lock:
         action = _armed.pop(name, None)
         if action is not None and action.times > 1:  # armed for more hits: one fewer now
             _armed[name] = Action(action.kind, action.arg, action.times - 1)
     if action is None:
-        return
+        return None
     logs.get().warning(f"failpoint {name} fired: {action}", failpoint=name, pid=os.getpid())
-    if action.kind == "sleep":
-        time.sleep(action.arg)
-    elif action.kind == "exit":
+    if action.kind == "exit":
         os._exit(int(action.arg))
-    else:
+    if action.kind == "raise":
         raise FailpointFired(f"failpoint {name}")
+    return action

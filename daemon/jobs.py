@@ -229,6 +229,9 @@ class JobRunner:
             # Joining (again, after a lost lease): what this node runs is readopt's to decide,
             # once the new record exists. Nothing is started or stopped before.
             return
+        # What is decided below is decided under this lease: a worker is started only while
+        # the node still holds it (the awaits in between may straddle a fence).
+        lease = self.agent.lease
         await self._renumber(jobs)
         children = self.supervisor.children
         running = {n for n, c in children.items() if c.state == ChildState.RUNNING}
@@ -285,7 +288,7 @@ class JobRunner:
                 extra = await self._torchrun_env(job, rank)
                 if extra is None:
                     continue  # rank 0's daemon has not said where the ranks meet yet
-            await self._spawn(job.spec, job.assignment, rank, extra)
+            await self._spawn(job.spec, job.assignment, rank, extra, lease)
         stopping = []
         for name in running:
             if not self.agent.registered.is_set():
@@ -687,7 +690,15 @@ class JobRunner:
         return await self.store.get(self.keys.rank_exit(job, epoch, rank)) is not None
 
     async def _spawn(self, spec: JobSpec, assignment: Assignment, rank: int | None,
-                     extra: Mapping[str, str] | None = None) -> None:
+                     extra: Mapping[str, str] | None = None, lease: int | None = None) -> None:
+        """Start rank ``rank`` of the job (a standby worker: None), as decided under
+        ``lease``: if the node no longer holds it (it fenced since, and may have registered
+        again), nothing is started; the next reconcile decides afresh under the new lease."""
+        await failpoints.ahit("daemon.spawn")
+        if not self._still_holds(lease):
+            self.log.info("Not starting a worker: this node lost the lease it was decided "
+                          "under.", job=spec.name, rank=rank, epoch=assignment.epoch)
+            return
         worker_env = {
             **spec.env,
             env.CHILD_SOCKET: str(self.agent.cfg.socket_path),
@@ -736,6 +747,11 @@ class JobRunner:
         finally:
             if pipe is not None:
                 os.close(pipe[1])  # the child holds its own copy
+        if not self._still_holds(lease):
+            # The fence came while the process started (readopt may have run without it).
+            self.log.warning("Stopping a worker started as the node lost its lease.",
+                             job=spec.name, rank=rank, epoch=assignment.epoch, pid=pid)
+            self.supervisor.kill_now([name])
         if pipe is not None and self.ranklogs is not None:
             await self.ranklogs.attach(pipe[0], pid, spec.name, rank, assignment.epoch)
         what = "a standby worker" if rank is None else f"rank {rank}"
@@ -743,6 +759,10 @@ class JobRunner:
                       epoch=assignment.epoch, pid=pid)
         with contextlib.suppress(StoreError):
             await self.agent.publish()  # the node record carries the worker count
+
+    def _still_holds(self, lease: int | None) -> bool:
+        """The node is registered under ``lease`` (any lease, for None)."""
+        return self.agent.registered.is_set() and (lease is None or self.agent.lease == lease)
 
     async def on_exit(self, child: ChildExit) -> None:
         m = _CHILD_RE.match(child.name)

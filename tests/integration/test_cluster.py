@@ -237,6 +237,52 @@ def test_a_lease_gone_at_etcd_is_evidence_the_node_fences_and_rejoins(
         assert "fenced itself" not in cluster.daemons[name].log_text(), name
 
 
+def test_a_worker_decided_under_a_lease_the_node_lost_is_not_started(
+        cluster: LocalCluster, etcd: EmbeddedEtcd) -> None:
+    """Review L2: the daemon decided which workers to start under its lease and started them
+    after awaits in which the lease could be lost, so a node that had fenced (and registered
+    again, its workers re-examined) could still start a worker decided before. Here node-a's
+    start of rank 0 is held at the failpoint ``daemon.spawn`` while etcd revokes its lease:
+    the start is dropped, and whatever starts later is decided under the new lease."""
+    import asyncio
+    import sys
+
+    from understudy.common import config
+    from understudy.common.store import EtcdStore
+
+    cluster.add("node-a", "active", env={"UNDERSTUDY_FAILPOINTS": "daemon.spawn=sleep(3)"})
+    cluster.wait_state("node-a", "active")
+    cluster.wait_for("a controller", lambda s: s.controller is not None)
+    a = cluster.daemons["node-a"]
+    probe = str(Path(__file__).parents[1] / "workers" / "probe.py")
+    out = cluster.cli("run", "--job", "held", "--tp", "1", "--dp", "1", "--standby", "0", "--",
+                      sys.executable, probe)
+    assert out.returncode == 0, out.stderr
+    wait_log(a, "failpoint daemon.spawn fired", timeout=30)
+
+    async def revoke() -> None:
+        s = EtcdStore(config.load(overrides={"etcd.endpoints": etcd.endpoint}, environ={},
+                                  require_node=False).etcd)
+        try:
+            kv = await s.get(f"{cluster.prefix}/nodes/node-a")
+            assert kv is not None and kv.lease
+            await s.revoke(kv.lease)
+        finally:
+            await s.close()
+
+    asyncio.run(revoke())
+    wait_log(a, "Node lost its lease", timeout=10)
+    wait_log(a, "Not starting a worker: this node lost the lease it was decided under.",
+             timeout=10)
+    lines = a.log_text().splitlines()
+    fenced = next(i for i, line in enumerate(lines) if "Node lost its lease" in line)
+    refused = next(i for i, line in enumerate(lines) if "Not starting a worker" in line)
+    assert not any("Started rank 0 of job held" in line for line in lines[fenced:refused])
+    started = [i for i, line in enumerate(lines) if "Started rank 0 of job held" in line]
+    registered = [i for i, line in enumerate(lines) if '"Node registered."' in line]
+    assert all(i > registered[-1] for i in started), (started, registered)
+
+
 def test_bad_values_are_ignored_and_counted(cluster: LocalCluster, etcd: EmbeddedEtcd) -> None:
     import asyncio
 

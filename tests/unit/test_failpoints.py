@@ -4,6 +4,7 @@ the daemon's configuration enables failpoints (a stray variable logs one warning
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import time
@@ -51,6 +52,36 @@ def test_an_armed_point_fires_once_and_others_do_nothing(monkeypatch: pytest.Mon
             failpoints.hit("bug")
     failpoints.hit("bug")
 
+
+
+def test_an_awaited_point_sleeps_its_caller_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ahit`` (the daemon's event loop): a sleep suspends the coroutine that hit it while the
+    loop's other tasks run on; raise acts as in ``hit``."""
+    monkeypatch.setenv(env.FAILPOINTS_ENABLED, "1")
+    monkeypatch.setenv(env.FAILPOINTS, "daemon.spawn=sleep(0.3);daemon.bug=raise")
+    monkeypatch.setattr(failpoints, "_armed", None)
+
+    async def run() -> tuple[float, int]:
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.01)
+
+        ticker = asyncio.create_task(tick())
+        t0 = time.monotonic()
+        await failpoints.ahit("daemon.spawn")
+        took = time.monotonic() - t0
+        ticker.cancel()
+        with pytest.raises(failpoints.FailpointFired):
+            await failpoints.ahit("daemon.bug")
+        await failpoints.ahit("daemon.spawn")  # fired already
+        return took, ticks
+
+    took, ticks = asyncio.run(run())
+    assert took >= 0.3 and ticks >= 10, (took, ticks)
 
 def test_exit_ends_the_process_at_that_point() -> None:
     code = ("from understudy.common import failpoints\n"
