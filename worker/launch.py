@@ -592,7 +592,7 @@ def _train(runtime: Runtime, hook: MigrationHook, steps: int, stop: threading.Ev
                     hook.control.close()
                     os._exit(1)
                 if hook.rank in plan.moves or (
-                        plan.reshape and hook.rank not in plan.renumbering(hook.layout)):
+                        plan.reshape and hook.rank not in plan.stays(hook.layout)):
                     log.warning(f"{'Reshape' if plan.reshape else 'Recovery'} {plan.id} "
                                 "replaces this rank: it takes no part and waits to be stopped.",
                                 rank=hook.rank)

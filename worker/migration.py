@@ -26,10 +26,11 @@ switches, and carries on at that step.
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +39,8 @@ from understudy.common.daemon_client import DaemonClient, DaemonError
 from understudy.common.layout import Layout, pair_name
 from understudy.common.records import (
     TRANSFER_OK,
+    Migration,
     Report,
-    group_version,
     is_paused,
     renumbering,
     reshaped_nodes,
@@ -189,59 +190,53 @@ class SendAhead:
         return out
 
 
-@dataclass(frozen=True)
-class Plan:
-    """A migration record as a worker sees it."""
-
-    id: str
-    phase: str
-    from_epoch: int
-    to_epoch: int
-    moves: dict[int, tuple[str, str]]  # rank -> (leaver node, joiner node)
-    deadline: float
-    #: the group version this attempt builds: unique per attempt (a version number is burned
-    #: once used, even by an aborted attempt) and the same on every rank
-    version: int
-    #: "planned" (the leaver hands its state off) or "recovery" (the leaver is gone)
-    kind: str = "planned"
-    #: recovery: rank -> the data-parallel replica that gives its joiner the state
-    donors: dict[int, int] = field(default_factory=dict)
-    #: rollback: the step of the snapshot every rank loads
-    snapshot_step: int = -1
-    #: rollback: where each rank's copy comes from, by rank (empty: storage for all)
-    snapshot_from: tuple[str, ...] = ()
-    #: reshape: the old data-parallel index of each replica of the new shape, in its order
-    replicas: tuple[int, ...] = ()
-    #: reshape: the data-parallel size before it
-    from_dp: int = 0
+class Plan(Migration):
+    """A migration record as a worker sees it: the record itself (``common/records.py``'s
+    :class:`~understudy.common.records.Migration`, decoded and checked again from the daemon's
+    view of the job), with what a worker derives from it."""
 
     @classmethod
     def from_info(cls, info: dict[str, Any] | None) -> Plan | None:
+        """The job's migration in the daemon's view ``info`` (:meth:`DaemonClient.job`), or
+        None without one.
+
+        Raises:
+            RecordError: the view's migration is not a valid record (the daemon only passes
+                on records it decoded: a bug, not bad input).
+        """
         m = (info or {}).get("migration")
         if not m:
             return None
-        return cls(id=m["id"], phase=m["phase"], from_epoch=m["from_epoch"],
-                   to_epoch=m["to_epoch"],
-                   moves={r: (ln, jn) for r, ln, jn in
-                          zip(m["ranks"], m["leavers"], m["joiners"], strict=True)},
-                   deadline=m["deadline"], version=group_version(m["created_at"]),
-                   kind=m.get("kind", "planned"),
-                   donors=dict(zip(m["ranks"], m.get("donors") or (), strict=False)),
-                   snapshot_step=int(m.get("snapshot_step", -1)),
-                   snapshot_from=tuple(m.get("snapshot_from") or ()),
-                   replicas=tuple(m.get("replicas") or ()), from_dp=int(m.get("from_dp", 0)))
+        # Polled at every step boundary: each record is decoded once (a plan is immutable).
+        return _decoded_plan(json.dumps(m, sort_keys=True))
+
+    @functools.cached_property
+    def moves(self) -> dict[int, tuple[str, str]]:
+        """rank -> (leaver node, joiner node)."""
+        return {r: (ln, jn) for r, ln, jn in zip(self.ranks, self.leavers, self.joiners,
+                                                  strict=True)}
+
+    @functools.cached_property
+    def donor_of(self) -> dict[int, int]:
+        """A recovery's (or a grow's): rank -> the data-parallel replica that gives its joiner
+        the state."""
+        return dict(zip(self.ranks, self.donors, strict=False))
 
     @property
-    def recovery(self) -> bool:
-        """The job stopped for it: a recovery from replicas, a rollback to snapshots, or a
-        reshape (``worker/recovery.py``)."""
-        return self.kind in ("recovery", "rollback", "reshape")
+    def version(self) -> int:
+        """The group version this attempt builds: unique per attempt (a version number is
+        burned once used, even by an aborted attempt) and the same on every rank."""
+        return self.group_version
 
     @property
     def reshape(self) -> bool:
         return self.kind == "reshape"
 
-    def renumbering(self, layout: Layout) -> dict[int, int]:
+    @property
+    def rollback(self) -> bool:
+        return self.kind == "rollback"
+
+    def stays(self, layout: Layout) -> dict[int, int]:
         """A reshape's ranks that stay, by their rank in ``layout`` (before it) -> their rank
         after it; the ranks not named leave."""
         return renumbering(layout, self.replicas)
@@ -256,19 +251,11 @@ class Plan:
         Raises: ValueError: the plan's ranks do not make up its new replicas.
         """
         return reshaped_nodes(Layout(self.from_dp * tp * pp, tp, pp), nodes, self.replicas,
-                              tuple(self.moves), tuple(j for _, j in self.moves.values()))
-
-    @property
-    def rollback(self) -> bool:
-        return self.kind == "rollback"
+                              self.ranks, self.joiners)
 
     def snapshot_source(self, rank: int) -> str:
         """Where ``rank``'s copy of a rollback's snapshot comes from (``snapshot_tiers``)."""
         return self.snapshot_from[rank] if rank < len(self.snapshot_from) else STORAGE
-
-    @property
-    def active(self) -> bool:
-        return self.phase not in ("done", "aborted")
 
     def recovers_from(self, epoch: int) -> bool:
         """Whether this is a recovery (or rollback, or reshape), not over, of a job at
@@ -279,7 +266,7 @@ class Plan:
         """The member that sends ``rank``'s state to its joiner: the leaver, or in a recovery
         the donor replica (``nodes``: each rank's node before the move)."""
         if self.kind == "recovery":
-            donor = self.donors[rank]
+            donor = self.donor_of[rank]
             return member(donor, nodes[donor])
         return member(rank, self.moves[rank][0])
 
@@ -288,6 +275,11 @@ class Plan:
         for r, (_, joiner) in self.moves.items():
             out[r] = joiner
         return tuple(out)
+
+
+@functools.lru_cache(maxsize=8)
+def _decoded_plan(text: str) -> Plan:
+    return Plan.decode(text.encode())
 
 
 def committed(info: dict[str, Any] | None, plan: Plan) -> bool:
@@ -811,7 +803,7 @@ class Joiner:
         waiting = list(names)
         if not self.plan.rollback:  # a rollback's joiner loads its rank's snapshot instead
             pair = pair_name(self.rank, self.plan.version)
-            donor = self.plan.donors.get(self.rank, -1)
+            donor = self.plan.donor_of.get(self.rank, -1)
             source = (member(donor, self.nodes[donor]) if self.plan.reshape
                       else self.plan.source(self.rank, self.nodes_before))
             self.groups.prepare(pair, self.plan.version, (source, member(self.rank, self.node)))

@@ -166,7 +166,7 @@ class _Survivor:
 
     def run_reshape(self) -> bool:
         t0 = time.monotonic()
-        stay = self.plan.renumbering(self.layout)
+        stay = self.plan.stays(self.layout)
         layout = self.plan.reshaped_layout(self.layout.tp, self.layout.pp)
         rank = stay[self.rank]
         groups = GroupSet(self.hook.job, member(rank, self.hook.node), epoch=self.plan.to_epoch,
@@ -234,7 +234,7 @@ class _Survivor:
         return names
 
     def _donating_as(self, rank: int) -> list[int]:
-        return [j for j, d in self.plan.donors.items() if d == rank]
+        return [j for j, d in self.plan.donor_of.items() if d == rank]
 
     def _donate(self, groups: GroupSet, rank: int, committed: int) -> None:
         """Give each new rank whose donor this rank is the state of the settled step (the
@@ -281,7 +281,7 @@ class _Survivor:
         mine = {"step": self.runtime.step, "pending": pending[0] if pending else None,
                 "ops": ops}
         self._set(f"stopped/{self.rank}", json.dumps(mine).encode())
-        reporting = (self.plan.renumbering(self.layout) if self.plan.reshape else
+        reporting = (self.plan.stays(self.layout) if self.plan.reshape else
                      [r for r in range(self.layout.world_size) if r not in self.plan.moves])
         self.stopped = {r: self._read_report(r) for r in reporting}
         committed = max(int(rep["step"]) for rep in self.stopped.values())
@@ -345,7 +345,7 @@ class _Survivor:
         return rebuild
 
     def _donating(self) -> list[int]:
-        return [r for r, d in self.plan.donors.items() if d == self.rank]
+        return [r for r, d in self.plan.donor_of.items() if d == self.rank]
 
     def _transfer(self, committed: int) -> None:
         for r in self._donating():

@@ -1087,11 +1087,17 @@ def test_a_rank_that_lags_takes_its_plan_for_committed_only_from_the_epoch_it_ma
     """worker.migration.committed: the job's next migration may be planned before a lagging
     rank saw its own done; the assignment names the migration that made its epoch. An
     aborted plan's epoch is made again by its retry, which is not the aborted plan's commit."""
-    mine = Plan.from_info({"migration": {
-        "id": "e2-100", "phase": "preparing", "from_epoch": 2, "to_epoch": 3, "ranks": [0],
-        "leavers": ["a"], "joiners": ["s1"], "deadline": 200.0, "created_at": 100.0,
-        "kind": "recovery", "donors": [2]}})
-    assert mine is not None
+    record = Migration(job="j", id="e2-100", from_epoch=2, to_epoch=3, ranks=(0,),
+                       leavers=("a",), joiners=("s1",), phase=MigrationPhase.PREPARING,
+                       reason="rank 0 lost", created_at=100.0, deadline=200.0,
+                       updated_at=100.0, kind="recovery", donors=(2,))
+    mine = Plan.from_info({"migration": json.loads(record.encode())})
+    assert mine is not None and mine == Plan.decode(record.encode())
+    assert mine.moves == {0: ("a", "s1")} and mine.donor_of == {0: 2}
+    assert mine.version == 100_000 and mine.recovers_from(2) and not mine.recovers_from(3)
+    assert Plan.from_info({"migration": None}) is None and Plan.from_info(None) is None
+    with pytest.raises(RecordError):  # the view's record, checked as etcd's was
+        Plan.from_info({"migration": {**json.loads(record.encode()), "to_epoch": 4}})
     assert committed({"assignment": {"epoch": 3, "migration": "e2-100"}}, mine)
     assert not committed({"assignment": {"epoch": 2, "migration": "e1-50"}}, mine)
     assert not committed({"assignment": {"epoch": 3, "migration": "e2-140"}}, mine)  # a retry

@@ -395,7 +395,7 @@ def test_a_plan_reaches_a_waiting_standby_and_a_following_rank_once_the_daemon_r
         assert (plan.id, taken) == ("e2-1", 1)
         _until(lambda: (rank.job() or {}).get("migration") is not None)
         seen = hook.recovery()
-        assert seen is not None and seen.id == "e2-1" and seen.donors == {1: 0}
+        assert seen is not None and seen.id == "e2-1" and seen.donor_of == {1: 0}
         # Stopped while nothing names it: the standby's wait ends within its long poll.
         other: list[tuple[migration.Plan, int] | None] = []
         waiting = threading.Thread(target=lambda: other.append(
