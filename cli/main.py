@@ -26,6 +26,7 @@ from understudy.cli import jobs
 from understudy.cli import logs as logs_cmd
 from understudy.cli.cluster import ClusterStatus, read_cluster, read_events
 from understudy.common import config as config_mod
+from understudy.common import version
 from understudy.common.errors import ConfigError, UnderstudyError
 from understudy.common.keys import Keys
 from understudy.common.records import (
@@ -51,6 +52,7 @@ class CliError(UnderstudyError):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="understudy", description="Operate an understudy cluster.")
+    p.add_argument("--version", action="version", version=version.describe("understudy"))
     _connection_options(p, suppress=False)
     # The same options after the command too (`understudy status --etcd H:P`); there they
     # default to "not given" so they never overwrite a value given before the command.

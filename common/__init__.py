@@ -14,4 +14,5 @@ standbys). It imports nothing else of ours, and never torch.
 - :mod:`~understudy.common.errorfile`: the error record a worker leaves for its daemon.
 - :mod:`~understudy.common.sockproto`, :mod:`~understudy.common.daemon_client`: the local
   socket's protocol and the client workers use.
+- :mod:`~understudy.common.version`: understudy's version.
 """

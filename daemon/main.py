@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from understudy.common import config as config_mod
-from understudy.common import failpoints, logs
+from understudy.common import failpoints, logs, version
 from understudy.common.config import Config
 from understudy.common.errors import ConfigError, StoreError, UnderstudyError
 from understudy.common.keys import Keys
@@ -43,6 +43,7 @@ EXIT_CONFIG = 2
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="understudyd", description="understudy node daemon")
+    p.add_argument("--version", action="version", version=version.describe("understudyd"))
     p.add_argument("--config", help="TOML config file (also UNDERSTUDY_CONFIG)")
     p.add_argument("--node", help="this node's name (also UNDERSTUDY_NODE)")
     p.add_argument("--etcd", help="HOST:PORT[,HOST:PORT...] (also UNDERSTUDY_ETCD)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import itertools
+import platform
 import ssl
 from collections.abc import Iterator
 from typing import Any
@@ -27,6 +28,7 @@ from understudy.common.config import MetricsConfig
 from understudy.common.errors import ConfigError
 from understudy.common.records import JobState
 from understudy.common.states import NodeState
+from understudy.common.version import VERSION
 from understudy.common.worker_report import DIRECTIONS, STEP_PARTS, WorkerReport
 
 #: buckets of a step's duration, seconds: a tiny CPU job's milliseconds to a large model's
@@ -51,6 +53,10 @@ class Metrics:
             "understudy_controller_failed_rounds",
             "Rounds in a row this controller failed (an etcd outage or an error of its own; it "
             "resigns after 5 of its own); 0 once a round succeeds.", registry=r)
+        self.build_info = Gauge("understudy_build_info",
+                                "1, labelled with this daemon's understudy and Python versions.",
+                                ["version", "python"], registry=r)
+        self.build_info.labels(VERSION, platform.python_version()).set(1)
         self.workers = Gauge("understudy_workers", "Running child workers.", registry=r)
         self.standby_warm_since = Gauge(
             "understudy_standby_warm_since_timestamp_seconds",

@@ -41,11 +41,10 @@ from understudy.common.keys import Keys
 from understudy.common.records import DrainRequest, NodeRecord, RegistryEntry
 from understudy.common.states import NodeLifecycle, NodeState
 from understudy.common.store import EtcdStore, WatchEvent, wait_any
+from understudy.common.version import VERSION
 from understudy.daemon.events import EventLog
 from understudy.daemon.fencing import FenceTimer
 from understudy.daemon.metrics import BadValues, Metrics, drain_source_label
-
-VERSION = "0.1.0"
 
 
 class Workers(Protocol):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -10,12 +12,13 @@ from understudy.cli.cluster import ClusterStatus, NodeView
 from understudy.cli.main import _print_event, _print_status
 from understudy.cli.main import build_parser as cli_parser
 from understudy.common.records import Event
+from understudy.common.version import VERSION
 from understudy.daemon.main import build_parser as daemon_parser
 
 CONNECTION = ["--ca", "--cert", "--config", "--etcd", "--key", "--prefix", "--timeout", "--user"]
 
 CLI = {
-    "": ["--help", *CONNECTION],
+    "": ["--help", "--version", *CONNECTION],
     "status": ["--json"],
     "drain": ["--deadline", "--reason", "--wait", "node"],
     "undrain": ["node"],
@@ -34,7 +37,7 @@ CLI = {
 DAEMON = ["--address", "--check-config", "--config", "--drain-deadline", "--enable-failpoints",
           "--etcd", "--failure-domain", "--fence-margin", "--keepalive-interval", "--lease-ttl",
           "--log-format", "--log-level", "--metrics-listen", "--migration-timeout", "--node",
-          "--prefix", "--role", "--run-dir", "--slots", "--socket-group"]
+          "--prefix", "--role", "--run-dir", "--slots", "--socket-group", "--version"]
 
 
 def _options(p: argparse.ArgumentParser) -> list[str]:
@@ -85,3 +88,16 @@ def test_strings_from_etcd_reach_the_terminal_with_their_control_characters_esca
     assert "rank 1 said \\x1b[2J\\x1b[Hbye\\x9b" in out and "/u/x\\x1b" in out
     lines = out.splitlines()
     assert lines[2].index("active") == lines[3].index("active")  # node-a and node-b aligned
+
+
+def test_both_commands_say_their_version_and_it_is_the_packages(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``--version`` on the CLI and the daemon; ``common/version.py`` and ``pyproject.toml``
+    say the same version."""
+    for parser, program in ((cli_parser(), "understudy"), (daemon_parser(), "understudyd")):
+        with pytest.raises(SystemExit) as done:
+            parser.parse_args(["--version"])
+        assert done.value.code == 0
+        assert capsys.readouterr().out.startswith(f"{program} {VERSION} (Python ")
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    assert pyproject["project"]["version"] == VERSION

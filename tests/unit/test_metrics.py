@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.integration.certs import CertAuthority, have_openssl
 from understudy.common.config import MetricsConfig
 from understudy.common.records import JobState
+from understudy.common.version import VERSION
 from understudy.daemon.metrics import (
     BadValues,
     ControllerMetrics,
@@ -181,3 +182,11 @@ def test_the_metrics_endpoint_serves_https_and_checks_client_certificates(
     assert not exposed_without_tls("127.0.0.1:9464", MetricsConfig())
     assert not exposed_without_tls("[::1]:9464", MetricsConfig())
     assert not exposed_without_tls("0.0.0.0:9464", tls)
+
+
+def test_the_build_info_says_the_version() -> None:
+    m = Metrics()
+    text = generate_latest(m.registry).decode()
+    (sample,) = [s for f in text_string_to_metric_families(text)
+                 if f.name == "understudy_build_info" for s in f.samples]
+    assert sample.value == 1.0 and sample.labels["version"] == VERSION
