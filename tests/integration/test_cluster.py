@@ -208,26 +208,30 @@ def test_etcd_down_longer_than_the_lease_fences_nothing(cluster: LocalCluster,
     assert kinds.count("etcd-reachable") == 3 and "node-failed" not in kinds, kinds
 
 
-def test_a_lease_gone_at_etcd_is_evidence_the_node_fences_and_rejoins(
-        cluster: LocalCluster, etcd: EmbeddedEtcd) -> None:
+def _revoke_lease(cluster: LocalCluster, etcd: EmbeddedEtcd, node: str) -> None:
+    """Revoke ``node``'s lease at etcd, as an expiry would end it."""
     import asyncio
 
     from understudy.common import config
     from understudy.common.store import EtcdStore
 
-    _three(cluster)
-
     async def revoke() -> None:
         s = EtcdStore(config.load(overrides={"etcd.endpoints": etcd.endpoint}, environ={},
                                   require_node=False).etcd)
         try:
-            kv = await s.get(f"{cluster.prefix}/nodes/node-b")
+            kv = await s.get(f"{cluster.prefix}/nodes/{node}")
             assert kv is not None and kv.lease
             await s.revoke(kv.lease)
         finally:
             await s.close()
 
     asyncio.run(revoke())
+
+
+def test_a_lease_gone_at_etcd_is_evidence_the_node_fences_and_rejoins(
+        cluster: LocalCluster, etcd: EmbeddedEtcd) -> None:
+    _three(cluster)
+    _revoke_lease(cluster, etcd, "node-b")
     b = cluster.daemons["node-b"]
     wait_log(b, "Node lost its lease: etcd says the lease has expired", timeout=10)
     wait_log(b, '"Node registered."', timeout=30, times=2)
@@ -244,11 +248,7 @@ def test_a_worker_decided_under_a_lease_the_node_lost_is_not_started(
     again, its workers re-examined) could still start a worker decided before. Here node-a's
     start of rank 0 is held at the failpoint ``daemon.spawn`` while etcd revokes its lease:
     the start is dropped, and whatever starts later is decided under the new lease."""
-    import asyncio
     import sys
-
-    from understudy.common import config
-    from understudy.common.store import EtcdStore
 
     cluster.add("node-a", "active", env={"UNDERSTUDY_FAILPOINTS": "daemon.spawn=sleep(3)"})
     cluster.wait_state("node-a", "active")
@@ -259,18 +259,7 @@ def test_a_worker_decided_under_a_lease_the_node_lost_is_not_started(
                       sys.executable, probe)
     assert out.returncode == 0, out.stderr
     wait_log(a, "failpoint daemon.spawn fired", timeout=30)
-
-    async def revoke() -> None:
-        s = EtcdStore(config.load(overrides={"etcd.endpoints": etcd.endpoint}, environ={},
-                                  require_node=False).etcd)
-        try:
-            kv = await s.get(f"{cluster.prefix}/nodes/node-a")
-            assert kv is not None and kv.lease
-            await s.revoke(kv.lease)
-        finally:
-            await s.close()
-
-    asyncio.run(revoke())
+    _revoke_lease(cluster, etcd, "node-a")
     wait_log(a, "Node lost its lease", timeout=10)
     wait_log(a, "Not starting a worker: this node lost the lease it was decided under.",
              timeout=10)
