@@ -251,6 +251,20 @@ def test_unit_keeps_gpus_rdma_and_jit_reachable_for_workers(directive: str) -> N
     assert directive not in _service()
 
 
+def test_unit_takes_away_what_no_training_job_needs() -> None:
+    """The security review's systemd section: the kernel log (Xids come from NVML), the host
+    name, the 32-bit system call ABIs and capabilities no job uses are out; those that GPUs,
+    RDMA, containers and profilers use stay."""
+    service = _service()
+    assert service["ProtectKernelLogs"] == ["yes"] and service["ProtectHostname"] == ["yes"]
+    assert service["SystemCallArchitectures"] == ["native"]
+    dropped = {cap for line in service["CapabilityBoundingSet"]
+               for cap in line.removeprefix("~").split()}
+    assert all(line.startswith("~") for line in service["CapabilityBoundingSet"])
+    assert {"CAP_SYS_BOOT", "CAP_SYS_TIME", "CAP_SYS_MODULE", "CAP_SYSLOG"} <= dropped
+    assert not dropped & {"CAP_SYS_ADMIN", "CAP_SYS_PTRACE", "CAP_NET_ADMIN", "CAP_NET_RAW",
+                          "CAP_IPC_LOCK", "CAP_MKNOD", "CAP_BPF", "CAP_SYS_RESOURCE"}
+
 def test_example_config_loads_and_fits_the_unit() -> None:
     cfg = config.load(EXAMPLE_CONFIG, environ={})
     assert len(cfg.etcd.endpoints) == 3
