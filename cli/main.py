@@ -31,6 +31,7 @@ from understudy.common.errors import ConfigError, UnderstudyError
 from understudy.common.keys import Keys
 from understudy.common.records import (
     DrainRequest,
+    DrainSource,
     Event,
     JobSpec,
     JobState,
@@ -317,7 +318,7 @@ async def _drain(store: EtcdStore, keys: Keys, args: argparse.Namespace) -> int:
         raise CliError(f"node {args.node!r} is offline ({node.state}); nothing to drain")
     if node.drain is None:
         now = time.time()
-        req = DrainRequest(node=args.node, reason=args.reason, source="operator",
+        req = DrainRequest(node=args.node, reason=args.reason, source=DrainSource.OPERATOR,
                            requested_at=now, deadline=now + args.deadline,
                            requested_by=f"{getpass.getuser()}@{socket.gethostname()}")
         if await store.cas(keys.drain(args.node), req.encode(), 0):

@@ -183,12 +183,27 @@ class RegistryEntry(Record):
     offline: bool = False
 
 
+class DrainSource(enum.StrEnum):
+    """Who asks understudy to drain a node: the operator (``understudy drain``), the daemon
+    (on SIGTERM, or its health checks), or a cloud's reclaim notice (``daemon/notices.py``). A
+    drain request in etcd may carry another value (a foreign writer): it is kept as written."""
+
+    OPERATOR = "operator"
+    SIGTERM = "sigterm"
+    HEALTH = "health"
+    AWS_SPOT = "aws-spot"
+    AWS_REBALANCE = "aws-rebalance"
+    GCE_PREEMPTION = "gce-preemption"
+    GCE_MAINTENANCE = "gce-maintenance"
+    AZURE_SCHEDULED_EVENT = "azure-scheduled-event"
+
+
 @dataclass(frozen=True)
 class DrainRequest(Record):
     KIND: ClassVar[str] = "drain"
     node: str
     reason: str
-    source: str  # operator, sigterm, health, aws-spot, gce-preemption, ...
+    source: str  # a DrainSource's value, as understudy writes it
     requested_at: float
     deadline: float  # unix time by which the node must be empty
     requested_by: str = ""

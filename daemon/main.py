@@ -22,6 +22,7 @@ from understudy.common import failpoints, logs, version
 from understudy.common.config import Config
 from understudy.common.errors import ConfigError, StoreError, UnderstudyError
 from understudy.common.keys import Keys
+from understudy.common.records import DrainSource
 from understudy.common.store import EtcdStore, wait_any
 from understudy.daemon.address import check_local, worker_address
 from understudy.daemon.controller import Controller
@@ -168,7 +169,7 @@ class Daemon:
                 self.agent.health = tuple(f.problem for f in findings)
                 if decision is not None:
                     with contextlib.suppress(StoreError):
-                        await self._request_drain("health", decision.reason,
+                        await self._request_drain(DrainSource.HEALTH, decision.reason,
                                                   self.cfg.drain.deadline)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.stop.wait(), self.cfg.health.interval)
@@ -208,7 +209,7 @@ class Daemon:
             self.stop.set()  # never joined: nothing to drain
             return
         with contextlib.suppress(StoreError):
-            await self._request_drain("sigterm", "the daemon was asked to stop",
+            await self._request_drain(DrainSource.SIGTERM, "the daemon was asked to stop",
                                       self.cfg.drain.deadline)
         stop_wait = asyncio.create_task(self.stop.wait())
         drained = asyncio.create_task(self.agent.drained.wait())

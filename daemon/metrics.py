@@ -26,7 +26,7 @@ from prometheus_client.core import (
 
 from understudy.common.config import MetricsConfig
 from understudy.common.errors import ConfigError
-from understudy.common.records import JobState
+from understudy.common.records import DrainSource, JobState
 from understudy.common.states import NodeState
 from understudy.common.version import VERSION
 from understudy.common.worker_report import DIRECTIONS, STEP_PARTS, WorkerReport
@@ -52,7 +52,8 @@ class Metrics:
         self.controller_failed_rounds = Gauge(
             "understudy_controller_failed_rounds",
             "Rounds in a row this controller failed (an etcd outage or an error of its own; it "
-            "resigns after 5 of its own); 0 once a round succeeds.", registry=r)
+            "resigns after a few of its own: daemon/controller.py); 0 once a round succeeds.",
+            registry=r)
         self.build_info = Gauge("understudy_build_info",
                                 "1, labelled with this daemon's understudy and Python versions.",
                                 ["version", "python"], registry=r)
@@ -180,16 +181,13 @@ class Metrics:
             self._server = None
 
 
-#: The drain sources understudy's own writers give (``understudy drain``, the daemon's SIGTERM
-#: and health checks, the cloud notices of ``daemon/notices.py``): the values of the drains
-#: counter's label.
-DRAIN_SOURCES = frozenset({"operator", "sigterm", "health", "aws-spot", "aws-rebalance",
-                           "gce-preemption", "gce-maintenance", "azure-scheduled-event"})
-
-
 def drain_source_label(source: str) -> str:
-    """``source`` if understudy writes it, else ``other``."""
-    return source if source in DRAIN_SOURCES else "other"
+    """The drains counter's label for ``source``: itself if understudy writes it (a
+    :class:`DrainSource`), else ``other``."""
+    return source if source in _DRAIN_SOURCES else "other"
+
+
+_DRAIN_SOURCES = frozenset(s.value for s in DrainSource)
 
 
 def exposed_without_tls(listen: str, tls: MetricsConfig) -> bool:

@@ -37,6 +37,7 @@ from typing import Any, Protocol
 
 from understudy.common.config import NoticesConfig
 from understudy.common.errors import UnderstudyError
+from understudy.common.records import DrainSource
 
 #: Bodies past this size are not metadata answers; refusing them bounds memory and parse time.
 MAX_BODY = 64 * 1024
@@ -88,7 +89,7 @@ def parse_aws_spot_action(body: bytes) -> Notice:
     when = doc.get("time")
     when_text = when if isinstance(when, str) else "an unknown time"
     return Notice(
-        source="aws-spot",
+        source=DrainSource.AWS_SPOT,
         reason=f"AWS spot instance-action: {action} at {when_text}",
         deadline=_iso_time(when),
         key=f"aws-spot:{action}:{when_text}",
@@ -108,7 +109,7 @@ def parse_aws_rebalance(body: bytes) -> Notice:
             f"AWS rebalance recommendation has no noticeTime: {_excerpt(body)}"
         )
     return Notice(
-        source="aws-rebalance",
+        source=DrainSource.AWS_REBALANCE,
         reason=f"AWS rebalance recommendation issued at {issued}: spot interruption risk is "
         "elevated",
         deadline=None,
@@ -128,7 +129,7 @@ def parse_gce_preempted(body: bytes) -> Notice | None:
     if value != "TRUE":
         raise NoticeFormatError(f"GCE preempted is neither TRUE nor FALSE: {_excerpt(body)}")
     return Notice(
-        source="gce-preemption",
+        source=DrainSource.GCE_PREEMPTION,
         reason="GCE preempted this instance: it is stopped within about 30 seconds",
         deadline=None,
         key="gce-preemption",
@@ -147,7 +148,7 @@ def parse_gce_maintenance(body: bytes) -> Notice | None:
     if value != "TERMINATE_ON_HOST_MAINTENANCE":
         raise NoticeFormatError(f"GCE maintenance-event is unknown: {_excerpt(body)}")
     return Notice(
-        source="gce-maintenance",
+        source=DrainSource.GCE_MAINTENANCE,
         reason="GCE host maintenance TERMINATE_ON_HOST_MAINTENANCE: the instance will be stopped",
         deadline=None,
         # The metadata server gives no event id. After a terminating maintenance the daemon
@@ -226,7 +227,7 @@ def _azure_event(event: Any, vm_name: str, freeze_threshold: float) -> Notice | 
     if isinstance(description, str) and description:
         reason += f": {description}"
     return Notice(
-        source="azure-scheduled-event",
+        source=DrainSource.AZURE_SCHEDULED_EVENT,
         reason=reason,
         deadline=_http_date(not_before),
         key=f"azure:{event_id}",
