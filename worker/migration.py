@@ -223,12 +223,6 @@ class Plan(Migration):
         return dict(zip(self.ranks, self.donors, strict=False))
 
     @property
-    def version(self) -> int:
-        """The group version this attempt builds: unique per attempt (a version number is
-        burned once used, even by an aborted attempt) and the same on every rank."""
-        return self.group_version
-
-    @property
     def reshape(self) -> bool:
         return self.kind == "reshape"
 
@@ -499,9 +493,9 @@ class MigrationHook:
         after = plan.nodes_after(self.nodes)
         if self.rank in plan.moves:
             leaver, joiner = plan.moves[self.rank]
-            self.groups.prepare(pair_name(self.rank, plan.version), plan.version,
+            self.groups.prepare(pair_name(self.rank, plan.group_version), plan.group_version,
                                 (member(self.rank, leaver), member(self.rank, joiner)))
-            self._prepared = [pair_name(self.rank, plan.version)]
+            self._prepared = [pair_name(self.rank, plan.group_version)]
             return
         # The job's groups only: a rank that joined through a transfer pair still holds it.
         names = self.layout.concrete(self.rank).values()
@@ -509,7 +503,7 @@ class MigrationHook:
             before = group_members(name, self.nodes, self.layout)
             new = group_members(name, after, self.layout)
             if before != new:
-                self.groups.prepare(name, plan.version, new)
+                self.groups.prepare(name, plan.group_version, new)
                 self._prepared.append(name)
         self.log.info(f"Phase 1 of migration {plan.id}: rebuilding {self._prepared}.",
                       untouched=[n for n in names if n not in self._prepared])
@@ -555,7 +549,7 @@ class MigrationHook:
         """Start sending this rank's state (as of ``step``'s boundary) to the joiner, while
         ``step`` computes; the runtime calls :meth:`before_apply` before the state changes."""
         assert self._plan is not None
-        pair = pair_name(self.rank, self._plan.version)
+        pair = pair_name(self.rank, self._plan.group_version)
         self.groups.switch([pair])
         self._ahead = SendAhead(PairGroupTransport(self.groups.current(pair),
                                                    timeout_s=self.transfer_timeout), self.rank)
@@ -622,7 +616,7 @@ class MigrationHook:
             if (self.send_ahead_enabled and self.rank in plan.moves
                     and (self._ahead is None or not self._ahead.state_sent)):
                 return 0  # the joiner needs the state before the switch can be agreed
-            return plan.version
+            return plan.group_version
         return 0
 
     def _stopping(self) -> bool:
@@ -639,7 +633,7 @@ class MigrationHook:
             self.log.info(f"Every rank agreed to stop the job after step {step}.", step=step)
             return
         plan = self._plan
-        if plan is not None and flag == plan.version and not self._switch_next:
+        if plan is not None and flag == plan.group_version and not self._switch_next:
             self._switch_next = True
             if self.rank == 0:
                 failpoints.hit("stayer.report_switching")  # the switch agreed, not yet said
@@ -703,7 +697,7 @@ class MigrationHook:
         """Stream the state to the joiner. True: handed off, this rank leaves. False: the
         transfer failed and this rank keeps training (the survivors stay on the old groups)."""
         assert self._plan is not None
-        pair = pair_name(self.rank, self._plan.version)
+        pair = pair_name(self.rank, self._plan.group_version)
         ahead = self._ahead
         try:
             if ahead is not None:  # the joiner holds the job's state: only the rest crosses
@@ -798,15 +792,16 @@ class Joiner:
             time.sleep(0.05)
         names = [*self.layout.concrete(self.rank).values()]
         for name in names:
-            self.groups.prepare(name, self.plan.version,
+            self.groups.prepare(name, self.plan.group_version,
                                 group_members(name, self.nodes, self.layout))
         waiting = list(names)
         if not self.plan.rollback:  # a rollback's joiner loads its rank's snapshot instead
-            pair = pair_name(self.rank, self.plan.version)
+            pair = pair_name(self.rank, self.plan.group_version)
             donor = self.plan.donor_of.get(self.rank, -1)
             source = (member(donor, self.nodes[donor]) if self.plan.reshape
                       else self.plan.source(self.rank, self.nodes_before))
-            self.groups.prepare(pair, self.plan.version, (source, member(self.rank, self.node)))
+            self.groups.prepare(pair, self.plan.group_version,
+                                (source, member(self.rank, self.node)))
             waiting.append(pair)
         # A member lost meanwhile keeps the groups from ever coming up: the migration is called
         # off, and this joiner leaves at once rather than hold its node for the timeout.
@@ -843,7 +838,7 @@ class Joiner:
             TransferError: the state did not arrive whole, or the job failed to load or apply
                 it (``runtime``'s state is then partly written).
         """
-        pair = pair_name(self.rank, self.plan.version)
+        pair = pair_name(self.rank, self.plan.group_version)
         self.groups.switch([pair])
         transport = PairGroupTransport(self.groups.current(pair), timeout_s=self.timeout)
         watcher_stop = threading.Event()

@@ -221,9 +221,9 @@ class _Survivor:
         names = list(layout.concrete(rank).values())
         try:
             for name in names:
-                groups.prepare(name, self.plan.version, group_members(name, nodes, layout))
+                groups.prepare(name, self.plan.group_version, group_members(name, nodes, layout))
             for j in self._donating_as(rank):
-                groups.prepare(pair_name(j, self.plan.version), self.plan.version,
+                groups.prepare(pair_name(j, self.plan.group_version), self.plan.group_version,
                                (member(rank, nodes[rank]), member(j, nodes[j])))
         except ValueError as exc:
             self._set(Report.ABORTED, f"reshape failed on rank {self.rank}: {exc}".encode())
@@ -240,7 +240,7 @@ class _Survivor:
         """Give each new rank whose donor this rank is the state of the settled step (the
         replicas of a slotted job hold the same one)."""
         for j in self._donating_as(rank):
-            pair = pair_name(j, self.plan.version)
+            pair = pair_name(j, self.plan.group_version)
             try:
                 groups.switch([pair])
                 with PairGroupTransport(groups.current(pair),
@@ -329,12 +329,12 @@ class _Survivor:
             if lost & set(ranks) or len(counts) > 1 or -1 in counts:
                 rebuild.append(name)
         for name in rebuild:
-            self._guarded(self.groups.prepare, name, self.plan.version,
+            self._guarded(self.groups.prepare, name, self.plan.group_version,
                           group_members(name, self.after, self.layout))
             self.prepared.append(name)
         for r in self._donating():
-            pair = pair_name(r, self.plan.version)
-            self._guarded(self.groups.prepare, pair, self.plan.version,
+            pair = pair_name(r, self.plan.group_version)
+            self._guarded(self.groups.prepare, pair, self.plan.group_version,
                           (member(self.rank, self.nodes[self.rank]),
                            member(r, self.plan.moves[r][1])))
             self.prepared.append(pair)
@@ -349,7 +349,7 @@ class _Survivor:
 
     def _transfer(self, committed: int) -> None:
         for r in self._donating():
-            pair = pair_name(r, self.plan.version)
+            pair = pair_name(r, self.plan.group_version)
             try:
                 state = self.runtime.replica_state(r)
             except ValueError as exc:  # the job keeps no copy of rank r's state here

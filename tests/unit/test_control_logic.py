@@ -1094,7 +1094,7 @@ def test_a_rank_that_lags_takes_its_plan_for_committed_only_from_the_epoch_it_ma
     mine = Plan.from_info({"migration": json.loads(record.encode())})
     assert mine is not None and mine == Plan.decode(record.encode())
     assert mine.moves == {0: ("a", "s1")} and mine.donor_of == {0: 2}
-    assert mine.version == 100_000 and mine.recovers_from(2) and not mine.recovers_from(3)
+    assert mine.group_version == 100_000 and mine.recovers_from(2) and not mine.recovers_from(3)
     assert Plan.from_info({"migration": None}) is None and Plan.from_info(None) is None
     with pytest.raises(RecordError):  # the view's record, checked as etcd's was
         Plan.from_info({"migration": {**json.loads(record.encode()), "to_epoch": 4}})
