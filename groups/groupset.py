@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from understudy.common import logs
+from understudy.common import failpoints, logs
 from understudy.groups.errors import GroupBuildError
 from understudy.groups.store import DaemonStore
 from understudy.groups.versioned import (
@@ -280,6 +280,9 @@ class GroupSet:
     def _build(self, v: GroupVersion, cancel: threading.Event) -> None:
         t0 = time.monotonic()
         store: Any = None
+        # a fault test's build that comes up late (``group.build.dp-1=2*sleep(3)``: this
+        # process's first two builds of dp-1, its first version's and the next)
+        failpoints.hit(f"group.build.{v.name}")
         try:
             store = self._store_factory(v.namespace, cancel)
             pg = build_process_group(store, v.rank, v.size, timedelta(seconds=self.timeout),

@@ -776,12 +776,20 @@ class Joiner:
         self.reports = DaemonClient(f"{job}/migration/{plan.id}", epoch=plan.from_epoch,
                                     timeout=10)
         self.log = logs.get(job=job, rank=rank, node=node)
+        #: a recovery's joiner: it takes the state as soon as its pair is up (:meth:`prepare`)
+        self._early = False
 
     def bound(self) -> None:
         self.reports.set(Report.BOUND.of(self.rank), b"1")
 
     def prepare(self) -> list[str]:
-        """Wait for phase 1 and build this joiner's groups; returns their names."""
+        """Wait for phase 1 and build this joiner's groups; returns their names.
+
+        A recovery's joiner waits only for its pair with the donor, and reports phase 1 done
+        once :meth:`receive` took the state and the other groups are up: the state crosses
+        while they come up (their rendezvous waits on peers, the state on bandwidth). Every
+        other joiner waits for all of them here and reports at once (a drain's leaver sends
+        only once the whole migration is prepared)."""
         deadline = time.monotonic() + self.timeout
         while True:
             plan = self._current()
@@ -803,19 +811,25 @@ class Joiner:
             self.groups.prepare(pair, self.plan.group_version,
                                 (source, member(self.rank, self.node)))
             waiting.append(pair)
-        # A member lost meanwhile keeps the groups from ever coming up: the migration is called
-        # off, and this joiner leaves at once rather than hold its node for the timeout.
+        self._early = self.plan.kind == "recovery"
+        self._wait_ready([waiting[-1]] if self._early else waiting, deadline)
+        failpoints.hit("joiner.prepared")  # phase 1 done here (a recovery's: its pair is up)
+        if not self._early:
+            self.reports.set(Report.JOINER_PREPARED.of(self.rank), b"1")
+        return names
+
+    def _wait_ready(self, names: list[str], deadline: float) -> None:
+        """Until every one of ``names`` is built. A member lost meanwhile keeps a group from
+        ever coming up: the migration is called off, and this joiner leaves at once
+        (TransferError) rather than hold its node for the timeout."""
         checked = time.monotonic()
-        while not self.groups.ready(waiting):
+        while not self.groups.ready(names):
             if time.monotonic() > deadline:
                 raise TransferError("the new groups did not come up in time")
             if time.monotonic() - checked > 0.25:
                 self._current()
                 checked = time.monotonic()
             time.sleep(0.02)
-        failpoints.hit("joiner.prepared")  # phase 1 done here, not yet reported
-        self.reports.set(Report.JOINER_PREPARED.of(self.rank), b"1")
-        return names
 
     def _current(self) -> Plan:
         """This joiner's migration as the daemon sees it now; TransferError once it ended."""
@@ -866,6 +880,9 @@ class Joiner:
             watcher_stop.set()
             watcher.join(2)
             transport.close()
+        if self._early:  # a recovery's: the state came first, now the rest of phase 1
+            self._wait_ready(names, time.monotonic() + self.timeout)
+            self.reports.set(Report.JOINER_PREPARED.of(self.rank), b"1")
         self.switch(names)
         self.log.info(f"Took over rank {self.rank}: {stats}.", epoch=self.plan.to_epoch)
 

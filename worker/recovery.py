@@ -20,8 +20,10 @@ connection), and :meth:`Runtime.run` raises. Then
    the other groups are kept, communicators and all. The next versions are built with the
    joiners in the lost ranks' slots; each donor also builds a pair group with its joiner.
    ``prepared/<rank>`` when they are up.
-4. **Transfer.** Each donor streams its state (the settled committed step) to its joiner and
-   reports ``transferred/<lost rank>``; the others wait for every ``transferred`` to say ok.
+4. **Transfer.** Each donor streams its state (the settled committed step) to its joiner as
+   soon as their pair group is up, while the job's groups still come up (step 3 ends after
+   it there), and reports ``transferred/<lost rank>``; the others wait for every
+   ``transferred`` to say ok.
 5. **Switch** to the new versions under the new epoch; :meth:`Runtime.run` resumes at the settled
    step, which the joiners redo with everyone.
 
@@ -148,6 +150,8 @@ class _Survivor:
                 committed = self._roll_back()
             rebuild = self._prepare(committed)
             self._transfer(committed)
+            self._until(lambda: self.groups.ready(rebuild), "the new group versions")
+            self._set(Report.PREPARED.of(self.rank))
             self._wait_transferred()
             self._guarded(self.groups.switch, rebuild)
         except CalledOff as exc:
@@ -340,8 +344,10 @@ class _Survivor:
             self.prepared.append(pair)
         self.log.info(f"Recovery {self.plan.id}: settled on step {committed}; rebuilding "
                       f"{rebuild}.", kept=[n for n in self._my_groups() if n not in rebuild])
-        self._until(lambda: self.groups.ready(self.prepared), "the new group versions")
-        self._set(Report.PREPARED.of(self.rank))
+        # A donor sends as soon as its pairs are up; the job's groups come up meanwhile
+        # (run() waits for them before it reports this rank prepared).
+        pairs = [pair_name(r, self.plan.group_version) for r in self._donating()]
+        self._until(lambda: self.groups.ready(pairs), "the pair groups with the joiners")
         return rebuild
 
     def _donating(self) -> list[int]:

@@ -74,7 +74,10 @@ def _recovery_done(c: LocalCluster) -> dict:
 
 def test_a_killed_rank_is_replaced_from_its_replica_and_the_result_is_bitwise_identical(
         etcd: EmbeddedEtcd, reference: Path, tmp_path: Path) -> None:
-    with training(etcd, tmp_path, {"node-a": 2, "node-b": 2}, ("node-s1",),
+    # The donor (rank 3, node-b) builds its rebuilt DP group 3 s late (a failpoint, which
+    # holds its first build at the start as well): the state crosses while it comes up.
+    late = {"node-b": {"UNDERSTUDY_FAILPOINTS": "group.build.dp-1=2*sleep(3)"}}
+    with training(etcd, tmp_path, {"node-a": 2, "node-b": 2}, ("node-s1",), armed=late,
                   standby=1) as (c, out):
         a = c.daemons["node-a"]
         _wait_steps(a, 1, 50)
@@ -92,6 +95,10 @@ def test_a_killed_rank_is_replaced_from_its_replica_and_the_result_is_bitwise_id
         summary = json.loads((out / "rank1.json").read_text())
         assert summary["step"] == STEPS
         assert_bitwise_equal(reference, out, world=4)
+        donor = c.daemons["node-b"].log_text()
+        gave = donor.index("Gave rank 1's joiner the state of step")
+        built = [m.start() for m in re.finditer(r'"group": "dp-1".*Built a group version', donor)]
+        assert len(built) == 2 and gave < built[1], "the state waited for the DP group"
 
 
 def test_a_node_lost_as_the_job_starts_is_replaced_and_the_result_is_bitwise_identical(
