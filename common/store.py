@@ -42,6 +42,7 @@ from aetcd import rpc
 from aetcd.utils import prefix_range_end
 
 from understudy.common import logs
+from understudy.common.backoff import Backoff
 from understudy.common.config import EtcdConfig
 from understudy.common.errors import StoreError
 
@@ -492,9 +493,12 @@ class EtcdStore:
 
         A broken stream is resumed from the revision after the last delivered event; if that
         revision was compacted, :data:`RESYNC` is yielded and the watch restarts at the current
-        revision (the caller must re-list to catch up). Never raises for etcd being down.
+        revision (the caller must re-list to catch up). Never raises for etcd being down: it
+        tries again within ``retry_delay`` seconds, then later (jittered, up to a second), so
+        that a fleet's watches do not all come back to etcd in the same instant.
         """
         next_rev = start_revision
+        backoff = Backoff(first=retry_delay, cap=max(retry_delay, 1.0))
         while not stop.is_set():
             watch = None
             try:
@@ -504,6 +508,7 @@ class EtcdStore:
                     client.watch_prefix(prefix.encode(), start_revision=next_rev),
                     self.cfg.timeout,
                 )
+                backoff.reset()
                 # aetcd's cancel() ends its iterator cleanly: cancel when stop is set.
                 canceller = asyncio.create_task(_cancel_when(stop, watch), name="watch-cancel")
                 try:
@@ -529,7 +534,7 @@ class EtcdStore:
                     _reraise_if_we_are_cancelled()
                 await self.reset()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), retry_delay)
+                    await asyncio.wait_for(stop.wait(), backoff.next())
             finally:
                 if watch is not None:
                     await bounded(watch.cancel(), self.cfg.timeout)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from understudy.common import failpoints, logs
+from understudy.common.backoff import Backoff
 from understudy.common.errors import RecordError, StoreError
 from understudy.common.keys import Keys
 from understudy.common.layout import retired_bootstrap
@@ -116,13 +117,18 @@ class Controller:
     # -- election ---------------------------------------------------------------------------
 
     async def run(self) -> None:
+        # Jittered: after an outage every daemon campaigns again, not all in the same instant.
+        backoff = Backoff(first=0.1, cap=1.0)
         while not self.stop.is_set():
             try:
                 await self._campaign_once()
             except StoreError as exc:
+                self.metrics.etcd_retries.labels(call="campaign").inc()
                 self.log.debug("Controller election could not reach etcd.", error=str(exc))
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.stop.wait(), 0.5)
+                    await asyncio.wait_for(self.stop.wait(), backoff.next())
+            else:
+                backoff.reset()
 
     async def _campaign_once(self) -> None:
         with contextlib.suppress(TimeoutError):
@@ -221,6 +227,7 @@ class Controller:
                     # An etcd outage fails every round until it ends: say so once, not each time.
                     failed_rounds += 1
                     self.metrics.controller_failed_rounds.set(failed_rounds)
+                    self.metrics.etcd_retries.labels(call="controller-round").inc()
                     (self.log.warning if failed_rounds == 1 else self.log.debug)(
                         "Controller round failed; retrying until etcd answers.", error=str(exc))
                     with contextlib.suppress(TimeoutError):

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from understudy.common import env, failpoints, logs
+from understudy.common.backoff import Backoff
 from understudy.common.errors import RecordError, StoreError
 from understudy.common.keys import Keys
 from understudy.common.records import (
@@ -183,12 +184,15 @@ class JobRunner:
         self._changed.set()
 
     async def _watch(self) -> None:
+        backoff = Backoff(first=0.1, cap=1.0)  # jittered: the fleet comes back spread out
         while not self.stop.is_set():
             try:
                 rev = await self.store.current_revision()
             except StoreError:
-                await wait_any((self.stop,), 0.5)
+                self.agent.metrics.etcd_retries.labels(call="watch-jobs").inc()
+                await wait_any((self.stop,), backoff.next())
                 continue
+            backoff.reset()
             self._changed.set()
             async for _ in self.store.watch_prefix(self.keys.jobs, rev + 1, self.stop):
                 self._changed.set()
@@ -603,6 +607,7 @@ class JobRunner:
         migration from that epoch is taking it; a standby worker when its node is still one of
         the job's standbys and not a joiner of an unfinished migration. Retries the read while
         etcd does not answer (the workers run on meanwhile, as in an outage)."""
+        backoff = Backoff(first=0.1, cap=1.0)  # jittered: the fleet comes back spread out
         while True:
             try:
                 jobs = await self._read_jobs()
@@ -610,7 +615,8 @@ class JobRunner:
             except StoreError:
                 if self.stop.is_set():
                     return [], []
-                await wait_any((self.stop,), 0.5)
+                self.agent.metrics.etcd_retries.labels(call="read-jobs").inc()
+                await wait_any((self.stop,), backoff.next())
         killed: list[str] = []
         kept: list[str] = []
         for name, child in sorted(self.supervisor.children.items()):

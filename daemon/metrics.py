@@ -85,6 +85,10 @@ class Metrics:
                                     registry=r)
         self.etcd_requests = Counter("understudy_etcd_requests_total",
                                      "Requests this daemon sent to etcd.", ["op"], registry=r)
+        self.etcd_retries = Counter("understudy_etcd_retries_total",
+                                    "Calls to etcd that failed and are tried again, by what "
+                                    "they do.",
+                                    ["call"], registry=r)
         # The node's ranks, from their reports (common/worker_report.py): labelled by job and
         # rank (a node holds a few ranks: the label sets stay few), dropped when the rank's
         # process ends.

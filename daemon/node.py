@@ -35,6 +35,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from understudy.common import logs
+from understudy.common.backoff import Backoff
 from understudy.common.config import Config
 from understudy.common.errors import RecordError, StoreError
 from understudy.common.keys import Keys
@@ -182,6 +183,9 @@ class NodeAgent:
         self._started_at = self._started_at or self.wall()
         waited_for: str | None = None
         last_error = ""
+        # Jittered: after an outage the fleet's daemons do not register again in lock-step.
+        backoff = Backoff(first=min(0.1, self.cfg.lease.keepalive_interval),
+                          cap=self.cfg.lease.keepalive_interval)
         while not self.stop.is_set():
             try:
                 if await self._try_register():
@@ -193,11 +197,12 @@ class NodeAgent:
                     self.log.warning("Node name is held by a live lease (a previous incarnation "
                                      "or another daemon); waiting for it to expire.")
             except StoreError as exc:
+                self.metrics.etcd_retries.labels(call="register").inc()
                 if str(exc) != last_error:  # repeated status is logged only when it changes
                     last_error = str(exc)
                     self.log.warning("Cannot register with etcd yet; retrying.", error=str(exc))
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.stop.wait(), self.cfg.lease.keepalive_interval)
+                await asyncio.wait_for(self.stop.wait(), backoff.next())
 
     async def _try_register(self) -> bool:
         self.incarnation = uuid.uuid4().hex[:12]

@@ -34,6 +34,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.certs import CertAuthority, CertPair, have_openssl
+from tests.integration.exposition import scrape, value
 from tests.integration.scenarios import wait_log
 from understudy.common import config
 from understudy.common import env as env_vars
@@ -530,6 +531,9 @@ def test_wrong_password_and_missing_permission_are_refused_clearly(
         d = cluster.daemons[name]
         assert d.alive(), f"{name} exited: {d.log_text()[-2000:]}"
         assert needle in d.log_text() and "Cannot register with etcd yet" in d.log_text(), name
+        # each failed try is counted (the log says it once)
+        retries = value(scrape(d.metrics_port), "understudy_etcd_retries_total", call="register")
+        assert retries is not None and retries >= 2, (name, retries)
     time.sleep(1.0)
     assert all(d.alive() for d in cluster.daemons.values())
     ok = cluster.cli("status", "--json")
