@@ -21,9 +21,9 @@ connection), and :meth:`Runtime.run` raises. Then
    joiners in the lost ranks' slots; each donor also builds a pair group with its joiner.
    ``prepared/<rank>`` when they are up.
 4. **Transfer.** Each donor streams its state (the settled committed step) to its joiner as
-   soon as their pair group is up, while the job's groups still come up (step 3 ends after
-   it there), and reports ``transferred/<lost rank>``; the others wait for every
-   ``transferred`` to say ok.
+   soon as their pair group is up, while the job's groups still come up (so a donor's
+   ``prepared/<rank>`` comes after its send), and reports ``transferred/<lost rank>``; the
+   others wait for every ``transferred`` to say ok.
 5. **Switch** to the new versions under the new epoch; :meth:`Runtime.run` resumes at the settled
    step, which the joiners redo with everyone.
 
