@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 @dataclass
 class Backoff:
     """The waits of one retry loop. :meth:`next` before each retry, :meth:`reset` once the
-    call succeeded."""
+    call succeeded. The defaults are a daemon's retries of a call to etcd."""
 
-    first: float
-    cap: float
+    first: float = 0.1
+    cap: float = 1.0
     rng: random.Random = field(default_factory=random.Random, repr=False)
     #: retries in a row so far
     attempt: int = 0

@@ -118,7 +118,7 @@ class Controller:
 
     async def run(self) -> None:
         # Jittered: after an outage every daemon campaigns again, not all in the same instant.
-        backoff = Backoff(first=0.1, cap=1.0)
+        backoff = Backoff()
         while not self.stop.is_set():
             try:
                 await self._campaign_once()

@@ -184,7 +184,7 @@ class JobRunner:
         self._changed.set()
 
     async def _watch(self) -> None:
-        backoff = Backoff(first=0.1, cap=1.0)  # jittered: the fleet comes back spread out
+        backoff = Backoff()  # jittered: the fleet comes back spread out
         while not self.stop.is_set():
             try:
                 rev = await self.store.current_revision()
@@ -607,7 +607,7 @@ class JobRunner:
         migration from that epoch is taking it; a standby worker when its node is still one of
         the job's standbys and not a joiner of an unfinished migration. Retries the read while
         etcd does not answer (the workers run on meanwhile, as in an outage)."""
-        backoff = Backoff(first=0.1, cap=1.0)  # jittered: the fleet comes back spread out
+        backoff = Backoff()  # jittered: the fleet comes back spread out
         while True:
             try:
                 jobs = await self._read_jobs()
