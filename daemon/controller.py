@@ -303,10 +303,10 @@ class Controller:
                              "its lease will expire.", error=str(exc))
             return
         self._evidence[rec.name] = f"{why}; its lease was revoked"
+        self._changed.set()  # the round that recovers its ranks need not wait for the event
         self.log.warning(f"Node {rec.name} is lost: {why}. Revoked its lease.")
         await self.events.emit("node-unreachable", f"Node {rec.name} is lost: {why}; the "
                                "controller revoked its lease.", node=rec.name)
-        self._changed.set()
 
     async def _watch_leadership(self, lost: asyncio.Event) -> None:
         kv = await self.store.get(self.keys.controller)

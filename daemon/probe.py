@@ -8,12 +8,13 @@ connected socket per node, so a dead daemon's port answers with an ICMP "port un
 (the socket reports ``ECONNREFUSED``) within one round trip, and a node whose packets are
 dropped (power loss, a dead switch port) simply stops answering.
 
-A node is suspected when its port refuses, or when nothing came back from it for
-``probe.silence`` seconds. The controller then confirms with a burst of pings answered within
-``probe.confirm`` seconds; a node that still refuses or stays silent is reported to
-``on_dead``, which revokes the node's lease (``controller.py``). etcd stays the authority: a
-node that was only cut off finds its lease revoked when it reaches etcd again and fences
-itself, exactly as after an expired lease, so a wrong verdict costs a migration, never a
+A node is suspected when its port refuses (judged the moment the refusal arrives, not at the
+next round), or when nothing came back from it for ``probe.silence`` seconds. The controller
+then confirms with more pings: an answer clears the suspect; a second refusal condemns it as
+soon as it arrives, and so does silence through ``probe.confirm`` seconds. A condemned node is
+reported to ``on_dead``, which revokes the node's lease (``controller.py``). etcd stays the
+authority: a node that was only cut off finds its lease revoked when it reaches etcd again and
+fences itself, exactly as after an expired lease, so a wrong verdict costs a migration, never a
 split brain.
 
 Two guards keep a busy or cut-off controller from condemning healthy nodes:
@@ -76,13 +77,17 @@ class ProbeResponder(asyncio.DatagramProtocol):
 class _Peer(asyncio.DatagramProtocol):
     """The controller's connected socket to one node's probe port."""
 
-    def __init__(self, record: NodeRecord, now: float) -> None:
+    def __init__(self, record: NodeRecord, now: float,
+                 on_refused: Callable[[], None] = lambda: None) -> None:
         self.record = record
+        self.on_refused = on_refused
         self.transport: asyncio.DatagramTransport | None = None
         self.token = secrets.token_hex(8).encode()
         #: monotonic times: the last answer, the last refusal (0: none since the start)
         self.heard = now
         self.refused = 0.0
+        #: set at each answer or refusal: a confirmation waits on it instead of polling
+        self.news = asyncio.Event()
         #: set while the suspicion is being confirmed, and once it was (reported once)
         self.confirming = False
         self.condemned = False
@@ -97,10 +102,13 @@ class _Peer(asyncio.DatagramProtocol):
                 parts[2] == self.record.name.encode() and \
                 parts[3] == self.record.incarnation.encode():
             self.heard = time.monotonic()
+            self.news.set()
 
     def error_received(self, exc: Exception) -> None:
         if isinstance(exc, ConnectionRefusedError):
             self.refused = time.monotonic()
+            self.news.set()
+            self.on_refused()
 
     def ping(self) -> None:
         if self.transport is not None:
@@ -134,6 +142,7 @@ class Prober:
         self._peers: dict[str, _Peer] = {}
         self._confirms: set[asyncio.Task[None]] = set()
         self._mass_warned = False
+        self._stopped = False
 
     async def run(self, stop: asyncio.Event) -> None:
         s = self.settings
@@ -154,6 +163,7 @@ class Prober:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), s.interval)
         finally:
+            self._stopped = True
             for t in self._confirms:
                 t.cancel()
             for p in self._peers.values():
@@ -179,7 +189,7 @@ class Prober:
                 continue
             address = parse_address(rec.probe)
             assert address is not None
-            peer = _Peer(rec, now)
+            peer = _Peer(rec, now, on_refused=self._refused)
             try:
                 await loop.create_datagram_endpoint(lambda p=peer: p,  # type: ignore[misc]
                                                     remote_addr=address)
@@ -188,6 +198,12 @@ class Prober:
                                error=str(exc))
                 continue
             self._peers[name] = peer
+
+    def _refused(self) -> None:
+        """A port refused a ping: judge now, not a round later (a dead daemon is found within
+        one probe interval and a round trip, rather than up to two intervals)."""
+        if not self._stopped:
+            self._judge(time.monotonic())
 
     def _suspects(self, now: float) -> dict[str, str]:
         out = {}
@@ -218,14 +234,19 @@ class Prober:
                 task.add_done_callback(self._confirms.discard)
 
     async def _confirm(self, p: _Peer, why: str) -> None:
-        """A few more pings: an answer clears the suspect; a refusal or silence condemns it."""
+        """A few more pings: an answer clears the suspect; a refusal condemns it as soon as it
+        arrives, and silence until ``probe.confirm`` has passed."""
         start = time.monotonic()
         refused_before = p.refused
         deadline = start + self.settings.confirm
         try:
-            while time.monotonic() < deadline:
+            while (left := deadline - time.monotonic()) > 0:
+                p.news.clear()
                 p.ping()
-                await asyncio.sleep(min(0.05, self.settings.confirm / 4))
+                # Woken by the answer or the refusal; else pinged again (a datagram may be lost).
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(p.news.wait(),
+                                           min(left, 0.05, self.settings.confirm / 4))
                 if p.heard >= start:
                     self.log.info(f"Node {p.record.name} answered its probe again.",
                                   peer=p.record.name, suspected=why)

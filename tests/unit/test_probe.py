@@ -90,6 +90,52 @@ def test_a_closed_probe_port_is_found_at_once_and_answering_nodes_never() -> Non
     asyncio.run(main())
 
 
+class _CountingResponder(ProbeResponder):
+    """A responder that notes when each ping reached it: the prober's rounds, seen from a
+    node."""
+
+    def __init__(self, node: str) -> None:
+        super().__init__(node, lambda: f"{node}-i")
+        self.pings: list[float] = []
+
+    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+        self.pings.append(time.monotonic())
+        super().datagram_received(data, addr)
+
+
+def test_a_refusal_is_judged_when_it_arrives_not_at_the_next_round() -> None:
+    """Rounds half a second apart: the node whose port closed is condemned between the round
+    whose ping it refused and the next one (the refusal and the confirming refusal are acted
+    on as they arrive, not at the next round nor at a fixed poll)."""
+    async def main() -> None:
+        fleet = _Fleet()
+        witness = _CountingResponder("a")
+        fleet.responders["a"] = witness
+        fleet.records["a"] = _record("a", await witness.start("127.0.0.1"))
+        for n in ("b", "c"):
+            await fleet.answering(n)
+        slow = ProbeConfig(interval=0.5, silence=5.0, confirm=1.0)
+        stop = asyncio.Event()
+        task = asyncio.create_task(
+            Prober(slow, "ctl", lambda: fleet.records, fleet.on_dead).run(stop))
+        try:
+            await asyncio.sleep(0.7)  # two rounds: everyone answered
+            fleet.responders["b"].close()
+            killed = time.monotonic()
+            await asyncio.sleep(1.6)
+        finally:
+            stop.set()
+            await task
+            fleet.close()
+        assert fleet.reports == ["b"]
+        at, why = fleet.dead["b"]
+        assert "refuses" in why
+        rounds = [t for t in witness.pings if killed < t < at]
+        # Only the round that found the closed port came between: not a second one.
+        assert len(rounds) == 1, (rounds, killed, at)
+    asyncio.run(main())
+
+
 def test_a_silent_node_is_condemned_after_the_silence_and_the_confirmation() -> None:
     async def main() -> None:
         fleet = _Fleet()
