@@ -146,6 +146,16 @@ class GroupSet:
         """Whether every named prepared version has finished building (successfully or not)."""
         return all(self._pending_of(n).version._built.is_set() for n in names)
 
+    def wait_ready(self, names: Iterable[str], timeout: float) -> bool:
+        """:meth:`ready`, waiting up to ``timeout`` seconds for it: returns the moment the last
+        named version finished building, not at a poll's next tick."""
+        deadline = time.monotonic() + timeout
+        for name in names:
+            if not self._pending_of(name).version._built.wait(
+                    max(0.0, deadline - time.monotonic())):
+                return False
+        return True
+
     def pending(self) -> list[str]:
         return sorted(self._pending)
 

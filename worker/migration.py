@@ -72,6 +72,9 @@ STOP_FLAG = -1
 #: while the job's view it follows (``DaemonClient.follow_job``) is broken: with the view up,
 #: every check reads the view, which the daemon's long poll keeps current
 RECOVERY_POLL_S = 0.1
+#: longest wait of a joiner's long poll for its migration's phase 1 (it checks its deadline
+#: between two)
+PHASE_WAIT_S = 0.25
 #: longest wait of a standby's long poll for its plan (it notices a stop within it)
 PLAN_WAIT_S = 0.5
 #: how often a report the daemon could not write (an etcd outage) is tried again
@@ -791,13 +794,15 @@ class Joiner:
         other joiner waits for all of them here and reports at once (a drain's leaver sends
         only once the whole migration is prepared)."""
         deadline = time.monotonic() + self.timeout
+        token: str | None = None
         while True:
-            plan = self._current()
+            # A long poll: phase 1 is heard the moment the daemon has it, not at a poll's tick.
+            info, token = self.control.job_changed(token, PHASE_WAIT_S)
+            plan = self._still_on(Plan.from_info(info))
             if plan.phase != "planned":
                 break
             if time.monotonic() > deadline:
                 raise TransferError(f"migration {self.plan.id} never reached phase 1")
-            time.sleep(0.05)
         names = [*self.layout.concrete(self.rank).values()]
         for name in names:
             self.groups.prepare(name, self.plan.group_version,
@@ -829,11 +834,15 @@ class Joiner:
             if time.monotonic() - checked > 0.25:
                 self._current()
                 checked = time.monotonic()
-            time.sleep(0.02)
+            self.groups.wait_ready(names, 0.05)  # returns as the last of them is built
 
     def _current(self) -> Plan:
         """This joiner's migration as the daemon sees it now; TransferError once it ended."""
-        plan = Plan.from_info(self.control.job())
+        return self._still_on(Plan.from_info(self.control.job()))
+
+    def _still_on(self, plan: Plan | None) -> Plan:
+        """``plan``, the job's migration as just read, if it is still this joiner's;
+        TransferError once it ended."""
         if plan is None or plan.id != self.plan.id or plan.phase in ("done", "aborted"):
             raise TransferError(f"migration {self.plan.id} was called off")
         return plan

@@ -150,7 +150,7 @@ class _Survivor:
                 committed = self._roll_back()
             rebuild = self._prepare(committed)
             self._transfer(committed)
-            self._until(lambda: self.groups.ready(rebuild), "the new group versions")
+            self._until_built(self.groups, rebuild, "the new group versions")
             self._set(Report.PREPARED.of(self.rank))
             self._wait_transferred()
             self._guarded(self.groups.switch, rebuild)
@@ -232,7 +232,7 @@ class _Survivor:
         except ValueError as exc:
             self._set(Report.ABORTED, f"reshape failed on rank {self.rank}: {exc}".encode())
             raise CalledOff(str(exc)) from exc
-        self._until(lambda: groups.ready(groups.pending()), "the new shape's groups")
+        self._until_built(groups, groups.pending(), "the new shape's groups")
         self.log.info(f"Reshape {self.plan.id}: the groups of rank {rank} of the new shape are "
                       "up.")
         return names
@@ -347,7 +347,7 @@ class _Survivor:
         # A donor sends as soon as its pairs are up; the job's groups come up meanwhile
         # (run() waits for them before it reports this rank prepared).
         pairs = [pair_name(r, self.plan.group_version) for r in self._donating()]
-        self._until(lambda: self.groups.ready(pairs), "the pair groups with the joiners")
+        self._until_built(self.groups, pairs, "the pair groups with the joiners")
         return rebuild
 
     def _donating(self) -> list[int]:
@@ -419,13 +419,22 @@ class _Survivor:
             if time.monotonic() > deadline:
                 raise CalledOff(f"no word of {what} in {self.timeout:g} s")
 
-    def _until(self, done: Callable[[], bool], what: str) -> None:
+    def _until(self, done: Callable[[], bool], what: str,
+               wait: Callable[[float], object] = time.sleep) -> None:
+        """Until ``done()``, checking the plan every ``POLL_S`` (``wait(POLL_S)`` between two
+        checks: one that returns as soon as ``done`` may hold ends the wait at once)."""
         deadline = time.monotonic() + self.timeout
         while not done():
             self._check_plan()
             if time.monotonic() > deadline:
                 raise CalledOff(f"{what} did not come up in {self.timeout:g} s")
-            time.sleep(POLL_S)
+            wait(POLL_S)
+
+    def _until_built(self, groups: GroupSet, names: list[str], what: str) -> None:
+        """Until every one of ``names`` has finished building: the moment the last one has,
+        not at the next poll (a step of the recovery's critical path)."""
+        self._until(lambda: groups.ready(names), what,
+                    wait=lambda t: groups.wait_ready(names, t))
 
     def _guarded(self, action: Callable[..., Any], *args: Any) -> None:
         try:

@@ -613,3 +613,35 @@ def test_gloo_binds_the_nodes_address_unless_the_operator_named_interfaces(
     # The operator's interfaces win: gloo's own choice on "lo" is 127.0.0.1.
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     assert connect(2) == ({"a": 2.0, "b": 2.0}, {"127.0.0.1"})
+
+
+def test_wait_ready_returns_once_the_last_named_version_is_built(
+        shared_store: dist.Store) -> None:
+    """A waiter blocks on the builds themselves (a recovery's critical path waits on it): it
+    is not ready while a member has not joined the rendezvous, and is the moment it has."""
+    sets = {m: make_set(shared_store, m) for m in ("a", "b")}
+    b_may_join = threading.Event()
+
+    def a() -> tuple[bool, bool, bool]:
+        gs = sets["a"]
+        gs.prepare("pair", 1, ["a", "b"])
+        before = gs.wait_ready(["pair"], 0.3)  # b has not joined: times out
+        b_may_join.set()
+        after = gs.wait_ready(["pair"], 10.0)
+        ready = gs.ready(["pair"])
+        gs.switch(["pair"])
+        dist.all_reduce(torch.ones(1), group=gs.current("pair"))
+        gs.close()
+        return before, after, ready
+
+    def b() -> None:
+        gs = sets["b"]
+        assert b_may_join.wait(10)
+        gs.prepare("pair", 1, ["a", "b"])
+        assert gs.wait_ready(["pair"], 10.0)
+        gs.switch(["pair"])
+        dist.all_reduce(torch.ones(1), group=gs.current("pair"))
+        gs.close()
+
+    res = run_ranks({"a": a, "b": b})
+    assert res["a"] == (False, True, True)
