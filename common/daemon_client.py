@@ -155,13 +155,14 @@ class DaemonClient:
         """Whether :meth:`job` answers from a current view, with no round trip."""
         return self._view is not None and self._view.current()[0]
 
-    def follow_job(self, epoch: Callable[[], int], wait: float = JOB_POLL_WAIT_S) -> None:
+    def follow_job(self, epoch: Callable[[], int], wait: float = JOB_POLL_WAIT_S,
+                   on_change: Callable[[], None] | None = None) -> None:
         """From now on keep the job's view current on a thread of its own, with a connection
         of its own that long-polls the daemon (``epoch()``: the worker's epoch, for a
         reconnection's hello), so that :meth:`job` costs no round trip: the boundary hook asks
-        at every step."""
+        at every step. ``on_change`` is called (on that thread) each time the view changed."""
         if self._view is None:
-            self._view = _JobView(self.namespace, self.path, epoch, wait)
+            self._view = _JobView(self.namespace, self.path, epoch, wait, on_change)
 
     def report(self, report: WorkerReport) -> None:
         """Send a rank's report on its training to the daemon's metrics (``Op.METRICS``)."""
@@ -177,8 +178,9 @@ class _JobView:
     fresh: the poll answered within its wait (plus a margin) and its connection is up."""
 
     def __init__(self, namespace: str, path: str | None, epoch: Callable[[], int],
-                 wait: float) -> None:
+                 wait: float, on_change: Callable[[], None] | None = None) -> None:
         self.namespace, self.path, self.epoch, self.wait = namespace, path, epoch, wait
+        self.on_change = on_change
         self._info: dict[str, Any] | None = None
         self._at: float | None = None  # monotonic time of the last answer; None: broken
         self._stop = threading.Event()
@@ -199,6 +201,7 @@ class _JobView:
 
     def _run(self) -> None:
         token: str | None = None
+        seen: str | None = None  # the last answer's token, across reconnections
         while not self._stop.is_set():
             try:
                 if self._client is None:
@@ -207,6 +210,9 @@ class _JobView:
                     token = None
                 info, token = self._client.job_changed(token, self.wait)
                 self._info, self._at = info, time.monotonic()
+                if token != seen and seen is not None and self.on_change is not None:
+                    self.on_change()
+                seen = token
             except (DaemonError, OSError, ValueError):
                 self._at = None
                 client, self._client = self._client, None

@@ -31,6 +31,9 @@ SLICE = 0.05
 #: thread id -> (time.monotonic() at its start, what) of every wait in progress in this
 #: process: what a worker's stuck reporter reads (``worker/stuck.py``)
 _waiting: dict[int, tuple[float, str]] = {}
+#: every wait in progress in this process: :func:`nudge` wakes them to ask ``abort`` again
+_nudges: set[threading.Event] = set()
+_nudges_lock = threading.Lock()
 #: set when a wait that lasted over ``LONG_WAIT_S`` ends: a stuck reporter withdraws its report
 #: at once instead of at its next look (short waits, every collective of a step, set nothing)
 long_wait_ended = threading.Event()
@@ -42,6 +45,15 @@ def waiting() -> tuple[float, str] | None:
     start, what it waits for); None when none is."""
     now = list(_waiting.values())
     return min(now) if now else None
+
+
+def nudge() -> None:
+    """Wake every wait in progress in this process to ask its ``abort`` predicate at once
+    instead of at the end of its slice: call it when what the predicates read has changed (the
+    job's view brought a recovery plan)."""
+    with _nudges_lock:
+        for news in _nudges:
+            news.set()
 
 
 class Work(Protocol):
@@ -71,6 +83,7 @@ def wait(work: Work, *, abort: Callable[[], bool] | None = None,
     if timeout is not None and not timeout >= 0:
         raise ValueError(f"timeout must be a non-negative number of seconds, got {timeout!r}")
     done = threading.Event()
+    news = threading.Event()  # the work completed, or a nudge: look again
     failed: list[BaseException] = []
     threaded = False
     future: Any = None
@@ -87,27 +100,37 @@ def wait(work: Work, *, abort: Callable[[], bool] | None = None,
                 failed.append(exc)
             finally:
                 done.set()
+                news.set()
 
         threaded = True
         threading.Thread(target=waiter, name=f"wait: {what}", daemon=True).start()
     else:
-        # The callback runs on the communicator's thread and only sets a flag.
-        future.add_done_callback(lambda _: done.set())
+        # The callback runs on the communicator's thread and only sets flags.
+        def completed(_: Any) -> None:
+            done.set()
+            news.set()
+
+        future.add_done_callback(completed)
     start = clock()
     me = threading.get_ident()
     _waiting[me] = (time.monotonic(), what)
+    with _nudges_lock:
+        _nudges.add(news)
     try:
-        _wait(work, done, failed, threaded, future, abort, timeout, slice_s, what, clock,
-              start)
+        _wait(work, done, news, failed, threaded, future, abort, timeout, slice_s, what,
+              clock, start)
     finally:
+        with _nudges_lock:
+            _nudges.discard(news)
         began = _waiting.pop(me, (time.monotonic(), what))[0]
         if time.monotonic() - began > LONG_WAIT_S:
             long_wait_ended.set()
 
 
-def _wait(work: Work, done: threading.Event, failed: list[BaseException], threaded: bool,
-          future: Any, abort: Callable[[], bool] | None, timeout: float | None, slice_s: float,
-          what: str, clock: Callable[[], float], start: float) -> None:
+def _wait(work: Work, done: threading.Event, news: threading.Event,
+          failed: list[BaseException], threaded: bool, future: Any,
+          abort: Callable[[], bool] | None, timeout: float | None, slice_s: float, what: str,
+          clock: Callable[[], float], start: float) -> None:
     def give_up_if_told() -> None:
         waited = clock() - start
         if abort is not None and abort():
@@ -118,7 +141,11 @@ def _wait(work: Work, done: threading.Event, failed: list[BaseException], thread
                                     f"{timeout:g} s): a peer did not take part", what=what,
                                     waited=waited)
 
-    while not done.wait(slice_s):
+    while not done.is_set():
+        news.wait(slice_s)  # a slice, or less: the work completed, or a nudge came
+        news.clear()
+        if done.is_set():
+            break
         give_up_if_told()
     # NCCL's future completes once the collective is enqueued, not once it ran (its value
     # carries the stream's events): a peer that never joins leaves the kernel spinning on the

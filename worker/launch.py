@@ -37,6 +37,7 @@ from understudy.common.daemon_client import DaemonClient, DaemonError
 from understudy.common.env import RECORDINGS, WorkerRole
 from understudy.common.errorfile import record_error
 from understudy.common.layout import Layout
+from understudy.groups import abortable
 from understudy.groups.errors import GroupBuildError
 from understudy.groups.groupset import GroupSet
 from understudy.sandbox.manifest import CodeVersion
@@ -505,7 +506,9 @@ def _run_rank(w: _Worker, seat: _Seat, steps: int,
                          finished=seat.finished, stop=w.stop, send_ahead=replays(runtime.job))
     # The boundary hook reads the job's view at every step: keep it current in the background.
     # (A reshape gives the hook a group set of the new epoch: read it there.)
-    w.control.follow_job(lambda: hook.groups.epoch)
+    # A change of the view (a recovery planned) wakes the waits on collectives at once, to
+    # ask their abort predicates, instead of at the end of their 50 ms slices.
+    w.control.follow_job(lambda: hook.groups.epoch, on_change=abortable.nudge)
     runtime.hook = hook if seat.recorder is None else seat.recorder.hook(hook)
     w.hook = hook
     snapshotter = start_snapshotter(runtime, w.job, lambda: hook.groups.epoch)

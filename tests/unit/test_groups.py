@@ -436,6 +436,35 @@ def test_abortable_wait_is_released_by_abort_timeout_or_completion() -> None:
         abortable.wait(work, slice_s=0)
 
 
+def test_a_nudge_makes_a_wait_ask_its_abort_predicate_before_its_slice_ends() -> None:
+    """A wait with a 30 s slice on a collective that never completes: set its predicate and
+    nudge, and it gives up at once (without the nudge it would look again after 30 s); a
+    completed work is not mistaken for a nudge, nor a nudge for completion."""
+    groups = gloo_pair("nudge", timeout=60.0)
+    work = dist.all_reduce(torch.ones(1), group=groups[0], async_op=True)  # rank 1 is silent
+    gone = threading.Event()
+    nudges = 0
+
+    def tell() -> None:
+        nonlocal nudges
+        abortable.nudge()  # the predicate is still false: the wait goes on
+        nudges += 1
+        gone.set()
+        abortable.nudge()
+        nudges += 1
+
+    threading.Timer(0.2, tell).start()
+    t0 = time.monotonic()
+    with pytest.raises(CollectiveAborted, match="told to abort"):
+        abortable.wait(work, abort=gone.is_set, slice_s=30.0)
+    assert time.monotonic() - t0 < 10.0, "the wait looked again only at its slice's end"
+    assert nudges >= 1
+    abortable.nudge()  # no wait in progress: nothing to wake
+    # Rank 1 joins: the completed work ends a wait with a long slice too, not as an abort.
+    dist.all_reduce(torch.ones(1), group=groups[1])
+    abortable.wait(work, abort=gone.is_set, slice_s=30.0)
+
+
 def test_abortable_wait_reports_a_failed_collective() -> None:
     groups = gloo_pair("fail", timeout=0.3)
     work = dist.all_reduce(torch.ones(1), group=groups[0], async_op=True)

@@ -376,7 +376,8 @@ def test_a_plan_reaches_a_waiting_standby_and_a_following_rank_once_the_daemon_r
     waiter = threading.Thread(target=lambda: found.append(
         migration.wait_for_plan(standby, "node-s1", stop)))
     try:
-        rank.follow_job(lambda: 1)
+        changed = threading.Event()  # what wakes the rank's waits on collectives
+        rank.follow_job(lambda: 1, on_change=changed.set)
         _until(lambda: rank.following)
         hook = migration.MigrationHook(rank, GroupSet("j", "r0-node-a", epoch=1), job="j",
                                        rank=0, node="node-a", layout=Layout(2, 1, 1),
@@ -385,6 +386,7 @@ def test_a_plan_reaches_a_waiting_standby_and_a_following_rank_once_the_daemon_r
         waiter.start()
         time.sleep(0.3)
         assert not found, "the standby was not chosen yet"
+        assert not changed.is_set(), "the first view is no change"
         publish(Migration(job="j", id="e2-1", from_epoch=1, to_epoch=2, ranks=(1,),
                           leavers=("node-b",), joiners=("node-s1",), donors=(0,),
                           kind="recovery", phase=MigrationPhase.PLANNED, reason="rank 1 died",
@@ -394,6 +396,7 @@ def test_a_plan_reaches_a_waiting_standby_and_a_following_rank_once_the_daemon_r
         plan, taken = found[0]
         assert (plan.id, taken) == ("e2-1", 1)
         _until(lambda: (rank.job() or {}).get("migration") is not None)
+        _until(changed.is_set)
         seen = hook.recovery()
         assert seen is not None and seen.id == "e2-1" and seen.donor_of == {1: 0}
         # Stopped while nothing names it: the standby's wait ends within its long poll.
