@@ -87,6 +87,11 @@ def wait(work: Work, *, abort: Callable[[], bool] | None = None,
     failed: list[BaseException] = []
     threaded = False
     future: Any = None
+
+    def completed(_: Any = None) -> None:  # on the communicator's (or the waiter's) thread
+        done.set()
+        news.set()
+
     try:
         future = work.get_future()
     except RuntimeError:
@@ -99,18 +104,12 @@ def wait(work: Work, *, abort: Callable[[], bool] | None = None,
             except Exception as exc:  # the communicator's error, whatever its type
                 failed.append(exc)
             finally:
-                done.set()
-                news.set()
+                completed()
 
         threaded = True
         threading.Thread(target=waiter, name=f"wait: {what}", daemon=True).start()
     else:
-        # The callback runs on the communicator's thread and only sets flags.
-        def completed(_: Any) -> None:
-            done.set()
-            news.set()
-
-        future.add_done_callback(completed)
+        future.add_done_callback(completed)  # it only sets flags
     start = clock()
     me = threading.get_ident()
     _waiting[me] = (time.monotonic(), what)
