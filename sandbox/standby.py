@@ -45,16 +45,38 @@ RECORDED_ITERATIONS = 2
 #: How long a standby waits for the recording before it settles for ``imports`` warmth.
 RECORDING_WAIT_S = 600.0
 POLL_S = 0.1
-#: What torch imports only on a job's first build: an optimizer's constructor pulls in
-#: ``torch._dynamo`` (about 2 s of CPU, the bulk of building a small job). A standby imports
+#: What torch imports only on a job's first build, unless the job says otherwise
+#: (:attr:`~understudy.worker.api.TrainingJob.preload`): an optimizer's constructor pulls in
+#: ``torch._dynamo`` (about 1.3 s of CPU, the bulk of building a small job). A standby imports
 #: them while it waits, so none of it falls between being chosen and taking over.
-LAZY_IMPORTS = ("torch._dynamo",)
+LAZY_IMPORTS = TrainingJob.preload
 
 
-def import_lazy_modules() -> None:
-    """Import :data:`LAZY_IMPORTS`: the ``imports`` warmth of a standby, before any build."""
-    for name in LAZY_IMPORTS:
-        importlib.import_module(name)
+def preload_of(job: TrainingJob) -> tuple[str, ...]:
+    """The modules ``job`` has a standby import while it waits (``TrainingJob.preload``).
+
+    Raises:
+        TypeError: the job's ``preload`` is not a sequence of module names.
+    """
+    names = getattr(job, "preload", LAZY_IMPORTS)
+    if isinstance(names, str) or not isinstance(names, (tuple, list)) or not all(
+            isinstance(n, str) and n for n in names):
+        raise TypeError(f"{type(job).__name__}.preload must be a tuple of module names, "
+                        f"got {names!r}")
+    return tuple(names)
+
+
+def import_lazy_modules(names: tuple[str, ...] = LAZY_IMPORTS) -> dict[str, str]:
+    """Import ``names``: the ``imports`` warmth of a standby, before any build. Returns the
+    modules that failed to import, with why: a hint the job gave, not worth the standby (the
+    job's build meets the same error, where it counts)."""
+    failed = {}
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # any import error: the job meets it again at its build
+            failed[name] = f"{type(exc).__name__}: {exc}"
+    return failed
 
 
 def sandboxed(job: TrainingJob) -> bool:

@@ -324,6 +324,15 @@ class TrainingJob(abc.ABC):
     #: for every worker), and its groups' NCCL communicators, if it uses any, connect lazily.
     gpu: bool = False
 
+    #: Modules the job's build or first steps import lazily, which a standby worker imports
+    #: while it waits to be chosen, before it reports ``imports`` warmth: none of that import
+    #: then falls between being chosen and taking over. By default ``torch._dynamo``, which the
+    #: constructor of any ``torch.optim`` optimizer pulls in (about 1.3 CPU-s, and 0.5 more at
+    #: the process's exit). A job that builds no ``torch.optim`` optimizer (torch's functional
+    #: ``adam``, for example) can say ``()``; one whose build imports more lazily (an extension,
+    #: a compiler backend) can name it.
+    preload: tuple[str, ...] = ("torch._dynamo",)
+
     @abc.abstractmethod
     def build(self, ctx: JobContext) -> None:
         """Build the model, optimizer and data source for the role ``ctx`` describes."""

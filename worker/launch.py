@@ -45,6 +45,7 @@ from understudy.sandbox.recording import Recorder, should_record
 from understudy.sandbox.standby import (
     RECORDED_ITERATIONS,
     import_lazy_modules,
+    preload_of,
     sandboxed,
     warm_standby,
 )
@@ -146,6 +147,8 @@ class _Worker:
     #: what this worker tells its daemon's metrics (transfers from the start, steps once it
     #: holds a rank)
     metrics: MetricsReporter
+    #: what a standby imports while it waits (``TrainingJob.preload``); () for a rank
+    preload: tuple[str, ...] = ()
     #: the GPU its groups connect NCCL on as they are built, for a job that opts in
     #: (``TrainingJob.gpu``); None: NCCL (if any) connects at a group's first CUDA collective
     device: torch.device | None = None
@@ -208,9 +211,15 @@ def _start(make_job: Callable[[], TrainingJob], seed: int, timeout: float,
         raise LaunchError(f"the daemon does not know job {job!r}")
     # Recording for the standbys' sandbox: where a directory is given, unless the job opts out.
     recordings = os.environ.get(RECORDINGS)
+    standby = _env(env.WORKER_ROLE) == WorkerRole.STANDBY
     # What the job opts in to: an instance made to be asked (never built), only where there
-    # is a question (a sandbox to record for, a GPU to train on).
-    probe = make_job() if recordings is not None or torch.cuda.is_available() else None
+    # is a question (a sandbox to record for, a GPU to train on, what a standby preloads).
+    probe = (make_job() if recordings is not None or standby or torch.cuda.is_available()
+             else None)
+    try:
+        preload = preload_of(probe) if standby and probe is not None else ()
+    except TypeError as exc:
+        raise LaunchError(str(exc)) from None
     return _Worker(
         make_job=make_job, job=job, node=node, layout=layout, epoch=epoch, seed=seed,
         slots=slots, timeout=timeout, control=control,
@@ -219,7 +228,7 @@ def _start(make_job: Callable[[], TrainingJob], seed: int, timeout: float,
         recordings=(Path(recordings) if probe is not None and recordings is not None
                     and sandboxed(probe) else None),
         snapshots=Path(os.environ[SNAPSHOTS]) if os.environ.get(SNAPSHOTS) else None,
-        metrics=MetricsReporter(job, epoch),
+        metrics=MetricsReporter(job, epoch), preload=preload,
         device=worker_gpu(probe) if probe is not None else None)
 
 
@@ -241,7 +250,9 @@ def _run_standby(w: _Worker) -> _Seat | None:
     w.log.info("Standby worker is up and waiting to be chosen as a joiner.")
     holder = start_holder(w.job, w.node, w.epoch)  # the ranks' snapshots, in this host's memory
     with _collector_paused():
-        import_lazy_modules()
+        failed = import_lazy_modules(w.preload)
+    for name, why in failed.items():
+        w.log.warning(f"Standby could not preload {name} (TrainingJob.preload): {why}")
     w.control.warmth("imports", [], "imports done; the model is built once chosen",
                      holder=holder.id if holder is not None else None)
     warmed = None

@@ -199,6 +199,8 @@ class PlainJob(TrainingJob):
         self._draw = (0, 0)  # the step and the slot (or DP index) being computed
         #: "class": torch.optim.Adam and LambdaLR; "functional": FunctionalAdam (same bits)
         self.adam = adam
+        #: torch's functional Adam never imports torch._dynamo: a standby has nothing to preload
+        self.preload = () if adam == "functional" else TrainingJob.preload
         #: the state a rank should hold, in bytes (None: ``hidden`` as given); the hidden width
         #: that gives it is worked out in ``build``, once the layout is known
         self.state_bytes = state_bytes
@@ -727,6 +729,7 @@ class ShardedJob(PlainJob):
     def __init__(self, *, copy: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.copy = copy
+        self.preload = TrainingJob.preload  # its shards step with torch.optim.Adam
 
     def _optimizer(self) -> None:
         ctx, dp = self.ctx, self.ctx.dp
@@ -1062,6 +1065,7 @@ class SlottedShardedJob(SlottedPlainJob):
     def __init__(self, *, copy: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.copy = copy
+        self.preload = TrainingJob.preload  # its shards step with torch.optim.Adam
 
     def _optimizer(self) -> None:
         ctx = self.ctx
