@@ -108,9 +108,9 @@ class Controller:
         self._leader_key_revision = 0
         #: node -> when this controller first saw it in service without a live record
         self._absent_since: dict[str, float] = {}
-        #: node -> why this controller revoked its lease (its probes: see _probe_failed); a
+        #: node -> the lease this controller revoked and why (its probes: see _probe_failed); a
         #: node lost on evidence needs neither the settle time nor a hold
-        self._evidence: dict[str, str] = {}
+        self._evidence: dict[str, tuple[int, str]] = {}
         #: wall time until which this daemon, having resigned, does not campaign
         self._resigned_until = 0.0
 
@@ -302,7 +302,7 @@ class Controller:
             self.log.warning(f"Could not revoke the lease of node {rec.name}, which {why}; "
                              "its lease will expire.", error=str(exc))
             return
-        self._evidence[rec.name] = f"{why}; its lease was revoked"
+        self._evidence[rec.name] = (rec.lease, f"{why}; its lease was revoked")
         self._changed.set()  # the round that recovers its ranks need not wait for the event
         self.log.warning(f"Node {rec.name} is lost: {why}. Revoked its lease.")
         await self.events.emit("node-unreachable", f"Node {rec.name} is lost: {why}; the "
@@ -416,9 +416,11 @@ class Controller:
                       if not e.offline and e.state != NodeState.FAILED]
         # Gone, or back moments ago on a new lease without a restart (lost theirs): a controller
         # elected amid the rejoins sees most nodes back already and must still hold the rest.
-        for n in list(self._evidence):
-            if n in self._live:
-                del self._evidence[n]  # back, as a new incarnation
+        for n, (revoked, _) in list(self._evidence.items()):
+            # Back, as a new incarnation. The record of the lease it revoked stays in the view
+            # until the watch brings its deletion: a round in between keeps the evidence.
+            if n in self._live and self._live[n].lease != revoked:
+                del self._evidence[n]
         absent = [n for n in in_service if n not in self._evidence and (n not in self._live or (
             self._live[n].registered_at - self._live[n].started_at > ttl
             and now - self._live[n].registered_at < 2 * ttl))]
@@ -446,7 +448,8 @@ class Controller:
                            migration_timeout=self.agent.cfg.drain.migration_timeout,
                            hold_losses_until=self._hold_losses_until,
                            absent_since=dict(self._absent_since),
-                           loss_settle=settle, evidence=dict(self._evidence))
+                           loss_settle=settle,
+                           evidence={n: why for n, (_, why) in self._evidence.items()})
 
     def _as_leader(self, compare: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
         """``compare`` and: this daemon still holds the controller key it won (etcd's

@@ -90,6 +90,47 @@ def test_a_joining_node_seen_by_its_registry_entry_first_is_not_failed(
     asyncio.run(run())
 
 
+def test_a_round_before_the_revoked_record_leaves_the_view_keeps_the_probes_evidence(
+        etcd: EmbeddedEtcd) -> None:
+    """The controller revokes the lease of a node its probes condemned and wakes its round at
+    once; the node's record, deleted with the lease, leaves the view only when the watch brings
+    the deletion. A round in between still sees the old record: it must not take it for the
+    node back as a new incarnation and drop the evidence (then the node was marked failed half
+    a keep-alive interval later as a lapsed lease, not on the probes' word: seen in
+    test_partition.py). A record on another lease is a new incarnation: that drops it."""
+
+    async def run() -> None:
+        ctl, store, keys = _controller(etcd)
+        lease = await store.grant(30)
+        rec = NodeRecord(name="node-p", incarnation="i1", lease=lease, state=NodeState.ACTIVE,
+                         role="active", slots=1)
+        entry = RegistryEntry(name="node-p", incarnation="i1", state=NodeState.ACTIVE,
+                              updated_at=time.time())
+        assert await store.txn(compare=[], success=[
+            ("put", keys.node("node-p"), rec.encode(), lease),
+            ("put", keys.registry_entry("node-p"), entry.encode(), None)])
+        kv = await store.get(keys.registry_entry("node-p"))
+        assert kv is not None
+        ctl._registry["node-p"] = (entry, kv.mod_revision)
+        ctl._live["node-p"] = rec
+        await ctl._probe_failed(rec, "it answered no probe for 0.61 s")
+        assert await store.get(keys.node("node-p")) is None  # revoked: the record went with it
+        # The deletion's event is still due: the view keeps the old record, and the evidence.
+        assert ctl._view().evidence == {
+            "node-p": "it answered no probe for 0.61 s; its lease was revoked"}
+        del ctl._live["node-p"]  # the deletion arrives
+        actions = plan(ctl._view(), time.time())  # at once: no settle time on evidence
+        assert [(type(a), a.reason) for a in actions] == [  # type: ignore[attr-defined]
+            (MarkFailed, "it answered no probe for 0.61 s; its lease was revoked")]
+        # Back on a new lease (it fenced and joined again): the evidence is spent.
+        ctl._live["node-p"] = dataclasses.replace(rec, incarnation="i2",
+                                                  lease=await store.grant(30))
+        assert ctl._view().evidence == {}
+        await store.close()
+
+    asyncio.run(run())
+
+
 def test_a_downtime_report_is_counted_once_through_every_relist(etcd: EmbeddedEtcd) -> None:
     """The controller re-reads its whole view every 10 s (and after a compaction), rebuilding
     its job tables; a rank's downtime report, still in etcd, must not be counted again at each
