@@ -179,13 +179,17 @@ class ClusterView:
 
 
 def lost(view: ClusterView, node: str, now: float) -> bool:
-    """Whether ``node`` counts as gone: no live record, and either evidence that it is dead,
-    or ``loss_settle`` seconds passed without a record and no mass disruption is on hold."""
-    if node in view.live:
+    """Whether ``node`` counts as gone: no live record, no mass disruption on hold, and either
+    evidence that it is dead, or ``loss_settle`` seconds passed without a record.
+
+    The probes' evidence waits out a hold too: when etcd wakes from a pause and revokes every
+    lease, a daemon that joins again does so as a new incarnation, whose probe replies the old
+    record's incarnation does not match; to the prober the old one went silent, although the
+    node is alive and about to take its ranks back."""
+    if node in view.live or now < view.hold_losses_until:
         return False
-    return node in view.evidence or (now >= view.hold_losses_until and
-                                     now - view.absent_since.get(node, float("-inf"))
-                                     >= view.loss_settle)
+    return node in view.evidence or \
+        now - view.absent_since.get(node, float("-inf")) >= view.loss_settle
 
 
 def plan(view: ClusterView, now: float, max_events: int = 1000) -> list[Action]:

@@ -39,6 +39,23 @@ def _controller(etcd: EmbeddedEtcd) -> tuple[Controller, EtcdStore, Keys]:
     return Controller(agent, store, metrics, events, stop), store, keys
 
 
+async def _register(store: EtcdStore, keys: Keys,
+                    name: str) -> tuple[NodeRecord, RegistryEntry, int]:
+    """``name``'s record (on a lease of its own) and registry entry, written as a daemon joins
+    (one transaction); the entry's revision with them."""
+    lease = await store.grant(30)
+    rec = NodeRecord(name=name, incarnation="i1", lease=lease, state=NodeState.ACTIVE,
+                     role="active", slots=1)
+    entry = RegistryEntry(name=name, incarnation="i1", state=NodeState.ACTIVE,
+                          updated_at=time.time())
+    assert await store.txn(compare=[], success=[
+        ("put", keys.node(name), rec.encode(), lease),
+        ("put", keys.registry_entry(name), entry.encode(), None)])
+    kv = await store.get(keys.registry_entry(name))
+    assert kv is not None
+    return rec, entry, kv.mod_revision
+
+
 def test_a_joining_node_seen_by_its_registry_entry_first_is_not_failed(
         etcd: EmbeddedEtcd) -> None:
     """A node's record and registry entry are written in one transaction but reach the
@@ -49,17 +66,9 @@ def test_a_joining_node_seen_by_its_registry_entry_first_is_not_failed(
 
     async def run() -> None:
         ctl, store, keys = _controller(etcd)
-        lease = await store.grant(30)
-        rec = NodeRecord(name="node-j", incarnation="i1", lease=lease, state=NodeState.ACTIVE,
-                         role="active", slots=1)
-        entry = RegistryEntry(name="node-j", incarnation="i1", state=NodeState.ACTIVE,
-                              updated_at=time.time())
-        assert await store.txn(compare=[], success=[
-            ("put", keys.node("node-j"), rec.encode(), lease),
-            ("put", keys.registry_entry("node-j"), entry.encode(), None)])
-        kv = await store.get(keys.registry_entry("node-j"))
-        assert kv is not None
-        ctl._registry["node-j"] = (entry, kv.mod_revision)  # the record's event is still due
+        rec, entry, rev = await _register(store, keys, "node-j")
+        lease = rec.lease
+        ctl._registry["node-j"] = (entry, rev)  # the record's event is still due
         await store.put(keys.controller, b"ctl")  # as if won
         won = await store.get(keys.controller)
         assert won is not None
@@ -101,17 +110,8 @@ def test_a_round_before_the_revoked_record_leaves_the_view_keeps_the_probes_evid
 
     async def run() -> None:
         ctl, store, keys = _controller(etcd)
-        lease = await store.grant(30)
-        rec = NodeRecord(name="node-p", incarnation="i1", lease=lease, state=NodeState.ACTIVE,
-                         role="active", slots=1)
-        entry = RegistryEntry(name="node-p", incarnation="i1", state=NodeState.ACTIVE,
-                              updated_at=time.time())
-        assert await store.txn(compare=[], success=[
-            ("put", keys.node("node-p"), rec.encode(), lease),
-            ("put", keys.registry_entry("node-p"), entry.encode(), None)])
-        kv = await store.get(keys.registry_entry("node-p"))
-        assert kv is not None
-        ctl._registry["node-p"] = (entry, kv.mod_revision)
+        rec, entry, rev = await _register(store, keys, "node-p")
+        ctl._registry["node-p"] = (entry, rev)
         ctl._live["node-p"] = rec
         await ctl._probe_failed(rec, "it answered no probe for 0.61 s")
         assert await store.get(keys.node("node-p")) is None  # revoked: the record went with it

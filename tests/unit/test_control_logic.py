@@ -439,6 +439,14 @@ def test_a_mass_disruption_is_held_no_node_failed_and_no_rank_recovered_until_it
     # Once the hold is over, nodes still without a record are lost.
     after = plan(view, 8.0)
     assert {x.node for x in after if isinstance(x, MarkFailed)} == {"a", "b", "s1"}
+    # The probes' word on a node waits out the hold as well: etcd woke and revoked every
+    # lease, and a daemon joining again answers its probes as a new incarnation, which to
+    # the prober is the old one gone silent (seen in test_outage.py: a recovery planned for
+    # a node that was about to take its ranks back, just before the next outage).
+    silent = dataclasses.replace(view, evidence={"b": "it answered no probe for 0.61 s"})
+    assert plan(silent, 5.0) == []
+    assert {(x.node, x.reason) for x in plan(silent, 8.0) if isinstance(x, MarkFailed)} >= {
+        ("b", "it answered no probe for 0.61 s")}
 
 
 def test_a_node_is_lost_only_once_it_had_no_record_for_the_settle_time() -> None:
