@@ -109,7 +109,7 @@ class Controller:
         #: node -> when this controller first saw it in service without a live record
         self._absent_since: dict[str, float] = {}
         #: node -> the lease this controller revoked and why (its probes: see _probe_failed); a
-        #: node lost on evidence needs neither the settle time nor a hold
+        #: node lost on evidence needs no settle time (a mass disruption's hold it waits out)
         self._evidence: dict[str, tuple[int, str]] = {}
         #: wall time until which this daemon, having resigned, does not campaign
         self._resigned_until = 0.0
