@@ -66,7 +66,7 @@ def preload_of(job: TrainingJob) -> tuple[str, ...]:
     return tuple(names)
 
 
-def import_lazy_modules(names: tuple[str, ...] = LAZY_IMPORTS) -> dict[str, str]:
+def import_lazy_modules(names: tuple[str, ...]) -> dict[str, str]:
     """Import ``names``: the ``imports`` warmth of a standby, before any build. Returns the
     modules that failed to import, with why: a hint the job gave, not worth the standby (the
     job's build meets the same error, where it counts)."""
