@@ -591,8 +591,9 @@ def _train(runtime: Runtime, hook: MigrationHook, steps: int, stop: threading.Ev
             aborted = time.monotonic()
             log.warning(f"Step {runtime.step} aborted: {exc}. Waiting for the job's recovery.",
                         rank=hook.rank)
+            called_off: str | None = None  # the plan this rank last saw called off
             while True:
-                plan = wait_for_recovery(hook, stop, timeout)
+                plan = wait_for_recovery(hook, stop, timeout, called_off)
                 if plan is None:
                     # Groups with a collective stuck on a lost peer would block the
                     # interpreter's teardown until the backend gives up: leave at once.
@@ -618,6 +619,7 @@ def _train(runtime: Runtime, hook: MigrationHook, steps: int, stop: threading.Ev
                         runtime.announce = f"First step after reshape {plan.id}"
                         _report_recovered(hook, plan, aborted, 0)
                         break
+                    called_off = plan.id
                     continue
                 if recover(runtime, hook, plan, timeout=timeout, snapshots=snapshots):
                     runtime.announce = f"First step after recovery {plan.id}"
@@ -625,3 +627,4 @@ def _train(runtime: Runtime, hook: MigrationHook, steps: int, stop: threading.Ev
                                       min(r for r in range(hook.layout.world_size)
                                           if r not in plan.moves))
                     break
+                called_off = plan.id

@@ -72,25 +72,35 @@ from understudy.worker.transfer import PairGroupTransport, TransferError, send_s
 
 #: how often a survivor re-reads the plan while it waits for peers' reports
 POLL_S = 0.05
+#: how soon a survivor takes up again a plan it saw called off (``wait_for_recovery``)
+RETRY_S = 0.5
 
 
 class CalledOff(Exception):
     """The recovery plan this survivor followed was aborted or replaced."""
 
 
-def wait_for_recovery(hook: MigrationHook, stop: threading.Event,
-                      timeout: float) -> Plan | None:
+def wait_for_recovery(hook: MigrationHook, stop: threading.Event, timeout: float,
+                      called_off: str | None = None) -> Plan | None:
     """After an aborted step: the recovery plan for this rank's epoch, once the controller
     wrote it. None if ``stop`` is set, or no plan came within ``timeout`` seconds; a job paused
     for want of a standby waits as long as it stays paused, and a rank whose daemon cannot
     reach etcd as long as that lasts (nobody can write a plan before; the survivors keep their
-    state in memory meanwhile)."""
+    state in memory meanwhile).
+
+    ``called_off``: the id of a plan this rank just followed and saw called off. While it is
+    still the job's plan (the controller has not yet aborted or replaced it, or the call-off
+    was this rank's own: a report etcd did not take), it is taken up again only once the
+    daemon reaches etcd and ``RETRY_S`` after the call-off: never at once, which would spin
+    the survivor through the same failing report for as long as an outage lasts."""
     deadline = time.monotonic() + timeout
+    retry_at = time.monotonic() + RETRY_S
     while not stop.is_set():
         plan = hook.recovery()
-        if plan is not None:
+        if plan is not None and (plan.id != called_off or (
+                not hook.etcd_unreachable and time.monotonic() >= retry_at)):
             return plan
-        if hook.paused or hook.etcd_unreachable:
+        if plan is not None or hook.paused or hook.etcd_unreachable:
             deadline = time.monotonic() + timeout
         elif time.monotonic() > deadline:
             return None

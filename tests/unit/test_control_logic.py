@@ -48,7 +48,7 @@ from understudy.daemon.planner import (
     plan,
 )
 from understudy.worker.migration import Plan, _paused, committed
-from understudy.worker.recovery import wait_for_recovery
+from understudy.worker.recovery import RETRY_S, wait_for_recovery
 
 
 def _entry(name: str, state: NodeState = NodeState.ACTIVE, offline: bool = False
@@ -1114,15 +1114,17 @@ def test_a_rank_that_lags_takes_its_plan_for_committed_only_from_the_epoch_it_ma
 
 
 class _Waiting:
-    """What ``wait_for_recovery`` reads of a survivor's boundary hook: no plan yet, and whether
-    the job is paused or the daemon cut off from etcd (set by the test as time passes)."""
+    """What ``wait_for_recovery`` reads of a survivor's boundary hook: the job's recovery plan
+    (none yet, unless the test sets one), and whether the job is paused or the daemon cut off
+    from etcd (set by the test as time passes)."""
 
     def __init__(self) -> None:
         self.paused = False
         self.etcd_unreachable = False
+        self.plan: Plan | None = None
 
-    def recovery(self) -> None:
-        return None
+    def recovery(self) -> Plan | None:
+        return self.plan
 
 
 def test_a_survivor_waits_for_its_recovery_as_long_as_etcd_is_unreachable() -> None:
@@ -1140,6 +1142,54 @@ def test_a_survivor_waits_for_its_recovery_as_long_as_etcd_is_unreachable() -> N
     t0 = time.monotonic()
     assert wait_for_recovery(hook, stop, timeout=0.2) is None  # type: ignore[arg-type]
     assert 0.6 <= time.monotonic() - t0 < 2.0
+
+
+def test_a_survivor_takes_up_a_plan_it_saw_called_off_only_once_etcd_answers_again() -> None:
+    """A recovery called off on this rank's side (its report failed: etcd down) stays the job's
+    plan until the controller acts: the survivor must not rerun it at once, again and again,
+    for as long as the outage lasts (a spin seen in test_outage, every 3-5 ms). It waits for
+    etcd, then a pause; a new plan it takes at once."""
+    import threading
+    import time
+
+    record = Migration(job="j", id="e2-100", from_epoch=2, to_epoch=3, ranks=(0,),
+                       leavers=("a",), joiners=("s1",), phase=MigrationPhase.PREPARING,
+                       reason="rank 0 lost", created_at=100.0, deadline=200.0,
+                       updated_at=100.0, kind="recovery", donors=(2,))
+    plan = Plan.decode(record.encode())
+    hook, stop = _Waiting(), threading.Event()
+    hook.plan = plan
+    # Not called off: taken at once.
+    t0 = time.monotonic()
+    assert wait_for_recovery(hook, stop, timeout=0.2) is plan  # type: ignore[arg-type]
+    assert time.monotonic() - t0 < 0.1
+    # Called off, etcd reachable: taken up again after the pause, not before; the standing
+    # plan keeps the wait from timing out meanwhile.
+    t0 = time.monotonic()
+    assert wait_for_recovery(hook, stop, timeout=0.2,  # type: ignore[arg-type]
+                             called_off=plan.id) is plan
+    assert RETRY_S <= time.monotonic() - t0 < RETRY_S + 0.5
+    # Called off with etcd out for 1.2 s (six timeouts): not before etcd answers.
+    hook.etcd_unreachable = True
+    threading.Timer(1.2, lambda: setattr(hook, "etcd_unreachable", False)).start()
+    t0 = time.monotonic()
+    assert wait_for_recovery(hook, stop, timeout=0.2,  # type: ignore[arg-type]
+                             called_off=plan.id) is plan
+    assert 1.2 <= time.monotonic() - t0 < 1.7
+    # Another plan replacing it (the controller's retry) is taken at once, outage or not.
+    retry = Plan.decode(dataclasses.replace(record, id="e2-140").encode())
+    hook.etcd_unreachable = True
+    hook.plan = retry
+    t0 = time.monotonic()
+    assert wait_for_recovery(hook, stop, timeout=0.2,  # type: ignore[arg-type]
+                             called_off=plan.id) is retry
+    assert time.monotonic() - t0 < 0.1
+    # The called-off plan gone (aborted) and no other: the timeout holds again.
+    hook.etcd_unreachable, hook.plan = False, None
+    t0 = time.monotonic()
+    assert wait_for_recovery(hook, stop, timeout=0.2,  # type: ignore[arg-type]
+                             called_off=plan.id) is None
+    assert 0.2 <= time.monotonic() - t0 < 1.0
 
 
 # -- restart-only jobs (understudy run --restart-only; docs/restart.md) ------------------------
