@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import socket
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -50,6 +53,59 @@ def test_lease_binds_keys_and_expired_keepalive_returns_zero(etcd: EmbeddedEtcd)
         await s.revoke(lease)
         assert await s.get("/t/alive") is None
         assert await s.keepalive(lease) == 0
+        await s.close()
+
+    asyncio.run(run())
+
+
+def _keepalive_streams(etcd: EmbeddedEtcd) -> float:
+    """LeaseKeepAlive streams etcd has opened so far (its ``grpc_server_started_total``)."""
+    with urllib.request.urlopen(etcd.metrics_url, timeout=5) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith("grpc_server_started_total{") and \
+                    'grpc_method="LeaseKeepAlive"' in line:
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_keepalives_share_one_stream_and_a_frozen_or_restarted_etcd_replaces_it(
+        etcd: EmbeddedEtcd) -> None:
+    """One LeaseKeepAlive stream carries every keep-alive, each answered for its own lease; a
+    keep-alive cut short by a frozen etcd fails (StoreError) and the reply that comes late is
+    never taken for a later request's; a restart breaks the stream and a new one takes over;
+    an expired lease still reads TTL 0 on a stream that is open."""
+    async def run() -> None:
+        s = _store(etcd.endpoint, timeout=1.0)
+        short, long = await s.grant(5), await s.grant(60)
+        opened = _keepalive_streams(etcd)
+        for _ in range(10):
+            assert 1 <= await s.keepalive(short) <= 5
+            assert 5 < await s.keepalive(long) <= 60
+        assert _keepalive_streams(etcd) - opened == 1
+
+        assert etcd.proc is not None
+        os.kill(etcd.proc.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(StoreError):
+                await s.keepalive(short)
+        finally:
+            os.kill(etcd.proc.pid, signal.SIGCONT)
+        for _ in range(3):  # the late reply (TTL <= 5) is not this request's answer
+            assert 5 < await s.keepalive(long) <= 60
+
+        await asyncio.to_thread(etcd.stop)
+        await asyncio.to_thread(etcd.start)
+        for _ in range(50):
+            try:
+                assert 5 < await s.keepalive(long) <= 60
+                break
+            except StoreError:
+                await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("no keep-alive got through after the restart")
+        await s.revoke(short)
+        assert await s.keepalive(short) == 0
+        assert 5 < await s.keepalive(long) <= 60
         await s.close()
 
     asyncio.run(run())
