@@ -17,6 +17,11 @@ authority: a node that was only cut off finds its lease revoked when it reaches 
 fences itself, exactly as after an expired lease, so a wrong verdict costs a migration, never a
 split brain.
 
+The controller sends at most ``probe.max_rate`` pings a second: with more nodes than
+``max_rate * interval``, a round takes ``nodes / max_rate`` seconds and the silence that makes
+a suspect is stretched by the same factor (rounds further apart must not read as silence). Its
+CPU then stays bounded however large the cluster; detection there slows toward the lease TTL.
+
 Two guards keep a busy or cut-off controller from condemning healthy nodes:
 
 - **Its own stalls do not count.** A probe round that starts late (the controller's event
@@ -143,26 +148,30 @@ class Prober:
         self._confirms: set[asyncio.Task[None]] = set()
         self._mass_warned = False
         self._stopped = False
+        #: seconds between two rounds, and the silence that makes a suspect: the settings'
+        #: own, stretched while the nodes outnumber ``max_rate * interval`` (:meth:`_pace`)
+        self.round_s, self.silence = settings.interval, settings.silence
 
     async def run(self, stop: asyncio.Event) -> None:
-        s = self.settings
-        late_after = max(0.25, s.silence / 2)
         expected = time.monotonic()
+        # One waiter for the whole run: a round's wait is a timer on it, no task of its own.
+        stopped = asyncio.ensure_future(stop.wait())
         try:
             while not stop.is_set():
                 now = time.monotonic()
-                if now - expected > late_after:
+                if now - expected > max(0.25, self.silence / 2):
                     # This loop was starved: nobody could be heard meanwhile.
                     for p in self._peers.values():
                         p.heard = max(p.heard, now)
-                expected = now + s.interval
                 await self._sync(now)
+                self._pace()
+                expected = now + self.round_s
                 for p in self._peers.values():
                     p.ping()
                 self._judge(time.monotonic())
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), s.interval)
+                await asyncio.wait({stopped}, timeout=max(0.0, expected - time.monotonic()))
         finally:
+            stopped.cancel()
             self._stopped = True
             for t in self._confirms:
                 t.cancel()
@@ -199,6 +208,19 @@ class Prober:
                 continue
             self._peers[name] = peer
 
+    def _pace(self) -> None:
+        """This round's length and silence: the settings' own up to ``max_rate * interval``
+        nodes; beyond, one ping per node in ``nodes / max_rate`` seconds, the silence stretched
+        alike. Logged when it changes."""
+        s = self.settings
+        round_s = max(s.interval, len(self._peers) / s.max_rate)
+        if round_s == self.round_s:
+            return
+        self.round_s, self.silence = round_s, s.silence * round_s / s.interval
+        self.log.info(f"Probing {len(self._peers)} nodes every {round_s:.3g} s, a node silent "
+                      f"for {self.silence:.3g} s a suspect (probe.max_rate "
+                      f"{s.max_rate:g} pings/s).", nodes=len(self._peers))
+
     def _refused(self) -> None:
         """A port refused a ping: judge now, not a round later (a dead daemon is found within
         one probe interval and a round trip, rather than up to two intervals)."""
@@ -210,7 +232,7 @@ class Prober:
         for name, p in self._peers.items():
             if p.refused > p.heard:
                 out[name] = "its daemon's probe port refuses (the daemon is gone)"
-            elif now - p.heard > self.settings.silence:
+            elif now - p.heard > self.silence:
                 out[name] = f"it answered no probe for {now - p.heard:.2f} s"
         return out
 

@@ -54,6 +54,9 @@ def test_precedence_file_env_flags(tmp_path: Path) -> None:
     ({"addresses": "239.1.2.3"}, "names no host other nodes can reach"),
     ({"addresses": "node a"}, "neither an IP address nor a host name"),
     ({"log.level": "loud"}, "log.level"),
+    ({"probe.interval": 0.7}, "probe.interval"),
+    ({"probe.max_rate": 0}, "probe.max_rate must be positive"),
+    ({"probe.max_rate": "nan"}, "probe.max_rate must be a finite number"),
 ])
 def test_bad_settings_name_the_problem(override: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):

@@ -205,3 +205,37 @@ def test_garbage_probe_addresses_and_pings_are_ignored() -> None:
             s.close()
             r.close()
     asyncio.run(main())
+
+
+def test_more_nodes_than_the_ping_rate_allows_are_probed_less_often_and_judged_alike() -> None:
+    """``probe.max_rate`` 10 pings/s over three nodes: a round every 0.3 s instead of 0.02 s,
+    and the silence stretched alike (0.2 s to 3 s). Nodes that answer each round are never
+    suspects although rounds are now longer than the configured silence, and a closed port is
+    still found at the next round."""
+    async def main() -> None:
+        fleet = _Fleet()
+        witness = _CountingResponder("a")
+        fleet.responders["a"] = witness
+        fleet.records["a"] = _record("a", await witness.start("127.0.0.1"))
+        for n in ("b", "c"):
+            await fleet.answering(n)
+        capped = ProbeConfig(interval=0.02, silence=0.2, confirm=0.1, max_rate=10.0)
+        stop = asyncio.Event()
+        prober = Prober(capped, "ctl", lambda: fleet.records, fleet.on_dead)
+        task = asyncio.create_task(prober.run(stop))
+        try:
+            await asyncio.sleep(1.5)
+            assert (prober.round_s, prober.silence) == (0.3, 3.0)
+            assert fleet.reports == []
+            # 1.5 s at one round per 0.3 s: 5 or 6 pings, not the 75 of the 0.02 s interval.
+            assert 4 <= len(witness.pings) <= 7, witness.pings
+            gaps = [b - a for a, b in zip(witness.pings, witness.pings[1:], strict=False)]
+            assert min(gaps) > 0.2, gaps
+            fleet.responders["b"].close()
+            await asyncio.sleep(0.6)
+        finally:
+            stop.set()
+            await task
+            fleet.close()
+        assert fleet.reports == ["b"] and "refuses" in fleet.dead["b"][1]
+    asyncio.run(main())
