@@ -217,7 +217,8 @@ async def measure_idle(cluster: LocalCluster, etcd: EmbeddedEtcd, cfg: BenchConf
             "requests_per_s_per_node": sum(handled.values()) / elapsed / k,
             "by_method": rates(handled),
             "stream_messages_note": "grpc_server_msg_received_total also counts requests sent "
-                                    "on long-lived streams (watch create/cancel)",
+                                    "on long-lived streams (watch create/cancel, and the "
+                                    "keep-alives: one stream per connection)",
             "messages_received": sum(received.values()),
             "messages_received_per_s_per_node": sum(received.values()) / elapsed / k,
             "messages_by_method": rates(received),
@@ -310,6 +311,8 @@ def print_summary(result: dict[str, Any]) -> None:
         print(f"    {method:<32}{r['per_s_per_node']:>9.2f}")
     print(f"  {'etcd msgs received (incl. streams)':<34}"
           f"{e['messages_received_per_s_per_node']:>9.2f}")
+    for method, r in e["messages_by_method"].items():
+        print(f"    {method:<32}{r['per_s_per_node']:>9.2f}")
     print(f"  {'daemons understudy_etcd_requests':<34}{d['requests_per_s_per_node']:>9.2f}")
     for op, r in d["by_op"].items():
         print(f"    {op:<32}{r['per_s_per_node']:>9.2f}")

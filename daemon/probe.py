@@ -208,6 +208,10 @@ class Prober:
                 continue
             self._peers[name] = peer
 
+    def last_heard(self) -> dict[str, float]:
+        """When each probed node last answered (monotonic seconds; its start if never)."""
+        return {name: p.heard for name, p in self._peers.items()}
+
     def _pace(self) -> None:
         """This round's length and silence: the settings' own up to ``max_rate * interval``
         nodes; beyond, one ping per node in ``nodes / max_rate`` seconds, the silence stretched
