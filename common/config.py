@@ -121,7 +121,7 @@ class ProbeConfig:
     silence: float = 0.6
     #: a suspect that still answers nothing this long after more probes is dead
     confirm: float = 0.3
-    #: pings a second the controller sends at most (its CPU grows with them: some 30 us of
+    #: pings a second the controller sends at most (its CPU grows with them: 12-25 us of
     #: CPU a node a round on the development machine). With more than ``max_rate * interval``
     #: nodes, each is probed less often and its silence judged over as many times longer
     max_rate: float = 2000.0
