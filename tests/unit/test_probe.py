@@ -103,17 +103,23 @@ class _CountingResponder(ProbeResponder):
         super().datagram_received(data, addr)
 
 
+async def _witnessed_fleet() -> tuple[_Fleet, _CountingResponder]:
+    """Three answering nodes, a (which notes each ping's arrival), b and c."""
+    fleet = _Fleet()
+    witness = _CountingResponder("a")
+    fleet.responders["a"] = witness
+    fleet.records["a"] = _record("a", await witness.start("127.0.0.1"))
+    for n in ("b", "c"):
+        await fleet.answering(n)
+    return fleet, witness
+
+
 def test_a_refusal_is_judged_when_it_arrives_not_at_the_next_round() -> None:
     """Rounds half a second apart: the node whose port closed is condemned between the round
     whose ping it refused and the next one (the refusal and the confirming refusal are acted
     on as they arrive, not at the next round nor at a fixed poll)."""
     async def main() -> None:
-        fleet = _Fleet()
-        witness = _CountingResponder("a")
-        fleet.responders["a"] = witness
-        fleet.records["a"] = _record("a", await witness.start("127.0.0.1"))
-        for n in ("b", "c"):
-            await fleet.answering(n)
+        fleet, witness = await _witnessed_fleet()
         slow = ProbeConfig(interval=0.5, silence=5.0, confirm=1.0)
         stop = asyncio.Event()
         task = asyncio.create_task(
@@ -213,12 +219,7 @@ def test_more_nodes_than_the_ping_rate_allows_are_probed_less_often_and_judged_a
     suspects although rounds are now longer than the configured silence, and a closed port is
     still found at the next round."""
     async def main() -> None:
-        fleet = _Fleet()
-        witness = _CountingResponder("a")
-        fleet.responders["a"] = witness
-        fleet.records["a"] = _record("a", await witness.start("127.0.0.1"))
-        for n in ("b", "c"):
-            await fleet.answering(n)
+        fleet, witness = await _witnessed_fleet()
         capped = ProbeConfig(interval=0.02, silence=0.2, confirm=0.1, max_rate=10.0)
         stop = asyncio.Event()
         prober = Prober(capped, "ctl", lambda: fleet.records, fleet.on_dead)
