@@ -93,8 +93,9 @@ class _Client(aetcd.Client):
     async def keep_alive(self, lease_id: int) -> int:
         """Refresh ``lease_id`` over this client's one LeaseKeepAlive stream, opened at the
         first call and kept open, as etcd's own clients do (aetcd's ``refresh_lease`` opens a
-        stream per keep-alive: some three times the CPU, in the daemon and in etcd). Returns
-        the TTL etcd granted, 0 if the lease has expired.
+        stream per keep-alive: 0.70 ms of this process's CPU a keep-alive against 0.24 on one
+        stream, measured against a real etcd). Returns the TTL etcd granted, 0 if the lease
+        has expired.
 
         One request, then its reply, one call at a time. A call that fails or is cut short
         (its caller's timeout) closes the stream, and the next call opens a new one: a reply
