@@ -117,6 +117,9 @@ class ProbeConfig:
     port: int = 0
     #: seconds between two probes of the same node
     interval: float = 0.1
+    #: the same while no job is pending or running (nothing loses time to a loss found later;
+    #: the silence is stretched alike): an idle controller wakes ten times less for its probes
+    idle_interval: float = 1.0
     #: a node that answered no probe for this long is a suspect
     silence: float = 0.6
     #: a suspect that still answers nothing this long after more probes is dead
@@ -573,6 +576,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"probe.confirm must be positive, got {probe.confirm}")
     if not probe.max_rate > 0:
         raise ConfigError(f"probe.max_rate must be positive, got {probe.max_rate}")
+    if not probe.idle_interval >= probe.interval:
+        raise ConfigError(f"probe.idle_interval ({probe.idle_interval}) must be at least "
+                          f"probe.interval ({probe.interval})")
     if cfg.rank_logs.max_bytes < 4096 or cfg.rank_logs.files < 1:
         raise ConfigError(f"rank_logs.max_bytes ({cfg.rank_logs.max_bytes}) must be at least "
                           f"4096 and rank_logs.files ({cfg.rank_logs.files}) at least 1")

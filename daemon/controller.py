@@ -202,7 +202,7 @@ class Controller:
             ]
             if self.agent.cfg.probe.enabled:
                 prober = Prober(self.agent.cfg.probe, self.agent.cfg.node, lambda: self._live,
-                                self._probe_failed)
+                                self._probe_failed, busy=lambda: self._jobs.busy())
                 watches.append(asyncio.create_task(prober.run(lost), name="ctl-probes"))
             while not self.stop.is_set() and not lost.is_set() and self.agent.lease == lease:
                 # Wake early when a node's settle time or a hold ends (see _view).
@@ -654,6 +654,11 @@ class _JobTables:
         self.snapshot_reports: dict[str, dict[int, tuple[SnapshotReport, ...]]] = {}
         #: job -> rank -> its newest stuck report (``worker/stuck.py``)
         self.stuck: dict[str, dict[int, StuckReport]] = {}
+
+    def busy(self) -> bool:
+        """Whether a job is pending or running: one submitted with no status yet included."""
+        return any(job not in self.statuses or not self.statuses[job][0].state.ended
+                   for job in self.specs)
 
     @property
     def snapshots(self) -> dict[str, dict[int, tuple[int, ...]]]:

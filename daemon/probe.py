@@ -17,7 +17,12 @@ authority: a node that was only cut off finds its lease revoked when it reaches 
 fences itself, exactly as after an expired lease, so a wrong verdict costs a migration, never a
 split brain.
 
-The controller sends at most ``probe.max_rate`` pings a second: with more nodes than
+While no job is pending or running, the controller probes each ``probe.idle_interval``
+(1 s) instead: a loss found later costs no job anything, and the controller wakes ten times
+less. The silence is stretched alike, and when the pace quickens every node's silence starts
+over (it was pinged at the slower pace until then).
+
+The controller also sends at most ``probe.max_rate`` pings a second: with more nodes than
 ``max_rate * interval``, a round takes ``nodes / max_rate`` seconds and the silence that makes
 a suspect is stretched by the same factor (rounds further apart must not read as silence). Its
 CPU then stays bounded however large the cluster; detection there slows toward the lease TTL.
@@ -141,8 +146,11 @@ class Prober:
     each one that refuses or stays silent through a confirmation (see the module docstring)."""
 
     def __init__(self, settings: ProbeConfig, me: str,
-                 targets: Callable[[], Mapping[str, NodeRecord]], on_dead: OnDead) -> None:
+                 targets: Callable[[], Mapping[str, NodeRecord]], on_dead: OnDead,
+                 busy: Callable[[], bool] = lambda: True) -> None:
         self.settings, self.me, self.targets, self.on_dead = settings, me, targets, on_dead
+        #: whether a job is pending or running (else the idle pace)
+        self.busy = busy
         self.log = logs.get(node=me)
         self._peers: dict[str, _Peer] = {}
         self._confirms: set[asyncio.Task[None]] = set()
@@ -164,7 +172,7 @@ class Prober:
                     for p in self._peers.values():
                         p.heard = max(p.heard, now)
                 await self._sync(now)
-                self._pace()
+                self._pace(now)
                 expected = now + self.round_s
                 for p in self._peers.values():
                     p.ping()
@@ -212,17 +220,24 @@ class Prober:
         """When each probed node last answered (monotonic seconds; its start if never)."""
         return {name: p.heard for name, p in self._peers.items()}
 
-    def _pace(self) -> None:
-        """This round's length and silence: the settings' own up to ``max_rate * interval``
-        nodes; beyond, one ping per node in ``nodes / max_rate`` seconds, the silence stretched
-        alike. Logged when it changes."""
+    def _pace(self, now: float) -> None:
+        """This round's length and silence: ``interval`` (``idle_interval`` while no job is
+        pending or running), and no more than ``max_rate`` pings a second (past ``max_rate *
+        interval`` nodes, one ping per node in ``nodes / max_rate`` seconds); the silence
+        stretched alike. A quicker pace starts every node's silence over. Logged when it
+        changes."""
         s = self.settings
-        round_s = max(s.interval, len(self._peers) / s.max_rate)
+        busy = self.busy()
+        round_s = max(s.interval if busy else s.idle_interval, len(self._peers) / s.max_rate)
         if round_s == self.round_s:
             return
+        if round_s < self.round_s:
+            for p in self._peers.values():  # pinged at the slower pace until now
+                p.heard = max(p.heard, now)
         self.round_s, self.silence = round_s, s.silence * round_s / s.interval
         self.log.info(f"Probing {len(self._peers)} nodes every {round_s:.3g} s, a node silent "
-                      f"for {self.silence:.3g} s a suspect (probe.max_rate "
+                      f"for {self.silence:.3g} s a suspect "
+                      f"({'a job is running' if busy else 'no job is running'}; at most "
                       f"{s.max_rate:g} pings/s).", nodes=len(self._peers))
 
     def _refused(self) -> None:

@@ -56,6 +56,7 @@ def test_precedence_file_env_flags(tmp_path: Path) -> None:
     ({"log.level": "loud"}, "log.level"),
     ({"probe.interval": 0.7}, "probe.interval"),
     ({"probe.max_rate": 0}, "probe.max_rate must be positive"),
+    ({"probe.idle_interval": 0.05}, "probe.idle_interval"),
     ({"probe.max_rate": "nan"}, "probe.max_rate must be a finite number"),
 ])
 def test_bad_settings_name_the_problem(override: dict[str, object], message: str) -> None:

@@ -1422,3 +1422,20 @@ def test_a_committed_migration_retires_its_groups_older_versions_and_earlier_att
     assert retired_reports(keys, base, "e3-1") == [f"{base}migration/e1-1/",
                                                    f"{base}migration/e2-2/"]
     assert retired_bootstrap([], base, now) == retired_reports([], base, "e3-1") == []
+
+
+def test_the_controller_is_busy_while_a_job_is_submitted_pending_or_running() -> None:
+    """What paces the probes (``probe.idle_interval`` while not busy)."""
+    from understudy.daemon.controller import _JobTables
+
+    tables = _JobTables()
+    assert not tables.busy()
+    tables.specs["j"] = _spec()
+    assert tables.busy()  # submitted: no status written yet
+    for state, busy in ((JobState.PENDING, True), (JobState.RUNNING, True),
+                        (JobState.DONE, False), (JobState.FAILED, False),
+                        (JobState.STOPPED, False)):
+        tables.statuses["j"] = (JobStatus(job="j", state=state, reason="", updated_at=0), 1)
+        assert tables.busy() is busy, state
+    tables.specs["k"] = _spec("k")
+    assert tables.busy()

@@ -240,3 +240,36 @@ def test_more_nodes_than_the_ping_rate_allows_are_probed_less_often_and_judged_a
             fleet.close()
         assert fleet.reports == ["b"] and "refuses" in fleet.dead["b"][1]
     asyncio.run(main())
+
+
+def test_with_no_job_running_nodes_are_probed_at_the_idle_pace_until_one_starts() -> None:
+    """No job: a round every ``idle_interval`` (0.25 s), the silence stretched alike, and no
+    node that answers is a suspect. A job starts: a round every ``interval`` again at once,
+    the silence back to its own, and a port that closes is found within a round or two."""
+    async def main() -> None:
+        fleet, witness = await _witnessed_fleet()
+        paced = ProbeConfig(interval=0.02, idle_interval=0.25, silence=0.2, confirm=0.1)
+        busy = False
+        stop = asyncio.Event()
+        prober = Prober(paced, "ctl", lambda: fleet.records, fleet.on_dead, busy=lambda: busy)
+        task = asyncio.create_task(prober.run(stop))
+        try:
+            await asyncio.sleep(1.0)
+            assert (prober.round_s, prober.silence) == (0.25, 2.5)
+            idle_pings = len(witness.pings)
+            assert 3 <= idle_pings <= 6, witness.pings  # not the 50 of the busy pace
+            busy = True
+            await asyncio.sleep(0.5)
+            assert (prober.round_s, prober.silence) == (0.02, 0.2)
+            assert len(witness.pings) - idle_pings >= 10
+            assert fleet.reports == []
+            fleet.responders["b"].close()
+            closed = time.monotonic()
+            await asyncio.sleep(0.4)
+        finally:
+            stop.set()
+            await task
+            fleet.close()
+        assert fleet.reports == ["b"] and "refuses" in fleet.dead["b"][1]
+        assert fleet.dead["b"][0] - closed < 0.2
+    asyncio.run(main())
