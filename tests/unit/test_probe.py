@@ -103,6 +103,13 @@ class _CountingResponder(ProbeResponder):
         super().datagram_received(data, addr)
 
 
+async def _finish(stop: asyncio.Event, prober: asyncio.Task[None], fleet: _Fleet) -> None:
+    """Stop the prober, wait for it, close the fleet's sockets."""
+    stop.set()
+    await prober
+    fleet.close()
+
+
 async def _witnessed_fleet() -> tuple[_Fleet, _CountingResponder]:
     """Three answering nodes, a (which notes each ping's arrival), b and c."""
     fleet = _Fleet()
@@ -130,9 +137,7 @@ def test_a_refusal_is_judged_when_it_arrives_not_at_the_next_round() -> None:
             killed = time.monotonic()
             await asyncio.sleep(1.6)
         finally:
-            stop.set()
-            await task
-            fleet.close()
+            await _finish(stop, task, fleet)
         assert fleet.reports == ["b"]
         at, why = fleet.dead["b"]
         assert "refuses" in why
@@ -235,9 +240,7 @@ def test_more_nodes_than_the_ping_rate_allows_are_probed_less_often_and_judged_a
             fleet.responders["b"].close()
             await asyncio.sleep(0.6)
         finally:
-            stop.set()
-            await task
-            fleet.close()
+            await _finish(stop, task, fleet)
         assert fleet.reports == ["b"] and "refuses" in fleet.dead["b"][1]
     asyncio.run(main())
 
@@ -267,9 +270,7 @@ def test_with_no_job_running_nodes_are_probed_at_the_idle_pace_until_one_starts(
             closed = time.monotonic()
             await asyncio.sleep(0.4)
         finally:
-            stop.set()
-            await task
-            fleet.close()
+            await _finish(stop, task, fleet)
         assert fleet.reports == ["b"] and "refuses" in fleet.dead["b"][1]
         assert fleet.dead["b"][0] - closed < 0.2
     asyncio.run(main())
