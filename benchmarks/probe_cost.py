@@ -6,8 +6,9 @@ One command: for each node count N, the real :class:`~understudy.daemon.probe.Pr
 loopback UDP, for ``--seconds`` after a 2 s warm-up. Measured: this process's CPU (user +
 system, % of one core), the rounds' length, the oldest answer at the end (every node heard
 within a round or two), and the nodes condemned (none of them is dead: any is a false
-positive). Each N runs with the default cap and without one (``max_rate`` 1e9: every node every
-``interval``), alternating, ``--repeats`` times.
+positive). The prober runs at a busy controller's pace (a job running: ``interval``, not
+``idle_interval``). Each N runs with the default cap and without one (``max_rate`` 1e9: every
+node every ``interval``), alternating, ``--repeats`` times.
 
     .venv/bin/python benchmarks/probe_cost.py [--nodes 3,128,512,2048] [--seconds 10]
         [--repeats 3] [--smoke] [--out results.json]

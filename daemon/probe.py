@@ -157,7 +157,8 @@ class Prober:
         self._mass_warned = False
         self._stopped = False
         #: seconds between two rounds, and the silence that makes a suspect: the settings'
-        #: own, stretched while the nodes outnumber ``max_rate * interval`` (:meth:`_pace`)
+        #: own, stretched at the idle pace and while the nodes outnumber ``max_rate *
+        #: interval`` (:meth:`_pace`)
         self.round_s, self.silence = settings.interval, settings.silence
 
     async def run(self, stop: asyncio.Event) -> None:
