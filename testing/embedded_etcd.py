@@ -244,6 +244,32 @@ class EmbeddedEtcd:
             self.proc.wait(timeout=10)
         self.proc = None
 
+    def pause(self, timeout: float = 5.0) -> None:
+        """Freeze the server (SIGSTOP: alive, silent) and return once every one of its threads
+        has stopped. ``kill`` returns before that: the thread chosen to take the signal starts
+        the group stop when it next runs, and until then another thread (the poller woken by a
+        request) can still answer one; on a loaded machine it did (a keep-alive sent after the
+        SIGSTOP came back answered)."""
+        assert self.proc is not None, "pause() of a server that is not running"
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + timeout
+        tasks = Path(f"/proc/{self.proc.pid}/task")
+        while True:
+            states = []
+            for stat in tasks.glob("*/stat"):
+                with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                    states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+            if states and all(s in ("T", "t") for s in states):
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"etcd did not stop within {timeout} s: {states}")
+            time.sleep(0.001)
+
+    def resume(self) -> None:
+        """Let a paused server run again (SIGCONT)."""
+        assert self.proc is not None, "resume() of a server that is not running"
+        os.killpg(self.proc.pid, signal.SIGCONT)
+
     def restart(self, timeout: float = 15.0) -> None:
         """Start again on the same ports and data (an etcd restart, not a new cluster)."""
         self.stop()

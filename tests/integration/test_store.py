@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import socket
 import urllib.request
 from pathlib import Path
@@ -83,13 +81,12 @@ def test_keepalives_share_one_stream_and_a_frozen_or_restarted_etcd_replaces_it(
             assert 5 < await s.keepalive(long) <= 60
         assert _keepalive_streams(etcd) - opened == 1
 
-        assert etcd.proc is not None
-        os.kill(etcd.proc.pid, signal.SIGSTOP)
+        etcd.pause()
         try:
             with pytest.raises(StoreError):
                 await s.keepalive(short)
         finally:
-            os.kill(etcd.proc.pid, signal.SIGCONT)
+            etcd.resume()
         for _ in range(3):  # the late reply (TTL <= 5) is not this request's answer
             assert 5 < await s.keepalive(long) <= 60
 
