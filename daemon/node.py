@@ -78,6 +78,11 @@ class NodeAgent:
         self._started_at = 0.0
         self._registered_at = 0.0
         self.incarnation = ""
+        #: (incarnation, lease) of a registration not seen through: its transaction got no
+        #: answer (etcd may have applied it: a reply lost, or later than the request's
+        #: timeout), or a step after it failed. The next attempt looks before it starts
+        #: another (see _took_unanswered).
+        self._unanswered: tuple[str, int] | None = None
         self.cordoned = False
         self.drain_request: DrainRequest | None = None
         self.first_failure = ""
@@ -179,7 +184,8 @@ class NodeAgent:
 
     async def register(self) -> None:
         """Join the cluster with a fresh lease and incarnation. Retries until it succeeds or
-        ``stop`` is set; waits out a previous incarnation's record that is still leased."""
+        ``stop`` is set; goes on from an attempt that wrote its record although its answer was
+        lost, and waits out a previous incarnation's record that is still leased."""
         self._started_at = self._started_at or self.wall()
         waited_for: str | None = None
         last_error = ""
@@ -205,6 +211,9 @@ class NodeAgent:
                 await asyncio.wait_for(self.stop.wait(), backoff.next())
 
     async def _try_register(self) -> bool:
+        node_key = self.keys.node(self.cfg.node)
+        if self._unanswered is not None and await self._took_unanswered(node_key):
+            return await self._joined()
         self.incarnation = uuid.uuid4().hex[:12]
         self._registered_at = self.wall()
         sent = self.clock()
@@ -215,7 +224,7 @@ class NodeAgent:
             self.lifecycle.transition(NodeState.JOINING, self.wall(), "registering")
         entry, rev = await self._read_registry()
         self.cordoned = entry.cordoned if entry else False
-        node_key = self.keys.node(self.cfg.node)
+        self._unanswered = (self.incarnation, lease)
         ok = await self.store.txn(
             compare=[("create", node_key, 0), ("mod", self.keys.registry_entry(self.cfg.node),
                                                rev)],
@@ -224,11 +233,47 @@ class NodeAgent:
                       self._registry_entry(self.cordoned).encode(), None)],
         )
         if not ok:
+            self._unanswered = None
             with contextlib.suppress(StoreError):
                 await self.store.revoke(lease)
             self.lease = None
             self.fence.disarm()
             return False
+        return await self._joined()
+
+    async def _took_unanswered(self, node_key: str) -> bool:
+        """Whether the last attempt, not seen through, did write its node record (its
+        incarnation, on its lease). Then this node is registered already and must not start
+        over: a new attempt would find the name held by that record and wait out its lease,
+        while answering probes as a new incarnation, which the controller took for the
+        record's going silent (it revoked the lease, and recovered the node's ranks elsewhere).
+        Raises StoreError, to be asked again, while etcd does not answer."""
+        assert self._unanswered is not None
+        incarnation, lease = self._unanswered
+        kv = await self.store.get(node_key)
+        mine = False
+        if kv is not None and kv.lease == lease:
+            with contextlib.suppress(RecordError):
+                mine = NodeRecord.decode(kv.value).incarnation == incarnation
+        if mine:
+            self.incarnation, self.lease = incarnation, lease
+            self.log.info("The last registration took effect although it was not seen "
+                          "through; the node goes on from it.", lease=lease,
+                          incarnation=incarnation)
+            return True
+        self._unanswered = None
+        with contextlib.suppress(StoreError):
+            await self.store.revoke(lease)
+        if self.lease == lease:
+            self.lease = None
+            self.fence.disarm()
+        return False
+
+    async def _joined(self) -> bool:
+        """The node record and registry entry of this incarnation are written: announce it,
+        reconcile, and take up the node's role."""
+        assert self.lease is not None
+        lease = self.lease
         self.metrics.set_state(self.state)
         self.log.info("Node registered.", lease=lease, incarnation=self.incarnation)
         await self.events.emit("node-joined", f"Node {self.cfg.node} joined as {self.cfg.role}.",
@@ -236,6 +281,7 @@ class NodeAgent:
         await self._reconcile()
         if self.state == NodeState.JOINING:
             await self.set_state(self.role_state, f"joined as {self.cfg.role}")
+        self._unanswered = None
         self.registered.set()
         return True
 

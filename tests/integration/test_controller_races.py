@@ -1,12 +1,15 @@
-"""The controller's writes against a real etcd, in the races its watches allow."""
+"""The controller's writes against a real etcd, in the races its watches allow; and a joining
+node's, when etcd's answer is lost."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import time
+from typing import Any
 
 from understudy.common import config
+from understudy.common.errors import StoreError
 from understudy.common.keys import Keys
 from understudy.common.records import Migration, MigrationPhase, NodeRecord, RegistryEntry
 from understudy.common.states import NodeState
@@ -27,6 +30,31 @@ class _NoWorkers:
 
     async def stop_all(self, grace: float) -> None:
         pass
+
+
+class _TxnAnswerLost(EtcdStore):
+    """A real store whose first transaction is applied by etcd but whose answer never comes:
+    the caller sees the request time out, as after an etcd that woke from a long pause too busy
+    to answer within the timeout (etcd.timeout, 1 s)."""
+
+    lost = 1
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.granted: list[int] = []
+
+    async def grant(self, ttl: int) -> int:
+        lease = await super().grant(ttl)
+        self.granted.append(lease)
+        return lease
+
+    async def txn(self, compare: list[Any], success: list[Any],
+                  failure: list[Any] | None = None) -> bool:
+        ok = await super().txn(compare, success, failure)
+        if self.lost:
+            self.lost -= 1
+            raise StoreError("etcd txn failed: timed out")
+        return ok
 
 
 def _controller(etcd: EmbeddedEtcd) -> tuple[Controller, EtcdStore, Keys]:
@@ -159,5 +187,37 @@ def test_a_downtime_report_is_counted_once_through_every_relist(etcd: EmbeddedEt
             assert (sum(drains.counts), drains.total) == (2, 0.375)
         finally:
             await store.close()
+
+    asyncio.run(run())
+
+
+def test_a_registration_whose_answer_was_lost_goes_on_from_the_record_it_wrote(
+        etcd: EmbeddedEtcd) -> None:
+    """A daemon registers (grant, then one transaction for its record and registry entry);
+    etcd applies the transaction but the answer is lost. The next attempt must find its own
+    record and go on from it: not start over as a new incarnation, which found the name held
+    by that record and waited out its lease while its probe port answered with an incarnation
+    no record had; the controller took that for silence, revoked the lease and recovered the
+    node's ranks elsewhere (the outage test, on a loaded machine)."""
+
+    async def run() -> None:
+        cfg = config.load(overrides={"node": "node-j", "etcd.endpoints": etcd.endpoint},
+                          environ={})
+        store, metrics = _TxnAnswerLost(cfg.etcd), Metrics()
+        keys = Keys(cfg.etcd.prefix)
+        agent = NodeAgent(cfg, store, metrics, EventLog(store, keys, "node-j", metrics),
+                          _NoWorkers(), asyncio.Event())
+        await asyncio.wait_for(agent.register(), 10)
+        assert store.lost == 0, "the transaction's answer was lost once"
+        kv = await store.get(keys.node("node-j"))
+        assert kv is not None and agent.lease == kv.lease
+        assert NodeRecord.decode(kv.value).incarnation == agent.incarnation
+        assert agent.registered.is_set() and agent.state == NodeState.ACTIVE
+        joined = [e for e in (await store.get_prefix(keys.events))[0] if b"node-joined" in e.value]
+        assert len(joined) == 1
+        # One lease in all: the first attempt's (a second grant would have had to wait out
+        # the first, which nobody refreshed, for the whole TTL).
+        assert store.granted == [agent.lease], store.granted
+        await store.close()
 
     asyncio.run(run())
