@@ -45,14 +45,13 @@ from understudy.common.keys import Keys
 from understudy.common.records import ControllerRecord
 from understudy.common.states import NodeState
 from understudy.common.store import EtcdStore
+from understudy.daemon.controller import CAMPAIGN_RECHECK_S
 from understudy.daemon.events import EventLog
 from understudy.daemon.metrics import Metrics
 from understudy.daemon.node import NodeAgent
 
 #: the daemon's reconcile and resync periods (``watch_own_keys``, ``JobRunner``)
 DAEMON_RESYNC_S = 5.0
-#: a non-leader waits this long on the controller key before campaigning again
-CAMPAIGN_WAIT_S = 5.0
 MIB = 1024 * 1024
 
 
@@ -593,21 +592,24 @@ class Fleet:
             watch.cancel()
 
     async def _campaign(self, node: SimNode, store: EtcdStore) -> None:
-        """``Controller._campaign_once`` of a daemon that loses: a create-if-absent Txn, a
-        Range of the controller key, then a watch from its revision for up to 5 s."""
-        await asyncio.sleep(self.rng.uniform(0, CAMPAIGN_WAIT_S))
+        """``Controller._campaign_once`` of a daemon that loses: a Range of the controller
+        key (a create-if-absent Txn only while nobody holds it), then a watch from its
+        revision for up to ``CAMPAIGN_RECHECK_S``."""
+        await asyncio.sleep(self.rng.uniform(0, CAMPAIGN_RECHECK_S))
         while True:
             lease = node.agent.lease
             me = ControllerRecord(node=node.name, incarnation=node.agent.incarnation,
                                   since=time.time())
             kv = None
             try:
-                won = await store.txn(compare=[("create", self.keys.controller, 0)],
-                                      success=[("put", self.keys.controller, me.encode(),
-                                                lease)])
-                if won:  # the real controller is gone: give the key back, we plan nothing
-                    await store.delete(self.keys.controller)
                 kv = await store.get(self.keys.controller)
+                if kv is None:
+                    won = await store.txn(compare=[("create", self.keys.controller, 0)],
+                                          success=[("put", self.keys.controller, me.encode(),
+                                                    lease)])
+                    if won:  # the real controller is gone: give the key back, we plan nothing
+                        await store.delete(self.keys.controller)
+                    kv = await store.get(self.keys.controller)
             except StoreError:
                 pass
             if kv is None:
@@ -618,7 +620,7 @@ class Fleet:
             w = asyncio.create_task(self._watch(store, self.keys.controller, stop, changed,
                                                 start_revision=kv.mod_revision + 1))
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), CAMPAIGN_WAIT_S)
+                await asyncio.wait_for(changed.wait(), CAMPAIGN_RECHECK_S)
             stop.set()
             w.cancel()
 

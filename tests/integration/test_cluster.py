@@ -59,6 +59,14 @@ def test_registration_status_and_controller(cluster: LocalCluster) -> None:
     assert table.returncode == 0 and "node-s" in table.stdout and "standby" in table.stdout
     assert _metric(cluster.daemons[data["controller"]].metrics_port,
                    "understudy_controller") == 1
+    # The daemons that lost the election wait on a watch of the controller key, and write
+    # nothing to etcd while it stands: a campaign's create-if-absent is a raft proposal even
+    # when it fails (each non-controller sent one every 5 s: 51 writes a second at 256 nodes).
+    others = [d for name, d in cluster.daemons.items() if name != data["controller"]]
+    txns = 'understudy_etcd_requests_total{op="txn"}'
+    before = [_metric(d.metrics_port, txns) for d in others]
+    time.sleep(6.0)
+    assert [_metric(d.metrics_port, txns) for d in others] == before
 
 
 def test_kill9_is_seen_as_failed_within_ttl_plus_one_second(cluster: LocalCluster) -> None:
