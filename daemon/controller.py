@@ -149,10 +149,20 @@ class Controller:
             return
         # Read first: the create-if-absent is a write, sent only while nobody holds the key.
         kv = await self.store.get(self.keys.controller)
+        me = ControllerRecord(node=self.agent.cfg.node, incarnation=self.agent.incarnation,
+                              since=self.wall())
         if kv is None:
-            me = ControllerRecord(node=self.agent.cfg.node,
-                                  incarnation=self.agent.incarnation, since=self.wall())
             await self.store.txn(compare=[("create", self.keys.controller, 0)],
+                                 success=[("put", self.keys.controller, me.encode(), lease)])
+            kv = await self.store.get(self.keys.controller)
+        elif kv.lease == 0:
+            # Not a claim: every controller writes the key under its lease, so it goes with
+            # the lease. A value put without one (a foreign or mistaken write) would never go,
+            # and no daemon would lead again. Counted as a bad value and taken over, compared
+            # on its revision (a daemon that takes it first wins).
+            self._bad_values.found("controller", kv.key, kv.mod_revision,
+                                   "the controller key has no lease: no controller holds it")
+            await self.store.txn(compare=[("mod", self.keys.controller, kv.mod_revision)],
                                  success=[("put", self.keys.controller, me.encode(), lease)])
             kv = await self.store.get(self.keys.controller)
         if kv is not None and kv.lease == lease:

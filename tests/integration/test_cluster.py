@@ -295,6 +295,9 @@ def test_bad_values_are_ignored_and_counted(cluster: LocalCluster, etcd: Embedde
         f"{p}/drains/node-a": b"[1,2,3]",
         f"{p}/events/zzz": b"x" * (200 * 1024),
         f"{p}/registry/node-b": b'{"schema":"understudy/v1","record":"registry","name":"node-b"}',
+        # Over the controller's key, without a lease: it deposes the controller, and would
+        # never go by itself; a daemon takes the key over and leads.
+        f"{p}/controller": b"\xff not a controller",
     }
 
     # Valid records that do not fit together (the security review's H4): an assignment with
@@ -331,6 +334,7 @@ def test_bad_values_are_ignored_and_counted(cluster: LocalCluster, etcd: Embedde
         assert d.alive()
     status = cluster.status()
     assert status.node("node-a").state == "active"  # type: ignore[union-attr]
+    cluster.wait_for("a controller again", lambda s: s.controller is not None, timeout=15)
     # node-b repaired its own registry entry; nobody failed, nobody drained.
     cluster.wait_for("node-b repaired", lambda s: s.node("node-b") is not None
                      and s.node("node-b").state == "active")  # type: ignore[union-attr]
