@@ -31,9 +31,9 @@ from typing import TypeVar
 from understudy.cli.cluster import ClusterStatus, read_cluster, read_events
 from understudy.common import config as config_mod
 from understudy.common.config import EtcdConfig
-from understudy.common.errors import StoreError, UnderstudyError
+from understudy.common.errors import RecordError, StoreError, UnderstudyError
 from understudy.common.keys import Keys
-from understudy.common.records import Event
+from understudy.common.records import Event, NodeRecord, RegistryEntry
 from understudy.common.store import EtcdStore
 
 T = TypeVar("T")
@@ -136,6 +136,23 @@ class DaemonProcess:
                 with contextlib.suppress(ValueError, KeyError, TypeError):
                     return int(json.loads(line)["port"])
         raise UnderstudyError(f"{self.name} has not logged its metrics port (yet)")
+
+
+async def _entries_match_records(store: EtcdStore, keys: Keys) -> bool:
+    """Whether every node record's state and incarnation are in its registry entry."""
+    records, _ = await store.get_prefix(keys.nodes)
+    entries = {kv.key: kv.value for kv in (await store.get_prefix(keys.registry))[0]}
+    for kv in records:
+        name = Keys.name_of(kv.key, keys.nodes)
+        value = entries.get(keys.registry_entry(name))
+        try:
+            rec = NodeRecord.decode(kv.value)
+            entry = RegistryEntry.decode(value) if value is not None else None
+        except RecordError:
+            return False
+        if entry is None or (entry.state, entry.incarnation) != (rec.state, rec.incarnation):
+            return False
+    return True
 
 
 @dataclass
@@ -264,13 +281,16 @@ class LocalCluster:
         raise ClusterTimeout(f"timed out after {timeout}s waiting for {what}; states: {states}")
 
     def wait_settled(self, timeout: float = 30.0) -> None:
-        """Wait for an idle cluster's start-up writes to end: the controller writes its key,
-        then its "controller-elected" event, so a test that compares revisions across a refused
-        command takes its first one after that event."""
+        """Wait for an idle cluster's start-up writes to end, so that a test comparing revisions
+        across a refused command takes its first one after them: the controller writes its key,
+        then its "controller-elected" event; a joining node writes its record, then its
+        registry entry (a second write, which a loaded machine once put after the election's:
+        every record's state and incarnation must be in its entry too)."""
         deadline = time.monotonic() + timeout
-        while not any(e.kind == "controller-elected" for e in self.events()):
+        while not any(e.kind == "controller-elected" for e in self.events()) or \
+                not self._read(_entries_match_records):
             if time.monotonic() > deadline:
-                raise ClusterTimeout(f"no controller-elected event in {timeout}s")
+                raise ClusterTimeout(f"the cluster did not settle in {timeout}s")
             time.sleep(0.05)
 
     def wait_state(self, node: str, state: str, timeout: float = 30.0) -> float:
