@@ -181,7 +181,7 @@ def test_training_goes_on_through_etcd_outages_and_ends_bitwise(
         assert_bitwise_equal(reference, out, world=4)
     finally:
         if etcd.proc is not None:
-            os.killpg(etcd.proc.pid, signal.SIGCONT)
+            etcd.resume()
         c.stop_all(timeout=5, drain=False)
 
 
