@@ -13,11 +13,12 @@ lease expires at etcd a TTL after the last one, the way a kill -9 or a partition
 
 With ``daemon_traffic``, each node also sends the periodic reads and holds the watches a real
 daemon does besides its keep-alives (read off ``daemon/node.py``, ``daemon/jobs.py`` and
-``daemon/controller.py``): every 5 s the own-keys reconcile (Range of its drain request,
-registry entry and node record), every 5 s and on every change under ``jobs/`` the job
-runner's Range of the whole ``jobs/`` prefix, and the controller campaign of a non-leader (a
-failed create-if-absent Txn and a Range of the controller key, then a watch of it that ends
-after 5 s); and four watches: its three own keys and ``jobs/``.
+``daemon/controller.py``): the own-keys reconcile (Range of its drain request, registry entry
+and node record) on a change to them and every ``OWN_KEYS_RESYNC_S``; the job runner's Range of
+the whole ``jobs/`` prefix at its start and every ``JOBS_RELIST_S`` (+-20 %), its listing kept
+current by its watch in between (no read per change); and the controller campaign of a
+non-leader (a Range of the controller key, then a watch of it for up to
+``CAMPAIGN_RECHECK_S``); and four watches: its three own keys and ``jobs/``.
 """
 
 from __future__ import annotations
@@ -47,11 +48,10 @@ from understudy.common.states import NodeState
 from understudy.common.store import EtcdStore
 from understudy.daemon.controller import CAMPAIGN_RECHECK_S
 from understudy.daemon.events import EventLog
+from understudy.daemon.jobs import JOBS_RELIST_S
 from understudy.daemon.metrics import Metrics
-from understudy.daemon.node import NodeAgent
+from understudy.daemon.node import OWN_KEYS_RESYNC_S, NodeAgent
 
-#: the daemon's reconcile and resync periods (``watch_own_keys``, ``JobRunner``)
-DAEMON_RESYNC_S = 5.0
 MIB = 1024 * 1024
 
 
@@ -536,7 +536,7 @@ class Fleet:
 
     async def _own_keys(self, node: SimNode, store: EtcdStore) -> None:
         """``NodeAgent.watch_own_keys``: three watches (each after a Range of its key), and
-        three reads every 5 s or on a change."""
+        three reads every ``OWN_KEYS_RESYNC_S`` or on a change."""
         keys = [self.keys.drain(node.name), self.keys.registry_entry(node.name),
                 self.keys.node(node.name)]
         stop = asyncio.Event()
@@ -544,9 +544,9 @@ class Fleet:
         watches = [asyncio.create_task(self._watch(store, k, stop, changed, read_first=True))
                    for k in keys]
         try:
-            await asyncio.sleep(self.rng.uniform(0, DAEMON_RESYNC_S))
+            await asyncio.sleep(self.rng.uniform(0, OWN_KEYS_RESYNC_S))
             while True:
-                await self._periodic(DAEMON_RESYNC_S, changed)
+                await self._periodic(OWN_KEYS_RESYNC_S, changed)
                 with contextlib.suppress(StoreError):
                     for k in keys:
                         await store.get(k)
@@ -575,16 +575,16 @@ class Fleet:
                 changed.set()
 
     async def _jobs(self, node: SimNode, store: EtcdStore) -> None:
-        """``JobRunner.run``: a watch of ``jobs/``, and a Range of all of it on each change
-        and every 5 s (the reads of a daemon that holds no rank; one that does also reads its
-        ranks' exit keys)."""
+        """``JobRunner.run``: a Range of all of ``jobs/``, then a watch of it from that
+        revision, and the Range again every ``JOBS_RELIST_S`` (+-20 %) as the backstop (the
+        reads of a daemon that holds no rank)."""
         stop = asyncio.Event()
         changed = asyncio.Event()
-        watch = asyncio.create_task(self._watch(store, self.keys.jobs, stop, changed))
+        watch = asyncio.create_task(self._watch(store, self.keys.jobs, stop, changed,
+                                                read_first=True))
         try:
-            await asyncio.sleep(self.rng.uniform(0, DAEMON_RESYNC_S))
             while True:
-                await self._periodic(DAEMON_RESYNC_S, changed)
+                await asyncio.sleep(JOBS_RELIST_S * self.rng.uniform(0.8, 1.2))
                 with contextlib.suppress(StoreError):
                     await store.get_prefix(self.keys.jobs)
         finally:

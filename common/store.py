@@ -26,7 +26,7 @@ import contextlib
 import os
 import ssl
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -531,7 +531,7 @@ class EtcdStore:
 
     async def watch_prefix(
         self, prefix: str, start_revision: int, stop: asyncio.Event, retry_delay: float = 0.2
-    ) -> AsyncIterator[WatchEvent | _Resync]:
+    ) -> AsyncGenerator[WatchEvent | _Resync, None]:
         """Events under ``prefix`` from ``start_revision`` on, until ``stop`` is set.
 
         A broken stream is resumed from the revision after the last delivered event; if that
