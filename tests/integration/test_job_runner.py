@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.integration.test_controller_races import _NoWorkers
 from understudy.common import config
 from understudy.common.keys import Keys
 from understudy.common.records import Assignment, JobSpec, JobState, JobStatus
@@ -24,16 +27,6 @@ from understudy.daemon.metrics import Metrics
 from understudy.daemon.node import NodeAgent
 from understudy.daemon.supervisor import ChildExit, Supervisor
 from understudy.testing.embedded_etcd import EmbeddedEtcd
-
-
-class _NoWorkers:
-    running_count = 0
-
-    def kill_all_now(self) -> None:
-        pass
-
-    async def stop_all(self, grace: float) -> None:
-        pass
 
 
 class _Gated(EtcdStore):
@@ -58,6 +51,45 @@ async def _until(check: Callable[[], bool], what: str, timeout: float = 10.0) ->
         await asyncio.sleep(0.02)
 
 
+@dataclasses.dataclass
+class _Running:
+    runner: JobRunner
+    store: EtcdStore
+    writer: EtcdStore
+    keys: Keys
+    #: the runner's etcd requests by kind (``range``: a read of a prefix)
+    ops: collections.Counter[str]
+
+
+@contextlib.asynccontextmanager
+async def _running(etcd: EmbeddedEtcd, tmp_path: Path,
+                   store_class: type[EtcdStore] = EtcdStore) -> AsyncIterator[_Running]:
+    """A job runner of node "node-a" on ``etcd`` (its node not registered: it decides
+    nothing, but keeps its view), and a second store to write with."""
+    cfg = config.load(overrides={"node": "node-a", "etcd.endpoints": etcd.endpoint},
+                      environ={})
+    keys = Keys(cfg.etcd.prefix)
+    ops: collections.Counter[str] = collections.Counter()
+    store = store_class(cfg.etcd, on_request=lambda op: ops.update([op]))
+    metrics, stop = Metrics(), asyncio.Event()
+    agent = NodeAgent(cfg, store, metrics, EventLog(store, keys, "node-a", metrics),
+                      _NoWorkers(), stop)
+
+    async def on_exit(child: ChildExit) -> None:
+        pass
+
+    runner = JobRunner(agent, store, Supervisor(tmp_path / "run", on_exit), stop)
+    task = asyncio.create_task(runner.run())
+    writer = EtcdStore(cfg.etcd)
+    try:
+        yield _Running(runner, store, writer, keys, ops)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        await writer.close()
+        await store.close()
+
+
 def _records(keys: Keys, epoch: int) -> list[Any]:
     """Job "j" running at ``epoch`` on two other nodes: the puts of its records."""
     now = time.time()
@@ -73,22 +105,9 @@ def _records(keys: Keys, epoch: int) -> list[Any]:
 def test_the_job_runner_follows_jobs_through_its_watch_and_lists_again_after_compaction(
         etcd: EmbeddedEtcd, tmp_path: Path) -> None:
     async def run() -> None:
-        cfg = config.load(overrides={"node": "node-a", "etcd.endpoints": etcd.endpoint},
-                          environ={})
-        keys = Keys(cfg.etcd.prefix)
-        ops: collections.Counter[str] = collections.Counter()
-        store = _Gated(cfg.etcd, on_request=lambda op: ops.update([op]))
-        metrics, stop = Metrics(), asyncio.Event()
-        agent = NodeAgent(cfg, store, metrics, EventLog(store, keys, "node-a", metrics),
-                          _NoWorkers(), stop)
-
-        async def on_exit(child: ChildExit) -> None:
-            pass
-
-        runner = JobRunner(agent, store, Supervisor(tmp_path / "run", on_exit), stop)
-        task = asyncio.create_task(runner.run())
-        writer = EtcdStore(cfg.etcd)
-        try:
+        async with _running(etcd, tmp_path, _Gated) as r:
+            runner, writer, keys, ops = r.runner, r.writer, r.keys, r.ops
+            assert isinstance(r.store, _Gated)
             assert await writer.txn(compare=[], success=_records(keys, 1))
             await _until(lambda: _epoch(runner) == 1, "the job at epoch 1")
             ranges = ops["range"]
@@ -96,21 +115,22 @@ def test_the_job_runner_follows_jobs_through_its_watch_and_lists_again_after_com
             # to cost one per daemon).
             for e in range(2, 22):
                 assert await writer.txn(compare=[], success=_records(keys, e)[2:])
-                await _until(lambda e=e: _epoch(runner) == e, f"the job at epoch {e}")  # type: ignore[misc]
+                await _until(lambda e=e: _epoch(runner) == e,  # type: ignore[misc]
+                             f"the job at epoch {e}")
             assert ops["range"] - ranges <= 1, (ops, "at most the backstop's one listing")
 
             # The runner's connection drops; meanwhile the job moves on and etcd compacts the
             # revisions its watch would resume from. It lists the prefix again, and is current.
-            store.gate.clear()
-            await store.reset()
-            await asyncio.wait(store._closing, timeout=5)  # the old connection is closed
+            r.store.gate.clear()
+            await r.store.reset()
+            await asyncio.wait(r.store._closing, timeout=5)  # the old connection is closed
             for e in (29, 30):  # two: the compaction keeps its own revision's history
                 assert await writer.txn(compare=[], success=_records(keys, e)[2:])
             client = await writer._get_client()
             _, now = await writer.get_prefix(keys.jobs)
             await client.compact(now)
             ranges = ops["range"]
-            store.gate.set()
+            r.store.gate.set()
             await _until(lambda: _epoch(runner) == 30, "the job at epoch 30 after the compaction")
             assert ops["range"] > ranges, ("listed again", ops)
             # ... and follows the watch again from there.
@@ -119,11 +139,6 @@ def test_the_job_runner_follows_jobs_through_its_watch_and_lists_again_after_com
             # A job's records deleted: it is gone from the view.
             await writer.delete_prefix(keys.job("j"))
             await _until(lambda: runner.job_info("j") is None, "the job gone")
-        finally:
-            stop.set()
-            await asyncio.wait_for(task, 10)
-            await writer.close()
-            await store.close()
 
     asyncio.run(run())
 
@@ -135,37 +150,17 @@ def test_the_listing_is_read_again_on_its_backstop_period_and_misses_nothing_bet
     monkeypatch.setattr(jobs_mod, "JOBS_RELIST_S", 0.25)
 
     async def run() -> None:
-        cfg = config.load(overrides={"node": "node-a", "etcd.endpoints": etcd.endpoint},
-                          environ={})
-        keys = Keys(cfg.etcd.prefix)
-        ops: collections.Counter[str] = collections.Counter()
-        store = EtcdStore(cfg.etcd, on_request=lambda op: ops.update([op]))
-        metrics, stop = Metrics(), asyncio.Event()
-        agent = NodeAgent(cfg, store, metrics, EventLog(store, keys, "node-a", metrics),
-                          _NoWorkers(), stop)
-
-        async def on_exit(child: ChildExit) -> None:
-            pass
-
-        runner = JobRunner(agent, store, Supervisor(tmp_path / "run", on_exit), stop)
-        task = asyncio.create_task(runner.run())
-        writer = EtcdStore(cfg.etcd)
-        try:
-            assert await writer.txn(compare=[], success=_records(keys, 1))
+        async with _running(etcd, tmp_path) as r:
+            assert await r.writer.txn(compare=[], success=_records(r.keys, 1))
             t0 = time.monotonic()
             e = 1
             while time.monotonic() - t0 < 2.0:
                 e += 1
-                assert await writer.txn(compare=[], success=_records(keys, e)[2:])
-                await _until(lambda e=e: _epoch(runner) == e,  # type: ignore[misc]
+                assert await r.writer.txn(compare=[], success=_records(r.keys, e)[2:])
+                await _until(lambda e=e: _epoch(r.runner) == e,  # type: ignore[misc]
                              f"the job at epoch {e}")
                 await asyncio.sleep(0.03)
-            assert ops["range"] >= 5 and ops["watch"] >= 5, ops
-        finally:
-            stop.set()
-            await asyncio.wait_for(task, 10)
-            await writer.close()
-            await store.close()
+            assert r.ops["range"] >= 5 and r.ops["watch"] >= 5, r.ops
 
     asyncio.run(run())
 
