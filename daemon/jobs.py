@@ -195,6 +195,10 @@ class JobRunner:
         self._jobs: dict[str, _Job] = {}
         #: ``jobs/``'s records, kept current by the watch (what a reconcile decides from)
         self._listing = _Listing(self.keys.jobs)
+        #: key -> (mod revision, value, its decoded record or the error it raised) of the
+        #: records the last view was made of: a reconcile decodes only what changed since
+        self._decoded: dict[str, tuple[int, bytes,
+                                       tuple[str, str, Any] | RecordError | None]] = {}
         #: child name -> (migration id, epoch) of a joiner promoted here whose migration may not
         #: have committed yet
         self._promoted: dict[str, tuple[str, int]] = {}
@@ -292,17 +296,29 @@ class JobRunner:
         return self._decode_jobs(sorted(self._listing.kvs.values(), key=lambda kv: kv.key))
 
     def _decode_jobs(self, kvs: list[KV]) -> dict[str, _Job]:
+        """The complete, consistent jobs among ``kvs``. A record is decoded once per revision:
+        at rest, or when one job changes, a reconcile decodes nothing, or that job's record,
+        instead of every record of every job (55 us each here: 22 ms at 100 jobs of 4
+        records, every 5 s on every daemon). Records are immutable, so they can be shared."""
         jobs: dict[str, _Job] = {}
         revisions: dict[str, int] = {}  # job -> the newest of its records' revisions
+        before, self._decoded = self._decoded, {}
         for kv in kvs:
-            try:
-                decoded = decode_job_record(Keys.name_of(kv.key, self.keys.jobs), kv.value)
-                if decoded is not None:
-                    job, name, record = decoded
-                    setattr(jobs.setdefault(job, _Job()), name, record)
-                    revisions[job] = max(revisions.get(job, 0), kv.mod_revision)
-            except RecordError as exc:
-                self._bad_values.found("jobs", kv.key, kv.mod_revision, str(exc))
+            memo = before.get(kv.key)
+            if memo is None or memo[0] != kv.mod_revision or memo[1] != kv.value:
+                try:
+                    memo = (kv.mod_revision, kv.value,
+                            decode_job_record(Keys.name_of(kv.key, self.keys.jobs), kv.value))
+                except RecordError as exc:
+                    memo = (kv.mod_revision, kv.value, exc)
+            self._decoded[kv.key] = memo
+            decoded = memo[2]
+            if isinstance(decoded, RecordError):
+                self._bad_values.found("jobs", kv.key, kv.mod_revision, str(decoded))
+            elif decoded is not None:
+                job, name, record = decoded
+                setattr(jobs.setdefault(job, _Job()), name, record)
+                revisions[job] = max(revisions.get(job, 0), kv.mod_revision)
         complete = {}
         for name, j in jobs.items():
             if not j.complete:

@@ -165,6 +165,42 @@ def test_the_listing_is_read_again_on_its_backstop_period_and_misses_nothing_bet
     asyncio.run(run())
 
 
+def test_a_view_decodes_only_the_records_that_changed_since_the_last(
+        etcd: EmbeddedEtcd, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each reconcile makes its view from the listing; a record is decoded once per revision
+    (at rest, a reconcile every 5 s decoded every record of every job), and a bad value is
+    still ignored in every view."""
+    decoded: list[str] = []
+    real = jobs_mod.decode_job_record
+
+    def counting(path: str, value: bytes) -> Any:
+        decoded.append(path)
+        return real(path, value)
+
+    monkeypatch.setattr(jobs_mod, "decode_job_record", counting)
+
+    async def run() -> None:
+        async with _running(etcd, tmp_path) as r:
+            bad = r.keys.job_status("k")
+            assert await r.writer.txn(compare=[], success=[
+                *_records(r.keys, 1), ("put", r.keys.job_spec("k"), b"{not a spec", None),
+                ("put", bad, b"garbage", None)])
+            await _until(lambda: _epoch(r.runner) == 1, "the job at epoch 1")
+            decoded.clear()
+            for _ in range(3):  # at rest
+                r.runner.poke()
+                await asyncio.sleep(0.05)
+            assert r.runner._listed_jobs().keys() == {"j"}
+            assert decoded == [], decoded
+            assert await r.writer.txn(compare=[], success=_records(r.keys, 2)[2:])
+            await _until(lambda: _epoch(r.runner) == 2, "the job at epoch 2")
+            assert decoded and set(decoded) == {"j/assignment"}, decoded
+            assert r.runner._listed_jobs().keys() == {"j"}
+        assert r.runner.agent.metrics.bad_values.labels(collection="jobs")._value.get() == 2
+
+    asyncio.run(run())
+
+
 def _epoch(runner: JobRunner) -> int | None:
     info = runner.job_info("j")
     return info["assignment"]["epoch"] if info and info["assignment"] else None
