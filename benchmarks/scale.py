@@ -33,6 +33,7 @@ import json
 import os
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -61,9 +62,11 @@ from understudy.common.states import NodeState
 from understudy.common.store import EtcdStore, WatchEvent
 from understudy.daemon.controller import Controller
 from understudy.daemon.events import EventLog
+from understudy.daemon.jobs import JobRunner
 from understudy.daemon.metrics import Metrics
 from understudy.daemon.node import NodeAgent
 from understudy.daemon.planner import plan
+from understudy.daemon.supervisor import ChildExit, Supervisor
 from understudy.testing.embedded_etcd import EmbeddedEtcd, EtcdStartError
 
 PREFIX = "/understudy"
@@ -256,6 +259,25 @@ async def _time_controller_code(endpoint: str, reps: int) -> dict[str, Any]:
             view_s.append(t2 - t1)
             plan_s.append(t3 - t2)
             actions.append(len(acts))
+        # A node's job runner makes its view of the jobs from its listing at each reconcile
+        # (every change under jobs/, and every 5 s): every record decoded, as before git
+        # 3346f06, against only those that changed since the last view (here: none).
+        async def on_exit(child: ChildExit) -> None:
+            pass
+
+        with tempfile.TemporaryDirectory() as run_dir:
+            runner = JobRunner(agent, store, Supervisor(Path(run_dir), on_exit), stop)
+            kvs, _ = await store.get_prefix(ctl.keys.jobs)
+            every, changed = [], []
+            for _ in range(reps):
+                runner._decoded = {}
+                t0 = time.perf_counter()
+                runner._decode_jobs(kvs)
+                t1 = time.perf_counter()
+                runner._decode_jobs(kvs)
+                t2 = time.perf_counter()
+                every.append(t1 - t0)
+                changed.append(t2 - t1)
         sizes = {}
         for name, p in (("nodes", ctl.keys.nodes), ("registry", ctl.keys.registry),
                         ("jobs", ctl.keys.jobs), ("events", ctl.keys.events)):
@@ -264,7 +286,9 @@ async def _time_controller_code(endpoint: str, reps: int) -> dict[str, Any]:
     finally:
         await store.close()
     return {"relist_s": summarize(relist), "view_s": summarize(view_s),
-            "plan_s": summarize(plan_s), "actions_per_round": actions, "prefix_sizes": sizes}
+            "plan_s": summarize(plan_s), "actions_per_round": actions, "prefix_sizes": sizes,
+            "job_runner_view_s": {"every_record_decoded": summarize(every),
+                                  "changed_records_decoded": summarize(changed)}}
 
 
 # -- one cluster size -------------------------------------------------------------------------
@@ -410,8 +434,12 @@ async def measure(out: dict[str, Any], n: int, meters: Meters, fleet: Fleet,
         f"{steady['machine_busy_percent']:.0f}% busy; {health(steady)}")
     code = await time_controller_code(etcd.endpoint, args.code_reps)
     out["controller_code"] = code
+    view = code["job_runner_view_s"]
     log(f"controller code: relist {code['relist_s']['median'] * 1e3:.0f} ms, plan "
-        f"{code['plan_s']['median'] * 1e3:.1f} ms")
+        f"{code['plan_s']['median'] * 1e3:.1f} ms; a job runner's view of "
+        f"{code['prefix_sizes']['jobs']['keys']} keys under jobs/: "
+        f"{view['every_record_decoded']['median'] * 1e3:.2f} ms decoding every record, "
+        f"{view['changed_records_decoded']['median'] * 1e3:.2f} ms decoding what changed")
     for i in range(args.repeats):
         f = await failover(i, fleet, observer, store, jobs, meters, args, rng)
         out["failovers"].append(f)
