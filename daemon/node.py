@@ -161,11 +161,12 @@ class NodeAgent:
                              updated_at=self.wall(), cordoned=cordoned,
                              reason=self.lifecycle.reason, offline=offline)
 
-    async def publish(self) -> None:
+    async def publish(self) -> bool:
         """Write the node record (under the lease) and the registry entry (CAS, keeping the
-        operator's cordon flag). Raises StoreError when etcd is unreachable."""
+        operator's cordon flag). False if the entry changed under each of five CAS tries.
+        Raises StoreError when etcd is unreachable."""
         if self.lease is None:
-            return
+            return True
         await self.store.put(self.keys.node(self.cfg.node), self.record().encode(),
                              lease=self.lease)
         for _ in range(5):
@@ -174,18 +175,26 @@ class NodeAgent:
             new = self._registry_entry(cordoned)
             if entry is not None and dataclasses.replace(entry, updated_at=0) == \
                     dataclasses.replace(new, updated_at=0):
-                return
+                return True
             if await self.store.cas(self.keys.registry_entry(self.cfg.node), new.encode(), rev):
                 self.cordoned = cordoned
-                return
+                return True
+        return False
 
     async def set_state(self, new: NodeState, reason: str) -> None:
         old, _ = self.lifecycle.transition(new, self.wall(), reason)
         if old != new:
             self.metrics.set_state(new)
             self.log.info(f"Node went from {old} to {new}: {reason}.", state=str(new))
-            with contextlib.suppress(StoreError):
-                await self.publish()
+            try:
+                published = await self.publish()
+            except StoreError:
+                published = False
+            if not published:
+                # The own-keys reconcile repairs the records: now, and every second while etcd
+                # does not take them, not at its 30 s backstop (a drain's "drained" waited
+                # that long once, after an etcd restart).
+                self._changed.set()
             for listener in self.listeners:
                 listener()
 
@@ -490,9 +499,10 @@ class NodeAgent:
                 mine = NodeRecord.decode(node_kv.value).incarnation == self.incarnation
             except RecordError as exc:
                 self._bad_value("nodes", node_key, node_kv.mod_revision, exc)
-        if not mine or entry is None or entry.incarnation != self.incarnation \
-                or entry.state != self.state:
-            await self.publish()
+        stale = not mine or entry is None or entry.incarnation != self.incarnation \
+            or entry.state != self.state
+        if stale and not await self.publish():
+            raise StoreError("the registry entry changed under each compare-and-swap")
         if request is not None and self.state in (NodeState.ACTIVE, NodeState.STANDBY,
                                                   NodeState.JOINING):
             self._start_drain(request)

@@ -221,3 +221,50 @@ def test_a_registration_whose_answer_was_lost_goes_on_from_the_record_it_wrote(
         await store.close()
 
     asyncio.run(run())
+
+
+class _NextPutLost(EtcdStore):
+    """A real store whose next put, once armed, fails as a timed-out request would."""
+
+    armed = False
+
+    async def put(self, key: str, value: bytes, lease: int | None = None) -> int:
+        if self.armed:
+            self.armed = False
+            raise StoreError("etcd put failed: timed out")
+        return await super().put(key, value, lease)
+
+
+def test_a_state_whose_write_failed_is_written_again_at_once(etcd: EmbeddedEtcd) -> None:
+    """A node's new state that etcd did not take (its write timed out, as after an etcd
+    restart) is written again by the own-keys reconcile at once, not at its 30 s backstop: a
+    drain's "drained" once waited that long, past the operator's --wait deadline."""
+
+    async def run() -> None:
+        cfg = config.load(overrides={"node": "node-d", "etcd.endpoints": etcd.endpoint},
+                          environ={})
+        store, metrics, stop = _NextPutLost(cfg.etcd), Metrics(), asyncio.Event()
+        keys = Keys(cfg.etcd.prefix)
+        agent = NodeAgent(cfg, store, metrics, EventLog(store, keys, "node-d", metrics),
+                          _NoWorkers(), stop)
+        await asyncio.wait_for(agent.register(), 10)
+        own = asyncio.create_task(agent.watch_own_keys())
+        try:
+            store.armed = True
+            await agent.set_state(NodeState.STANDBY, "stands by for a test's job")
+            assert not store.armed, "the state's write failed"
+            deadline = time.monotonic() + 5
+            while True:
+                kv = await store.get(keys.registry_entry("node-d"))
+                if kv is not None and RegistryEntry.decode(kv.value).state == \
+                        NodeState.STANDBY:
+                    break
+                assert time.monotonic() < deadline, "the state never reached etcd"
+                await asyncio.sleep(0.05)
+        finally:
+            stop.set()
+            own.cancel()
+            await asyncio.gather(own, return_exceptions=True)
+            await store.close()
+
+    asyncio.run(run())
