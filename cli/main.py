@@ -410,7 +410,8 @@ async def _run_job(store: EtcdStore, keys: Keys, args: argparse.Namespace) -> in
         raise CliError(f"cannot place job {spec.name!r}: it needs {spec.world_size} slots on "
                        f"active nodes and {free} are free")
     # A standby node another running job holds in reserve is not free (the planner's rule,
-    # daemon/planner.py reserved_standbys: a job the CLI let through would wait unplaced).
+    # daemon/planner.py ClusterView.reserved_standbys: a job the CLI let through would wait
+    # unplaced).
     reserved = {n for j in status.jobs if j.assignment is not None and j.state not in ENDED
                 for n in j.assignment.standbys}
     online = [n for n in status.nodes if n.online and n.state == "standby" and not n.cordoned]

@@ -8,6 +8,7 @@ race is normal: the next round plans again from fresh state.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -177,6 +178,41 @@ class ClusterView:
     #: ``daemon/probe.py``). Such a node is lost as soon as its record is gone.
     evidence: Mapping[str, str] = field(default_factory=dict)
 
+    # What the rounds' questions about free capacity are answered from, worked out once per
+    # view: a round asks them for every job, and working them out each time made a round
+    # O(jobs x nodes) (83 ms at 4,096 nodes and 102 jobs; docs/benchmarks.md, "Control plane
+    # at scale"). A view is never changed: the planner makes a new one (``dataclasses.replace``)
+    # when a job's assignment changes within a round, and that one works them out afresh.
+
+    @functools.cached_property
+    def placeable(self) -> tuple[NodeRecord, ...]:
+        """Online nodes that may take new work, by name: not cordoned (the caller filters by
+        state)."""
+        return tuple(rec for name, rec in sorted(self.live.items())
+                     if (entry := self.registry.get(name)) is None or not entry[0].cordoned)
+
+    @functools.cached_property
+    def placeable_names(self) -> frozenset[str]:
+        return frozenset(rec.name for rec in self.placeable)
+
+    @functools.cached_property
+    def used_slots(self) -> Mapping[str, int]:
+        """node -> ranks of running or pending jobs on it"""
+        used: dict[str, int] = {}
+        for job in self.jobs.values():
+            if job.assignment is None or (job.status and job.status.state.ended):
+                continue
+            for node in job.assignment.ranks:
+                used[node] = used.get(node, 0) + 1
+        return used
+
+    @functools.cached_property
+    def reserved_standbys(self) -> frozenset[str]:
+        """standby nodes of running or pending jobs"""
+        return frozenset(n for job in self.jobs.values() if job.assignment is not None
+                         and not (job.status and job.status.state.ended)
+                         for n in job.assignment.standbys)
+
 
 def lost(view: ClusterView, node: str, now: float) -> bool:
     """Whether ``node`` counts as gone: no live record, no mass disruption on hold, and either
@@ -212,39 +248,12 @@ def plan(view: ClusterView, now: float, max_events: int = 1000) -> list[Action]:
     return actions
 
 
-def placeable_nodes(view: ClusterView) -> list[NodeRecord]:
-    """Online nodes that may take new work: not cordoned (the caller filters by state)."""
-    out = []
-    for name, rec in sorted(view.live.items()):
-        entry = view.registry.get(name)
-        if entry is not None and entry[0].cordoned:
-            continue
-        out.append(rec)
-    return out
-
-
-def used_slots(view: ClusterView) -> dict[str, int]:
-    used: dict[str, int] = {}
-    for job in view.jobs.values():
-        if job.assignment is None or (job.status and job.status.state.ended):
-            continue
-        for node in job.assignment.ranks:
-            used[node] = used.get(node, 0) + 1
-    return used
-
-
-def reserved_standbys(view: ClusterView) -> set[str]:
-    return {n for job in view.jobs.values() if job.assignment is not None
-            and not (job.status and job.status.state.ended)
-            for n in job.assignment.standbys}
-
-
 def place(spec: JobSpec, view: ClusterView, now: float) -> Assignment | str:
     """Ranks fill the free slots of active nodes in name order (so TP neighbours share a node
     when they can); standbys are free standby nodes. Returns the reason when it cannot."""
-    used = used_slots(view)
+    used = view.used_slots
     ranks: list[str] = []
-    for rec in placeable_nodes(view):
+    for rec in view.placeable:
         if rec.state != NodeState.ACTIVE:
             continue
         free = rec.slots - used.get(rec.name, 0)
@@ -252,8 +261,8 @@ def place(spec: JobSpec, view: ClusterView, now: float) -> Assignment | str:
         ranks.extend([rec.name] * max(take, 0))
     if len(ranks) < spec.world_size:
         return (f"needs {spec.world_size} slots on active nodes, {len(ranks)} are free")
-    taken = reserved_standbys(view)
-    standbys = [rec.name for rec in placeable_nodes(view)
+    taken = view.reserved_standbys
+    standbys = [rec.name for rec in view.placeable
                 if rec.state == NodeState.STANDBY and rec.name not in taken][:spec.standby]
     if len(standbys) < spec.standby:
         return f"needs {spec.standby} standby nodes, {len(standbys)} are free"
@@ -442,8 +451,8 @@ def _end_after_finish(name: str, job: JobView, a: Assignment,
 def _free_standbys(job: JobView, a: Assignment, view: ClusterView) -> list[str]:
     """The job's standby nodes that may take a rank now, a joiner of an attempt that was just
     called off last (it hung, or is being replaced)."""
-    placeable = {rec.name for rec in placeable_nodes(view)}  # a cordoned standby takes no rank
-    free = [n for n in a.standbys if n in placeable and view.live[n].state == NodeState.STANDBY]
+    free = [n for n in a.standbys if n in view.placeable_names  # a cordoned one takes no rank
+            and view.live[n].state == NodeState.STANDBY]
     last = job.migration
     if last is not None and last.phase == MigrationPhase.ABORTED:
         free.sort(key=lambda n: n in last.joiners)
@@ -653,9 +662,8 @@ def _freed_by_reshape(a: Assignment, ranks: tuple[str, ...], view: ClusterView) 
     others = {n for other, j in view.jobs.items() if other != a.job
               and j.assignment is not None and not (j.status and j.status.state.ended)
               for n in (*j.assignment.ranks, *j.assignment.standbys)}
-    placeable = {rec.name for rec in placeable_nodes(view)}
     return [n for n in dict.fromkeys(a.ranks)
-            if n not in ranks and n not in others and n in placeable
+            if n not in ranks and n not in others and n in view.placeable_names
             and view.live[n].state == NodeState.ACTIVE]
 
 
@@ -712,15 +720,15 @@ def _refill_standbys(job: JobView, a: Assignment, view: ClusterView, now: float,
     """Give a job whose standbys were used up, or went offline, free standby nodes again
     (capacity returned): up to its ``--standby`` count, or ``want`` if more (the ranks a
     paused job must recover). Offline standbys leave the pool in the same write."""
-    used = used_slots(view)  # a joiner's node holds its rank before its state says active
+    used = view.used_slots  # a joiner's node holds its rank before its state says active
     alive = tuple(n for n in a.standbys if n in view.live and n not in used)
-    ready = [n for n in alive if n in {rec.name for rec in placeable_nodes(view)}
+    ready = [n for n in alive if n in view.placeable_names
              and view.live[n].state == NodeState.STANDBY]  # may take a rank now
     missing = max(job.spec.standby - len(alive), want - len(ready))
     if missing <= 0:
         return None
-    taken = reserved_standbys(view)
-    fresh = [rec.name for rec in placeable_nodes(view) if rec.state == NodeState.STANDBY
+    taken = view.reserved_standbys
+    fresh = [rec.name for rec in view.placeable if rec.state == NodeState.STANDBY
              and rec.name not in taken and rec.name not in used][:missing]
     if not fresh:
         return None
