@@ -57,7 +57,7 @@ from understudy.common import config as config_mod
 from understudy.common import logs
 from understudy.common.errors import StoreError
 from understudy.common.keys import Keys
-from understudy.common.records import Assignment, JobSpec, Migration
+from understudy.common.records import Assignment, DecodedRecords, JobSpec, Migration
 from understudy.common.states import NodeState
 from understudy.common.store import EtcdStore, WatchEvent
 from understudy.daemon.controller import Controller
@@ -270,7 +270,7 @@ async def _time_controller_code(endpoint: str, reps: int) -> dict[str, Any]:
             kvs, _ = await store.get_prefix(ctl.keys.jobs)
             every, changed = [], []
             for _ in range(reps):
-                runner._decoded = {}
+                runner._decoded = DecodedRecords()
                 t0 = time.perf_counter()
                 runner._decode_jobs(kvs)
                 t1 = time.perf_counter()

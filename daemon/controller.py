@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from understudy.common.records import (
     TRANSFER_OK,
     Assignment,
     ControllerRecord,
+    DecodedRecords,
     DrainRequest,
     JobSpec,
     JobState,
@@ -99,7 +101,10 @@ class Controller:
         self._registry: dict[str, tuple[RegistryEntry, int]] = {}
         self._live: dict[str, NodeRecord] = {}
         self._event_keys: list[str] = []
-        self._jobs = _JobTables()
+        #: the records of the view, each decoded once per revision (a relist decodes only what
+        #: changed since the last)
+        self._decoded = DecodedRecords()
+        self._jobs = _JobTables(self._decoded)
         self._jobs.on_downtime = self._downtime
         self._drain_deadlines: dict[str, float] = {}
         self._changed = asyncio.Event()
@@ -352,6 +357,7 @@ class Controller:
         self._need_relist = False
         self._registry.clear()
         self._live.clear()
+        self._decoded.begin()
         kvs, first_rev = await self.store.get_prefix(self.keys.registry)
         for kv in kvs:
             self._ingest(self.keys.registry, kv, deleted=False)
@@ -359,7 +365,7 @@ class Controller:
         for kv in kvs:
             self._ingest(self.keys.nodes, kv, deleted=False)
         counted = self._jobs.downtimes_counted
-        self._jobs = _JobTables()
+        self._jobs = _JobTables(self._decoded)
         self._jobs.on_downtime = self._downtime
         kvs, _ = await self.store.get_prefix(self.keys.jobs)
         for kv in kvs:
@@ -376,11 +382,14 @@ class Controller:
                 self._ingest(prefix, kv, deleted=False)
         events, _ = await self.store.get_prefix(self.keys.events)
         self._event_keys = [kv.key for kv in events]
+        self._decoded.end()
         # Watches replay from the first read on: replaying events the second read already saw
         # is harmless (they are applied in order and end at the same state), missing some is not.
         return first_rev
 
     def _ingest(self, prefix: str, kv: KV, deleted: bool) -> None:
+        if deleted:
+            self._decoded.forget(kv.key)
         if prefix == self.keys.jobs:
             try:
                 self._jobs.ingest(Keys.name_of(kv.key, prefix), kv, deleted)
@@ -395,7 +404,8 @@ class Controller:
             self._drain_deadlines.pop(name, None)
             if not deleted:
                 try:
-                    self._drain_deadlines[name] = DrainRequest.decode(kv.value).deadline
+                    self._drain_deadlines[name] = self._decoded.decode(
+                        kv, DrainRequest.decode).deadline
                 except RecordError as exc:
                     self._bad(kv, "drains", exc)
             return
@@ -407,12 +417,12 @@ class Controller:
             return
         try:
             if prefix == self.keys.registry:
-                entry = RegistryEntry.decode(kv.value)
+                entry = self._decoded.decode(kv, RegistryEntry.decode)
                 if entry.name != name:
                     raise RecordError(f"registry entry under {name!r} names {entry.name!r}")
                 self._registry[name] = (entry, kv.mod_revision)
             else:
-                rec = NodeRecord.decode(kv.value)
+                rec = self._decoded.decode(kv, NodeRecord.decode)
                 if rec.name != name or rec.lease != kv.lease or kv.lease == 0:
                     raise RecordError(f"node record under {name!r} is not bound to its lease")
                 self._live[name] = rec
@@ -653,7 +663,9 @@ def _epoch_rises(before: SnapshotReport, after: SnapshotReport) -> bool:
 class _JobTables:
     """The controller's cache of ``<prefix>/jobs/``, fed by list and watch events."""
 
-    def __init__(self) -> None:
+    def __init__(self, decoded: DecodedRecords | None = None) -> None:
+        #: shared with the controller's other tables, which outlive a relist's new one
+        self.decoded = decoded if decoded is not None else DecodedRecords()
         self.specs: dict[str, JobSpec] = {}
         self.assignments: dict[str, tuple[Assignment, int]] = {}
         self.statuses: dict[str, tuple[JobStatus, int]] = {}
@@ -782,7 +794,7 @@ class _JobTables:
             if deleted:
                 tables[rest].pop(job, None)
                 return
-            decoded = decode_job_record(path, kv.value)
+            decoded = self.decoded.decode(kv, functools.partial(decode_job_record, path))
             assert decoded is not None
             record = decoded[2]
             tables[rest][job] = record if rest == "spec" else (record, kv.mod_revision)
@@ -796,7 +808,7 @@ class _JobTables:
             if deleted:
                 table.pop(key, None)
             else:
-                table[key] = RankExit.decode(kv.value)
+                table[key] = self.decoded.decode(kv, RankExit.decode)
         else:
             raise RecordError(f"unexpected key jobs/{path}")
 

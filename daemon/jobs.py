@@ -28,12 +28,14 @@ from understudy.common.records import (
     JOB_RECORDS,
     TRANSFER_OK,
     Assignment,
+    DecodedRecords,
     JobSpec,
     JobState,
     JobStatus,
     Migration,
     MigrationPhase,
     RankExit,
+    Record,
     Rendezvous,
     Report,
     ResizeRequest,
@@ -195,10 +197,8 @@ class JobRunner:
         self._jobs: dict[str, _Job] = {}
         #: ``jobs/``'s records, kept current by the watch (what a reconcile decides from)
         self._listing = _Listing(self.keys.jobs)
-        #: key -> (mod revision, value, its decoded record or the error it raised) of the
-        #: records the last view was made of: a reconcile decodes only what changed since
-        self._decoded: dict[str, tuple[int, bytes,
-                                       tuple[str, str, Any] | RecordError | None]] = {}
+        #: the records the last view was made of: a reconcile decodes only what changed since
+        self._decoded = DecodedRecords()
         #: child name -> (migration id, epoch) of a joiner promoted here whose migration may not
         #: have committed yet
         self._promoted: dict[str, tuple[str, int]] = {}
@@ -303,23 +303,23 @@ class JobRunner:
         immutable, so they can be shared."""
         jobs: dict[str, _Job] = {}
         revisions: dict[str, int] = {}  # job -> the newest of its records' revisions
-        before, self._decoded = self._decoded, {}
+        self._decoded.begin()
+        prefix = self.keys.jobs
         for kv in kvs:
-            memo = before.get(kv.key)
-            if memo is None or memo[0] != kv.mod_revision or memo[1] != kv.value:
-                try:
-                    memo = (kv.mod_revision, kv.value,
-                            decode_job_record(Keys.name_of(kv.key, self.keys.jobs), kv.value))
-                except RecordError as exc:
-                    memo = (kv.mod_revision, kv.value, exc)
-            self._decoded[kv.key] = memo
-            decoded = memo[2]
-            if isinstance(decoded, RecordError):
-                self._bad_values.found("jobs", kv.key, kv.mod_revision, str(decoded))
-            elif decoded is not None:
+
+            def decode(value: bytes, key: str = kv.key) -> tuple[str, str, Record] | None:
+                return decode_job_record(Keys.name_of(key, prefix), value)  # named if decoded
+
+            try:
+                decoded = self._decoded.decode(kv, decode)
+            except RecordError as exc:
+                self._bad_values.found("jobs", kv.key, kv.mod_revision, str(exc))
+                continue
+            if decoded is not None:
                 job, name, record = decoded
                 setattr(jobs.setdefault(job, _Job()), name, record)
                 revisions[job] = max(revisions.get(job, 0), kv.mod_revision)
+        self._decoded.end()
         complete = {}
         for name, j in jobs.items():
             if not j.complete:

@@ -8,10 +8,22 @@ import dataclasses
 import time
 from typing import Any
 
+import pytest
+
 from understudy.common import config
 from understudy.common.errors import StoreError
 from understudy.common.keys import Keys
-from understudy.common.records import Migration, MigrationPhase, NodeRecord, RegistryEntry
+from understudy.common.records import (
+    Assignment,
+    DrainRequest,
+    JobSpec,
+    JobState,
+    JobStatus,
+    Migration,
+    MigrationPhase,
+    NodeRecord,
+    RegistryEntry,
+)
 from understudy.common.states import NodeState
 from understudy.common.store import EtcdStore
 from understudy.daemon.controller import Controller
@@ -185,6 +197,70 @@ def test_a_downtime_report_is_counted_once_through_every_relist(etcd: EmbeddedEt
             for _ in range(2):
                 await ctl._relist()
             assert (sum(drains.counts), drains.total) == (2, 0.375)
+        finally:
+            await store.close()
+
+    asyncio.run(run())
+
+
+def test_a_relist_decodes_only_the_records_that_changed_since_the_last(
+        etcd: EmbeddedEtcd, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The controller re-reads its whole view every 10 s. Decoding every node's records was
+    nearly all of that (0.34 s at 4,096 nodes, on its one event loop); a relist now decodes
+    what changed since the last, and sees the same view."""
+    decoded: list[str] = []
+    for cls in (RegistryEntry, NodeRecord, JobSpec, Assignment, JobStatus, DrainRequest):
+        real = cls.decode
+
+        def counting(value: bytes, real: Any = real, kind: str = cls.KIND) -> Any:
+            decoded.append(kind)
+            return real(value)
+
+        monkeypatch.setattr(cls, "decode", counting)
+
+    async def run() -> None:
+        ctl, store, keys = _controller(etcd)
+        try:
+            for n in ("node-a", "node-b", "node-c"):
+                await _register(store, keys, n)
+            now = time.time()
+            a = Assignment(job="j", epoch=1, ranks=("node-a", "node-b"), standbys=("node-c",),
+                           reason="", updated_at=now)
+            await store.put(keys.job_spec("j"), JobSpec(
+                name="j", argv=("t",), cwd="/", tp=1, dp=2, standby=1, created_at=now).encode())
+            await store.put(keys.job_assignment("j"), a.encode())
+            await store.put(keys.job_status("j"), JobStatus(
+                job="j", state=JobState.RUNNING, reason="", updated_at=now).encode())
+            await store.put(keys.drain("node-b"), DrainRequest(
+                node="node-b", source="cli", reason="r", requested_at=now,
+                deadline=now + 60).encode())
+            await store.put(keys.registry_entry("node-x"), b"garbage")
+            await ctl._relist()
+            assert sorted(decoded) == sorted([RegistryEntry.KIND] * 4 + [NodeRecord.KIND] * 3 + [
+                JobSpec.KIND, Assignment.KIND, JobStatus.KIND, DrainRequest.KIND])
+            first = plan(ctl._view(), now)
+            bad = ctl.metrics.bad_values.labels(collection="registry")._value.get()
+            assert bad == 1
+
+            decoded.clear()
+            for _ in range(3):
+                await ctl._relist()
+            assert decoded == []
+            view = ctl._view()
+            assert sorted(view.registry) == ["node-a", "node-b", "node-c"]
+            assert sorted(view.live) == ["node-a", "node-b", "node-c"]
+            assert view.jobs["j"].assignment == a and "node-b" in view.drain_deadlines
+            assert plan(view, now) == first
+            assert ctl.metrics.bad_values.labels(collection="registry")._value.get() == bad
+
+            # One entry changed, one node gone: only the change is decoded.
+            entry = RegistryEntry(name="node-c", incarnation="i1", state=NodeState.DRAINING,
+                                  updated_at=now)
+            await store.put(keys.registry_entry("node-c"), entry.encode())
+            await store.delete(keys.node("node-a"))
+            await ctl._relist()
+            assert decoded == [RegistryEntry.KIND]
+            assert ctl._registry["node-c"][0] == entry and "node-a" not in ctl._live
         finally:
             await store.close()
 

@@ -171,6 +171,54 @@ def test_decoding_resolves_a_record_class_s_field_types_once(
     assert calls == [NodeRecord]
 
 
+def test_a_value_is_decoded_once_per_revision_and_bytes_and_forgotten_when_gone() -> None:
+    from understudy.common.records import DecodedRecords
+    from understudy.common.store import KV
+
+    calls: list[bytes] = []
+
+    def counting(value: bytes) -> NodeRecord:
+        calls.append(value)
+        return NodeRecord.decode(value)
+
+    memo = DecodedRecords()
+    a, b = _record("a"), _record("b")
+    kv_a = KV(key="n/a", value=a.encode(), mod_revision=5, create_revision=5, lease=1)
+    kv_b = KV(key="n/b", value=b.encode(), mod_revision=6, create_revision=6, lease=2)
+    for _ in range(3):
+        assert memo.decode(kv_a, counting) == a and memo.decode(kv_b, counting) == b
+    assert len(calls) == 2
+    # A new revision is decoded again; so is another value at a revision seen before (an etcd
+    # restored from a backup, or built afresh, numbers its revisions again).
+    a2 = dataclasses.replace(a, slots=4)
+    assert memo.decode(dataclasses.replace(kv_a, value=a2.encode(), mod_revision=7),
+                       counting) == a2
+    kv_b = dataclasses.replace(kv_b, value=a2.encode())
+    assert memo.decode(kv_b, counting) == a2
+    assert len(calls) == 4
+    # A bad value raises each time it is looked at, decoded once (a fresh error each time: a
+    # raised one would keep every traceback it was raised through).
+    bad = KV(key="n/c", value=b"{", mod_revision=8, create_revision=8, lease=0)
+    errors = []
+    for _ in range(2):
+        with pytest.raises(RecordError, match="not UTF-8 JSON") as caught:
+            memo.decode(bad, counting)
+        errors.append(caught.value)
+    assert errors[0] is not errors[1] and len(calls) == 5
+    # A pass forgets what it did not see; a deleted key is forgotten at once.
+    memo.begin()
+    memo.decode(kv_b, counting)
+    with pytest.raises(RecordError):
+        memo.decode(bad, lambda v: pytest.fail("decoded again"))
+    memo.end()
+    assert len(memo) == 2
+    memo.forget("n/c")
+    assert len(memo) == 1
+    with pytest.raises(RecordError):
+        memo.decode(bad, counting)
+    assert len(calls) == 6
+
+
 def test_registry_entry_rejects_bool_for_float() -> None:
     body = json.loads(_entry("a").encode())
     body["updated_at"] = True
