@@ -21,7 +21,13 @@ writes them and placed by the controller; the other nodes are spare standbys. Th
    so the controller commits the recovery and refills the standby pool, and the crashed node
    rejoins. etcd requests/s and controller CPU over the failover windows.
 
+With ``--controller-code-only``, no fleet: the N nodes' records (registry entry, and node
+record on a lease) and the jobs' (spec, assignment, status) are written straight to etcd as the
+fleet and the controller would have left them, and only step 2 runs. Seconds at any size, and
+not bound by the simulator's CPU: for the controller's own cost as N grows.
+
     .venv/bin/python benchmarks/scale.py [--nodes 256,1024,4096] [--repeats R] [--smoke]
+    .venv/bin/python benchmarks/scale.py --controller-code-only --nodes 1024,4096,16384
 """
 
 from __future__ import annotations
@@ -57,7 +63,15 @@ from understudy.common import config as config_mod
 from understudy.common import logs
 from understudy.common.errors import StoreError
 from understudy.common.keys import Keys
-from understudy.common.records import Assignment, DecodedRecords, JobSpec, Migration
+from understudy.common.records import (
+    Assignment,
+    JobSpec,
+    JobState,
+    JobStatus,
+    Migration,
+    NodeRecord,
+    RegistryEntry,
+)
 from understudy.common.states import NodeState
 from understudy.common.store import EtcdStore, WatchEvent
 from understudy.daemon.controller import Controller
@@ -270,7 +284,7 @@ async def _time_controller_code(endpoint: str, reps: int) -> dict[str, Any]:
             kvs, _ = await store.get_prefix(ctl.keys.jobs)
             every, changed = [], []
             for _ in range(reps):
-                runner._decoded = DecodedRecords()
+                runner._decoded = type(runner._decoded)()  # forgets every record
                 t0 = time.perf_counter()
                 runner._decode_jobs(kvs)
                 t1 = time.perf_counter()
@@ -289,6 +303,60 @@ async def _time_controller_code(endpoint: str, reps: int) -> dict[str, Any]:
             "plan_s": summarize(plan_s), "actions_per_round": actions, "prefix_sizes": sizes,
             "job_runner_view_s": {"every_record_decoded": summarize(every),
                                   "changed_records_decoded": summarize(changed)}}
+
+
+async def code_only_size(n: int, args: argparse.Namespace, base: Path) -> dict[str, Any]:
+    """``--controller-code-only``: N nodes' and the jobs' records written straight to a fresh
+    etcd, the controller's code timed on them."""
+    lay = layout(n, args.job_nodes, args.job_standbys, args.max_jobs)
+    etcd = EmbeddedEtcd(data_dir=base / "etcd")
+    etcd.start()
+    try:
+        cfg = config_mod.load(overrides={"node": "writer", "etcd.endpoints": etcd.endpoint,
+                                         "etcd.prefix": PREFIX}, environ={})
+        store, k, now = EtcdStore(cfg.etcd), Keys(PREFIX), time.time()
+        try:
+            lease = await store.grant(3600)
+            ops: list[tuple[Any, ...]] = []
+            for i in range(n):
+                name, active = f"sim-{i:05d}", i < lay["active"]
+                state = NodeState.ACTIVE if active else NodeState.STANDBY
+                rec = NodeRecord(name=name, incarnation=f"{i:012x}", lease=lease, state=state,
+                                 role="active" if active else "standby", slots=SLOTS,
+                                 addresses=(f"10.{i >> 16}.{(i >> 8) & 255}.{i & 255}",),
+                                 version="0.1.0", started_at=now, registered_at=now,
+                                 state_since=now, probe=f"10.0.0.1:{7000 + i % 1000}")
+                entry = RegistryEntry(name=name, incarnation=rec.incarnation, state=state,
+                                      updated_at=now)
+                ops += [("put", k.node(name), rec.encode(), lease),
+                        ("put", k.registry_entry(name), entry.encode(), None)]
+            for j in range(lay["jobs"]):
+                job, first = f"job-{j:03d}", j * args.job_nodes
+                spare = lay["active"] + j * args.job_standbys
+                spec = JobSpec(name=job, argv=("python", "train.py"), cwd="/", tp=1,
+                               dp=args.job_nodes, standby=args.job_standbys, created_at=now)
+                a = Assignment(job=job, epoch=1, reason="initial placement", updated_at=now,
+                               ranks=tuple(f"sim-{first + r:05d}" for r in range(spec.dp)),
+                               standbys=tuple(f"sim-{spare + s:05d}"
+                                              for s in range(spec.standby)))
+                status = JobStatus(job=job, state=JobState.RUNNING, reason="placed",
+                                   updated_at=now)
+                ops += [("put", k.job_spec(job), spec.encode(), None),
+                        ("put", k.job_assignment(job), a.encode(), None),
+                        ("put", k.job_status(job), status.encode(), None)]
+            for i in range(0, len(ops), 100):  # etcd's --max-txn-ops: 128
+                await store.txn(compare=[], success=ops[i:i + 100])
+        finally:
+            await store.close()
+        code = await time_controller_code(etcd.endpoint, args.code_reps)
+    finally:
+        etcd.stop()
+    print(f"[{n} nodes] controller code: relist {code['relist_s']['median'] * 1e3:.1f} ms, "
+          f"view {code['view_s']['median'] * 1e3:.2f} ms, plan "
+          f"{code['plan_s']['median'] * 1e3:.2f} ms", file=sys.stderr, flush=True)
+    return {"nodes": n, "layout": {**lay, "job_nodes": args.job_nodes,
+                                   "job_standbys": args.job_standbys, "slots": SLOTS},
+            "controller_code": code, "failovers": [], "broke": None}
 
 
 # -- one cluster size -------------------------------------------------------------------------
@@ -578,6 +646,19 @@ def summarize_failovers(fs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def print_summary(result: dict[str, Any]) -> None:
     cfg = result["config"]
+    if cfg["controller_code_only"]:
+        print(f"\ncontroller code on N nodes' records written to etcd (no fleet), median of "
+              f"{cfg['code_reps']}; {result['machine']['cpus_usable']} CPUs")
+        print(f"\n  {'nodes':>6}{'jobs':>6}{'relist ms':>11}{'view ms':>9}{'plan ms':>9}"
+              f"{'job runner view ms':>20}")
+        for s in result["sizes"]:
+            code = s["controller_code"]
+            view = code["job_runner_view_s"]["changed_records_decoded"]
+            print(f"  {s['nodes']:>6}{s['layout']['jobs']:>6}"
+                  f"{code['relist_s']['median'] * 1e3:>11.1f}"
+                  f"{code['view_s']['median'] * 1e3:>9.2f}{code['plan_s']['median'] * 1e3:>9.2f}"
+                  f"{view['median'] * 1e3:>20.2f}")
+        return
     print(f"\ncontrol plane at scale: lease TTL {cfg['ttl']}s, keep-alive every "
           f"{cfg['keepalive_interval']}s, {cfg['repeats']} failovers per size, daemon traffic "
           f"{'simulated' if cfg['daemon_traffic'] else 'off (keep-alives only)'}; "
@@ -702,6 +783,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "event loop, as the first 4,096-node run did)")
     p.add_argument("--code-reps", type=int, default=5,
                    help="timed runs of the controller's re-list and planning round")
+    p.add_argument("--controller-code-only", action="store_true",
+                   help="no simulated fleet: write the nodes' and jobs' records straight to "
+                        "etcd and time the controller's code on them (seconds at any size)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--smoke", action="store_true", help="seconds, not minutes: for the tests")
     p.outputs(keep="keep etcd data and daemon logs here", chart="chart")
@@ -738,9 +822,11 @@ def main(argv: list[str] | None = None) -> int:
     scratch = harness.Scratch(args.keep_dir, "understudy-scale-")
     load_before = os.getloadavg()
     rng = random.Random(args.seed)
+    size = code_only_size if args.controller_code_only else \
+        lambda n, args, base: run_size(n, args, base, rng)
     sizes = scratch.run("scale benchmark",
                         (BenchmarkError, EtcdStartError, StoreError, OSError, psutil.Error),
-                        lambda: [asyncio.run(run_size(n, args, scratch.base / f"n{n}", rng))
+                        lambda: [asyncio.run(size(n, args, scratch.base / f"n{n}"))
                                  for n in args.nodes])
     if isinstance(sizes, int):
         return sizes
@@ -754,17 +840,21 @@ def main(argv: list[str] | None = None) -> int:
                    "channels": args.channels, "keepalive_streams": args.keepalive_streams,
                    "keepalive_procs": args.keepalive_procs,
                    "join_concurrency": args.join_concurrency,
-                   "seed": args.seed, "smoke": args.smoke},
+                   "controller_code_only": args.controller_code_only,
+                   "code_reps": args.code_reps, "seed": args.seed, "smoke": args.smoke},
         "loadavg_before": list(load_before),
         "loadavg_after": list(os.getloadavg()),
         "chart": str(args.png),
         "sizes": sizes,
     }
     print_summary(result)
-    args.png.parent.mkdir(parents=True, exist_ok=True)
-    plot(result, args.png)
+    if args.controller_code_only:
+        result["chart"] = None  # no failovers, no fleet: the table above is all there is
+    else:
+        args.png.parent.mkdir(parents=True, exist_ok=True)
+        plot(result, args.png)
     harness.write_results(result, args.out)
-    print(f"\nresults written to {args.out}, chart {args.png}")
+    print(f"\nresults written to {args.out}" + (f", chart {args.png}" if result["chart"] else ""))
     return 0
 
 

@@ -742,6 +742,29 @@ def test_scale_smoke(tmp_path: Path) -> None:
     assert fo["target_p99_s"] == 0.5
 
 
+@pytest.mark.timeout(120)
+def test_scale_controller_code_only(tmp_path: Path) -> None:
+    if shutil.which("etcd") is None:
+        pytest.fail("etcd is not installed: the test command installs it (scripts/test)")
+    out_file = tmp_path / "scale.json"
+    res = run_benchmark("scale.py", "--controller-code-only", "--nodes", "40,80",
+                        "--job-nodes", "4", "--code-reps", "2", "--out", str(out_file),
+                        timeout=100)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "relist ms" in res.stdout
+    data = json.loads(out_file.read_text())
+    assert data["config"]["controller_code_only"] is True and data["chart"] is None
+    for size, n in zip(data["sizes"], (40, 80), strict=True):
+        code = size["controller_code"]
+        # Every node's record and entry, and each job's records, are where a fleet's would
+        # be: the planner finds nothing to do in a cluster that is as it should be.
+        assert size["nodes"] == n and code["prefix_sizes"]["nodes"]["keys"] == n
+        assert code["prefix_sizes"]["registry"]["keys"] == n
+        assert code["prefix_sizes"]["jobs"]["keys"] == 3 * size["layout"]["jobs"] > 0
+        assert code["actions_per_round"] == [0, 0]
+        assert code["relist_s"]["n"] == 2 and code["plan_s"]["median"] > 0
+
+
 @pytest.mark.timeout(360)
 def test_soak_smoke(tmp_path: Path) -> None:
     if shutil.which("etcd") is None:
