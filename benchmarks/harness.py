@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import datetime
 import importlib.metadata
+import importlib.util
 import itertools
 import json
 import os
@@ -263,21 +264,34 @@ def machine(torch: bool = False) -> dict[str, Any]:
         etcd_version = out.stdout.splitlines()[0].split(":", 1)[1].strip()
     except (OSError, IndexError, subprocess.TimeoutExpired):
         pass
-    commit, dirty = "", None
-    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                                capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = bool(subprocess.run(["git", "-C", str(REPO), "status", "--porcelain",
-                                     "--untracked-files=no"],
-                                    capture_output=True, text=True, timeout=10).stdout.strip())
+    commit, dirty = _git_state(REPO)
+    # The code measured is the `understudy` package this process imports: another checkout's
+    # when PYTHONPATH names one (the code before a change, timed by this harness).
+    spec = importlib.util.find_spec("understudy.common")
+    code = Path(spec.origin).resolve().parents[1] if spec and spec.origin else REPO
     return {
         "platform": platform.platform(), "machine": platform.machine(), "cpu_model": model,
         "cpu_count": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)),
         "memory_gib": round(psutil.virtual_memory().total / 1024**3, 1),
         "python": platform.python_version(), "etcd_version": etcd_version,
         "git_commit": commit, "git_dirty": dirty,
+        **({} if code == REPO.resolve() else {"code_under_test": {
+            "dir": str(code), **dict(zip(("git_commit", "git_dirty"), _git_state(code),
+                                         strict=True))}}),
         **({"torch": importlib.metadata.version("torch")} if torch else {}),
     }
+
+
+def _git_state(repo: Path) -> tuple[str, bool | None]:
+    """``repo``'s commit and whether tracked files differ from it ("", None: no git)."""
+    commit, dirty = "", None
+    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+        commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
+                                capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = bool(subprocess.run(["git", "-C", str(repo), "status", "--porcelain",
+                                     "--untracked-files=no"],
+                                    capture_output=True, text=True, timeout=10).stdout.strip())
+    return commit, dirty
 
 
 def header(name: str, started: str, torch: bool = False) -> dict[str, Any]:
