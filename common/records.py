@@ -805,9 +805,10 @@ class _Undecodable:
 class DecodedRecords:
     """Values read from etcd, each decoded once per revision of its key, for a reader that
     looks at a whole prefix again and again: the controller's relist (every record of every
-    node and job, every 10 s), a job runner's view at each reconcile. Decoding was nearly all of
-    what those cost (the controller's relist: 0.34 s at 4,096 nodes, docs/benchmarks.md); now
-    only what changed since the last look is decoded. A value that did not decode is remembered
+    node and job, every 10 s), a job runner's view at each reconcile. Decoding was most of what
+    those cost (the controller's relist: 0.28-0.31 s at 4,096 nodes, 73-79 ms now;
+    docs/benchmarks.md, "The controller's round and re-list"); now only what changed since the
+    last look is decoded. A value that did not decode is remembered
     as its error, raised again at each look (its reader counts a bad value once per revision).
 
     Remembered by key, mod revision and the bytes themselves: an etcd restored from a backup
