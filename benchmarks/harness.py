@@ -218,11 +218,17 @@ class Scratch:
             print(log_tails(self.base), file=sys.stderr)
             return 130
         finally:
-            # A second Ctrl-C must not cut the clean-up short.
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            if not self.keep:
-                shutil.rmtree(self.base, ignore_errors=True)
+            # A second Ctrl-C must not cut the clean-up short; once it is done, Ctrl-C and
+            # SIGTERM stop the command again (a command that then hung, writing its results or
+            # at exit, ignored SIGTERM: a broken 1,024-node scale run needed SIGKILL).
+            handlers = {sig: signal.signal(sig, signal.SIG_IGN)
+                        for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                if not self.keep:
+                    shutil.rmtree(self.base, ignore_errors=True)
+            finally:
+                for sig, handler in handlers.items():
+                    signal.signal(sig, handler)
 
     def repeats(self, what: str, count: int, run: Callable[[int, Path], dict[str, Any]],
                 errors: tuple[type[BaseException], ...]) -> list[dict[str, Any]] | int:

@@ -810,6 +810,26 @@ def test_soak_smoke(tmp_path: Path) -> None:
     assert all(v is None for v in data["outcome"].values())
 
 
+def test_sigterm_stops_a_command_again_once_its_clean_up_is_done(tmp_path: Path) -> None:
+    # The clean-up ignores Ctrl-C and SIGTERM (a second one must not cut it short); what comes
+    # after it (the results written, the exit) must not: a broken scale run that hung there
+    # ignored SIGTERM and needed SIGKILL.
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import os, signal, sys, time\n"
+        f"sys.path.insert(0, {str(REPO / 'benchmarks')!r})\n"
+        "import harness\n"
+        f"scratch = harness.Scratch(None, {str(tmp_path / 'scratch-')!r})\n"
+        "print('result', scratch.run('a run', (), lambda: 7), flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "time.sleep(10)\n"
+        "print('still running', flush=True)\n")
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=60, cwd=REPO)
+    assert "result 7" in res.stdout and "still running" not in res.stdout, res.stdout
+    assert res.returncode != 0 and "KeyboardInterrupt" in res.stderr, res.stderr
+
+
 def test_downtime_chart_of_a_switch_measured_below_zero(tmp_path: Path) -> None:
     """downtime.py's chart of a drain whose switch measured a little under a normal step (noise:
     the run's downtime below zero, median, min and max alike) draws it at the log scale's floor
