@@ -237,13 +237,19 @@ class Controller:
                                min(self.tick, max(0.01, pending)) if pending > 0 else self.tick)
                 self._changed.clear()
                 try:
-                    if self._need_relist or self.wall() - last_list > self.relist_interval:
+                    if self._need_relist:  # the watches lost events: the view may be wrong
                         await self._relist()
                         last_list = self.wall()
                     failpoints.hit("controller.round")
                     view, now = self._view(), self.wall()
                     self.job_metrics.observe_jobs(job_summaries(view), now)
                     await self._apply(plan(view, now))
+                    if self.wall() - last_list > self.relist_interval:
+                        # The backstop, after the round: a round woken by a change (a node
+                        # record gone) does not wait for it (0.15 s at 4,096 nodes, which made
+                        # 3 in 20 failovers there 0.13-0.17 s slower).
+                        await self._relist()
+                        last_list = self.wall()
                     if failed_rounds:
                         self.log.info(f"Controller rounds succeed again after {failed_rounds} "
                                       "that failed.")
