@@ -359,8 +359,19 @@ class Controller:
             self._changed.set()
 
     async def _relist(self) -> int:
-        """Re-read the whole view; returns the revision it was read at."""
+        """Re-read the whole view; returns the revision it was read at. One that fails (etcd
+        went away between its reads) leaves the view half read: the next round re-lists again
+        before it plans. A round that planned on it saw nodes without records, and failed a
+        job whose every replica looked gone (test_outage.py, once the periodic re-list ran
+        after the round)."""
         self._need_relist = False
+        try:
+            return await self._read_view()
+        except BaseException:
+            self._need_relist = True
+            raise
+
+    async def _read_view(self) -> int:
         self._registry.clear()
         self._live.clear()
         self._decoded.begin()

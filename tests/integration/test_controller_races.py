@@ -317,6 +317,74 @@ def test_a_round_woken_by_a_change_plans_before_a_due_relist(etcd: EmbeddedEtcd)
     asyncio.run(run())
 
 
+class _RegistryReadLost(EtcdStore):
+    """A real store whose ``lose``-th read of the registry fails, as when etcd goes away
+    between a re-list's reads."""
+
+    lose = 2
+    prefix = ""
+
+    async def get_prefix(self, prefix: str) -> tuple[list[Any], int]:
+        if prefix == self.prefix:
+            self.lose -= 1
+            if self.lose == 0:
+                raise StoreError("etcd range was cut off by a closed connection")
+        return await super().get_prefix(prefix)
+
+
+def test_a_relist_cut_off_is_done_again_before_the_next_round_plans(etcd: EmbeddedEtcd) -> None:
+    """A re-list that fails between its reads leaves the view without nodes. The next round
+    must read it again before it plans: planned on, every node looks gone, and a running job
+    whose every replica is gone fails (test_outage.py saw this once the periodic re-list ran
+    after the round)."""
+
+    async def run() -> None:
+        ctl, plain, keys = _controller(etcd)
+        await plain.close()
+        store = _RegistryReadLost(ctl.agent.cfg.etcd)
+        store.prefix = keys.registry
+        ctl.store = ctl.agent.store = ctl.events.store = store
+        now = time.time()
+        for n in ("node-a", "node-b"):
+            await _register(store, keys, n)
+        a = Assignment(job="j", epoch=1, ranks=("node-a", "node-b"), standbys=(),
+                       reason="", updated_at=now)
+        await store.put(keys.job_spec("j"), JobSpec(
+            name="j", argv=("t",), cwd="/", tp=1, dp=2, standby=0, created_at=now).encode())
+        await store.put(keys.job_assignment("j"), a.encode())
+        await store.put(keys.job_status("j"), JobStatus(
+            job="j", state=JobState.RUNNING, reason="", updated_at=now).encode())
+        ctl.relist_interval = 0.0  # the leader's re-list, a round, then the re-list that fails
+        lease = await store.grant(30)
+        ctl.agent.lease = lease
+        await store.put(keys.controller, b"ctl", lease)  # as if won
+        won = await store.get(keys.controller)
+        assert won is not None
+        task = asyncio.create_task(ctl._lead(lease, won.create_revision))
+        try:
+            # Until a round has planned after the one whose re-list was cut off, and the settle
+            # time (0.25 s) of nodes gone from the view has passed.
+            for _ in range(200):
+                if store.lose <= -2:
+                    break
+                await asyncio.sleep(0.05)
+            assert store.lose <= -2, "the re-list was not cut off, or not done again"
+            await asyncio.sleep(0.5)
+            kv = await store.get(keys.job_status("j"))
+            assert kv is not None and JobStatus.decode(kv.value).state == JobState.RUNNING
+            assert await store.get(keys.job_migration("j")) is None
+            for n in ("node-a", "node-b"):
+                kv = await store.get(keys.registry_entry(n))
+                assert kv is not None and RegistryEntry.decode(kv.value).state == NodeState.ACTIVE
+            assert sorted(ctl._live) == ["node-a", "node-b"]
+        finally:
+            ctl.stop.set()
+            await asyncio.wait_for(task, 10)
+            await store.close()
+
+    asyncio.run(run())
+
+
 def test_a_registration_whose_answer_was_lost_goes_on_from_the_record_it_wrote(
         etcd: EmbeddedEtcd) -> None:
     """A daemon registers (grant, then one transaction for its record and registry entry);
