@@ -287,6 +287,7 @@ def test_a_round_woken_by_a_change_plans_before_a_due_relist(etcd: EmbeddedEtcd)
 
         ctl._relist, ctl._apply = logged_relist, logged_apply  # type: ignore[method-assign]
         ctl.relist_interval = 0.0  # a re-list is due at every round
+        ctl.tick = 0.2  # a round at least every 0.2 s (1 s in a daemon)
         lease = await store.grant(30)
         ctl.agent.lease = lease
         await store.put(keys.controller, b"ctl", lease)  # as if won
@@ -355,6 +356,7 @@ def test_a_relist_cut_off_is_done_again_before_the_next_round_plans(etcd: Embedd
         await store.put(keys.job_status("j"), JobStatus(
             job="j", state=JobState.RUNNING, reason="", updated_at=now).encode())
         ctl.relist_interval = 0.0  # the leader's re-list, a round, then the re-list that fails
+        ctl.tick = 0.2  # a round at least every 0.2 s (1 s in a daemon)
         lease = await store.grant(30)
         ctl.agent.lease = lease
         await store.put(keys.controller, b"ctl", lease)  # as if won
