@@ -4,8 +4,10 @@ node's, when etcd's answer is lost."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -267,6 +269,25 @@ def test_a_relist_decodes_only_the_records_that_changed_since_the_last(
     asyncio.run(run())
 
 
+@contextlib.asynccontextmanager
+async def _leading(ctl: Controller, store: EtcdStore, keys: Keys) -> AsyncIterator[None]:
+    """``ctl``'s loop runs as the leader (its key put as if won) until the block ends, a round
+    at least every 0.2 s (1 s in a daemon); ``store`` is closed then."""
+    ctl.tick = 0.2
+    lease = await store.grant(30)
+    ctl.agent.lease = lease
+    await store.put(keys.controller, b"ctl", lease)
+    won = await store.get(keys.controller)
+    assert won is not None
+    task = asyncio.create_task(ctl._lead(lease, won.create_revision))
+    try:
+        yield
+    finally:
+        ctl.stop.set()
+        await asyncio.wait_for(task, 10)
+        await store.close()
+
+
 def test_a_round_woken_by_a_change_plans_before_a_due_relist(etcd: EmbeddedEtcd) -> None:
     """The periodic re-list (a backstop; 0.15 s at 4,096 nodes) runs after a round, not between
     the change that woke it and its plan: a node record's deletion is acted on at once. A
@@ -287,14 +308,7 @@ def test_a_round_woken_by_a_change_plans_before_a_due_relist(etcd: EmbeddedEtcd)
 
         ctl._relist, ctl._apply = logged_relist, logged_apply  # type: ignore[method-assign]
         ctl.relist_interval = 0.0  # a re-list is due at every round
-        ctl.tick = 0.2  # a round at least every 0.2 s (1 s in a daemon)
-        lease = await store.grant(30)
-        ctl.agent.lease = lease
-        await store.put(keys.controller, b"ctl", lease)  # as if won
-        won = await store.get(keys.controller)
-        assert won is not None
-        task = asyncio.create_task(ctl._lead(lease, won.create_revision))
-        try:
+        async with _leading(ctl, store, keys):
             for _ in range(100):
                 if calls.count("round") >= 2:
                     break
@@ -310,10 +324,6 @@ def test_a_round_woken_by_a_change_plans_before_a_due_relist(etcd: EmbeddedEtcd)
                     break
                 await asyncio.sleep(0.05)
             assert calls[seen:seen + 2] == ["relist", "round"], calls[seen:]
-        finally:
-            ctl.stop.set()
-            await asyncio.wait_for(task, 10)
-            await store.close()
 
     asyncio.run(run())
 
@@ -356,14 +366,7 @@ def test_a_relist_cut_off_is_done_again_before_the_next_round_plans(etcd: Embedd
         await store.put(keys.job_status("j"), JobStatus(
             job="j", state=JobState.RUNNING, reason="", updated_at=now).encode())
         ctl.relist_interval = 0.0  # the leader's re-list, a round, then the re-list that fails
-        ctl.tick = 0.2  # a round at least every 0.2 s (1 s in a daemon)
-        lease = await store.grant(30)
-        ctl.agent.lease = lease
-        await store.put(keys.controller, b"ctl", lease)  # as if won
-        won = await store.get(keys.controller)
-        assert won is not None
-        task = asyncio.create_task(ctl._lead(lease, won.create_revision))
-        try:
+        async with _leading(ctl, store, keys):
             # Until a round has planned after the one whose re-list was cut off, and the settle
             # time (0.25 s) of nodes gone from the view has passed.
             for _ in range(200):
@@ -379,10 +382,6 @@ def test_a_relist_cut_off_is_done_again_before_the_next_round_plans(etcd: Embedd
                 kv = await store.get(keys.registry_entry(n))
                 assert kv is not None and RegistryEntry.decode(kv.value).state == NodeState.ACTIVE
             assert sorted(ctl._live) == ["node-a", "node-b"]
-        finally:
-            ctl.stop.set()
-            await asyncio.wait_for(task, 10)
-            await store.close()
 
     asyncio.run(run())
 
