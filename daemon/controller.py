@@ -246,8 +246,9 @@ class Controller:
                     await self._apply(plan(view, now))
                     if self.wall() - last_list > self.relist_interval:
                         # The backstop, after the round: a round woken by a change (a node
-                        # record gone) does not wait for it (0.15 s at 4,096 nodes, which made
-                        # 3 in 20 failovers there 0.13-0.17 s slower).
+                        # record gone) does not wait for it (136-154 ms at 4,096 nodes; before,
+                        # 3 in 20 failovers there took 401-469 ms to be marked failed, the
+                        # others 264-311 ms: docs/benchmarks.md).
                         await self._relist()
                         last_list = self.wall()
                     if failed_rounds:

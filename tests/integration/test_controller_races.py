@@ -98,6 +98,22 @@ async def _register(store: EtcdStore, keys: Keys,
     return rec, entry, kv.mod_revision
 
 
+async def _running_job(store: EtcdStore, keys: Keys, ranks: tuple[str, ...],
+                       standbys: tuple[str, ...]) -> Assignment:
+    """Job "j" (DP only, one rank per node of ``ranks``) running there, as the controller
+    placed it; returns its assignment."""
+    now = time.time()
+    a = Assignment(job="j", epoch=1, ranks=ranks, standbys=standbys, reason="",
+                   updated_at=now)
+    await store.put(keys.job_spec("j"), JobSpec(name="j", argv=("t",), cwd="/", tp=1,
+                                                dp=len(ranks), standby=len(standbys),
+                                                created_at=now).encode())
+    await store.put(keys.job_assignment("j"), a.encode())
+    await store.put(keys.job_status("j"), JobStatus(job="j", state=JobState.RUNNING, reason="",
+                                                    updated_at=now).encode())
+    return a
+
+
 def test_a_joining_node_seen_by_its_registry_entry_first_is_not_failed(
         etcd: EmbeddedEtcd) -> None:
     """A node's record and registry entry are written in one transaction but reach the
@@ -226,13 +242,7 @@ def test_a_relist_decodes_only_the_records_that_changed_since_the_last(
             for n in ("node-a", "node-b", "node-c"):
                 await _register(store, keys, n)
             now = time.time()
-            a = Assignment(job="j", epoch=1, ranks=("node-a", "node-b"), standbys=("node-c",),
-                           reason="", updated_at=now)
-            await store.put(keys.job_spec("j"), JobSpec(
-                name="j", argv=("t",), cwd="/", tp=1, dp=2, standby=1, created_at=now).encode())
-            await store.put(keys.job_assignment("j"), a.encode())
-            await store.put(keys.job_status("j"), JobStatus(
-                job="j", state=JobState.RUNNING, reason="", updated_at=now).encode())
+            a = await _running_job(store, keys, ("node-a", "node-b"), ("node-c",))
             await store.put(keys.drain("node-b"), DrainRequest(
                 node="node-b", source="cli", reason="r", requested_at=now,
                 deadline=now + 60).encode())
@@ -355,16 +365,9 @@ def test_a_relist_cut_off_is_done_again_before_the_next_round_plans(etcd: Embedd
         store = _RegistryReadLost(ctl.agent.cfg.etcd)
         store.prefix = keys.registry
         ctl.store = ctl.agent.store = ctl.events.store = store
-        now = time.time()
         for n in ("node-a", "node-b"):
             await _register(store, keys, n)
-        a = Assignment(job="j", epoch=1, ranks=("node-a", "node-b"), standbys=(),
-                       reason="", updated_at=now)
-        await store.put(keys.job_spec("j"), JobSpec(
-            name="j", argv=("t",), cwd="/", tp=1, dp=2, standby=0, created_at=now).encode())
-        await store.put(keys.job_assignment("j"), a.encode())
-        await store.put(keys.job_status("j"), JobStatus(
-            job="j", state=JobState.RUNNING, reason="", updated_at=now).encode())
+        await _running_job(store, keys, ("node-a", "node-b"), ())
         ctl.relist_interval = 0.0  # the leader's re-list, a round, then the re-list that fails
         async with _leading(ctl, store, keys):
             # Until a round has planned after the one whose re-list was cut off, and the settle
