@@ -105,10 +105,12 @@ class Controller:
         #: changed since the last)
         self._decoded = DecodedRecords()
         self._jobs = _JobTables(self._decoded)
-        self._jobs.on_downtime = self._downtime
+        self._jobs.on_downtime = functools.partial(self._downtime, self._jobs)
         self._drain_deadlines: dict[str, float] = {}
         self._changed = asyncio.Event()
         self._need_relist = False
+        #: while a relist reads: the watches' events, to apply again to the tables it reads
+        self._relisting: list[tuple[str, WatchEvent]] | None = None
         self._bad_values = BadValues(metrics, self.log)
         #: when the current mass disruption was first seen, and until when node losses are held
         #: (see _view)
@@ -310,11 +312,11 @@ class Controller:
                 compare=[("create", self.keys.controller, self._leader_key_revision)],
                 success=[("delete", self.keys.controller)])
 
-    def _downtime(self, job: str, migration: str, seconds: float) -> None:
-        """A rank's downtime report: counted if it is of the job's migration now, or of one
-        that ended moments ago (a controller elected later reads every report still in etcd
-        and counts none of the old ones again)."""
-        current = self._jobs.migrations.get(job)
+    def _downtime(self, jobs: _JobTables, job: str, migration: str, seconds: float) -> None:
+        """A rank's downtime report, read into ``jobs``: counted if it is of the job's migration
+        now, or of one that ended moments ago (a controller elected later reads every report
+        still in etcd and counts none of the old ones again)."""
+        current = jobs.migrations.get(job)
         if current is None or current[0].id != migration:
             return
         m = current[0]
@@ -373,63 +375,82 @@ class Controller:
             raise
 
     async def _read_view(self) -> int:
-        self._registry.clear()
-        self._live.clear()
-        self._decoded.begin()
-        kvs, first_rev = await self.store.get_prefix(self.keys.registry)
-        for kv in kvs:
-            self._ingest(self.keys.registry, kv, deleted=False)
-        kvs, _ = await self.store.get_prefix(self.keys.nodes)
-        for kv in kvs:
-            self._ingest(self.keys.nodes, kv, deleted=False)
-        counted = self._jobs.downtimes_counted
-        self._jobs = _JobTables(self._decoded)
-        self._jobs.on_downtime = self._downtime
-        kvs, _ = await self.store.get_prefix(self.keys.jobs)
-        for kv in kvs:
-            self._ingest(self.keys.jobs, kv, deleted=False)
-        # The downtime reports still in etcd are read again below: those counted already stay
+        """Read the whole view into new tables and put them in place at once.
+
+        The old tables stay in use until then: the prober, a probe's revocation and the watches
+        read and feed them while the reads are awaited (tables cleared first showed the prober
+        no nodes, which lost their probe peers and started their silence over). The watches'
+        events meanwhile are kept, and those newer than the read of their prefix are applied to
+        the new tables as they go in: an event applied to the old tables only is not lost."""
+        fresh = _Tables(registry={}, live={}, jobs=_JobTables(self._decoded), drain_deadlines={})
+        fresh.jobs.on_downtime = functools.partial(self._downtime, fresh.jobs)
+        # Shared while both are fed, so that a report counted through the old tables during the
+        # reads is not counted again through the new ones.
+        fresh.jobs.downtimes_counted = self._jobs.downtimes_counted
+        self._relisting = []
+        try:
+            self._decoded.begin()
+            read_at: dict[str, int] = {}
+            for prefix in (self.keys.registry, self.keys.nodes, self.keys.jobs,
+                           self.keys.drains, self.keys.kv_root):
+                kvs, read_at[prefix] = await self.store.get_prefix(prefix)
+                for kv in kvs:
+                    self._ingest(prefix, kv, deleted=False, into=fresh)
+            events, _ = await self.store.get_prefix(self.keys.events)
+            self._decoded.end()
+            # From here on nothing is awaited: the new tables go in whole.
+            self._registry, self._live = fresh.registry, fresh.live
+            self._jobs, self._drain_deadlines = fresh.jobs, fresh.drain_deadlines
+            self._event_keys = [kv.key for kv in events]
+            kept, self._relisting = self._relisting, None
+            for prefix, ev in kept:
+                if ev.kv.mod_revision > read_at[prefix]:
+                    self._ingest(prefix, ev.kv, deleted=ev.kind == "delete")
+        finally:
+            self._relisting = None
+        # The downtime reports still in etcd were read again: those counted already stay
         # counted (each relist counted them again, up to six times in the minute a migration's
         # downtime is taken: tests/integration/test_controller_races.py). Only the jobs'
         # current migrations' are kept: an older one's report is never counted.
         self._jobs.downtimes_counted = {
-            (job, mid) for job, mid in counted
+            (job, mid) for job, mid in self._jobs.downtimes_counted
             if (m := self._jobs.migrations.get(job)) is not None and m[0].id == mid}
-        for prefix in (self.keys.drains, self.keys.kv_root):
-            for kv in (await self.store.get_prefix(prefix))[0]:
-                self._ingest(prefix, kv, deleted=False)
-        events, _ = await self.store.get_prefix(self.keys.events)
-        self._event_keys = [kv.key for kv in events]
-        self._decoded.end()
         # Watches replay from the first read on: replaying events the second read already saw
         # is harmless (they are applied in order and end at the same state), missing some is not.
-        return first_rev
+        return read_at[self.keys.registry]
 
-    def _ingest(self, prefix: str, kv: KV, deleted: bool) -> None:
+    def _ingest(self, prefix: str, kv: KV, deleted: bool, into: _Tables | None = None) -> None:
+        """Apply one record (or its deletion) to the tables in use, or to ``into``."""
+        if into is None and self._relisting is not None:
+            self._relisting.append((prefix, WatchEvent("delete" if deleted else "put", kv)))
+        registry = self._registry if into is None else into.registry
+        live = self._live if into is None else into.live
+        jobs = self._jobs if into is None else into.jobs
+        drain_deadlines = self._drain_deadlines if into is None else into.drain_deadlines
         if deleted:
             self._decoded.forget(kv.key)
         if prefix == self.keys.jobs:
             try:
-                self._jobs.ingest(Keys.name_of(kv.key, prefix), kv, deleted)
+                jobs.ingest(Keys.name_of(kv.key, prefix), kv, deleted)
             except RecordError as exc:
                 self._bad(kv, "jobs", exc)
             return
         if prefix == self.keys.kv_root:
-            self._jobs.ingest_progress(Keys.name_of(kv.key, prefix), kv.value, deleted)
+            jobs.ingest_progress(Keys.name_of(kv.key, prefix), kv.value, deleted)
             return
         if prefix == self.keys.drains:
             name = Keys.name_of(kv.key, prefix)
-            self._drain_deadlines.pop(name, None)
+            drain_deadlines.pop(name, None)
             if not deleted:
                 try:
-                    self._drain_deadlines[name] = self._decoded.decode(
+                    drain_deadlines[name] = self._decoded.decode(
                         kv, DrainRequest.decode).deadline
                 except RecordError as exc:
                     self._bad(kv, "drains", exc)
             return
         name = Keys.name_of(kv.key, prefix)
-        table: dict[str, object] = self._registry if prefix == self.keys.registry \
-            else self._live  # type: ignore[assignment]
+        table: dict[str, object] = registry if prefix == self.keys.registry \
+            else live  # type: ignore[assignment]
         if deleted:
             table.pop(name, None)
             return
@@ -438,12 +459,12 @@ class Controller:
                 entry = self._decoded.decode(kv, RegistryEntry.decode)
                 if entry.name != name:
                     raise RecordError(f"registry entry under {name!r} names {entry.name!r}")
-                self._registry[name] = (entry, kv.mod_revision)
+                registry[name] = (entry, kv.mod_revision)
             else:
                 rec = self._decoded.decode(kv, NodeRecord.decode)
                 if rec.name != name or rec.lease != kv.lease or kv.lease == 0:
                     raise RecordError(f"node record under {name!r} is not bound to its lease")
-                self._live[name] = rec
+                live[name] = rec
         except RecordError as exc:
             # Ignored, never acted on: a garbage value must not fail a node or crash us.
             table.pop(name, None)
@@ -676,6 +697,16 @@ def _seconds(value: bytes) -> float | None:
 
 def _epoch_rises(before: SnapshotReport, after: SnapshotReport) -> bool:
     return before.epoch is not None and after.epoch is not None and before.epoch < after.epoch
+
+
+@dataclasses.dataclass
+class _Tables:
+    """What a relist reads, before it replaces the controller's tables with it."""
+
+    registry: dict[str, tuple[RegistryEntry, int]]
+    live: dict[str, NodeRecord]
+    jobs: _JobTables
+    drain_deadlines: dict[str, float]
 
 
 class _JobTables:

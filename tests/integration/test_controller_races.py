@@ -389,6 +389,78 @@ def test_a_relist_cut_off_is_done_again_before_the_next_round_plans(etcd: Embedd
     asyncio.run(run())
 
 
+class _HeldRead(EtcdStore):
+    """A real store whose next read of a prefix, once :meth:`hold` names it, waits until the
+    test lets it go: a re-list caught between its reads."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.prefix: str | None = None
+        self.held, self.release = asyncio.Event(), asyncio.Event()
+
+    def hold(self, prefix: str) -> None:
+        self.prefix, self.held, self.release = prefix, asyncio.Event(), asyncio.Event()
+
+    async def get_prefix(self, prefix: str) -> tuple[list[Any], int]:
+        if prefix == self.prefix:
+            self.prefix = None
+            self.held.set()
+            await self.release.wait()
+        return await super().get_prefix(prefix)
+
+
+async def _until(what: str, ok: Any, timeout: float = 5.0) -> None:
+    for _ in range(int(timeout / 0.05)):
+        if ok():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"not within {timeout:g} s: {what}")
+
+
+def test_a_relist_shows_the_whole_view_until_its_reads_are_done_and_loses_no_event(
+        etcd: EmbeddedEtcd) -> None:
+    """A re-list reads its tables apart and puts them in place at once. Caught between its
+    reads, the controller's view is still whole: the prober reads it then, and a node missing
+    from it lost its probe peer and started its silence over (the re-list cleared the tables
+    first). The watches' events during the reads reach the new tables too: a node record
+    deleted and one written after the nodes were read are not undone by the swap."""
+
+    async def run() -> None:
+        ctl, plain, keys = _controller(etcd)
+        await plain.close()
+        store = _HeldRead(ctl.agent.cfg.etcd)
+        ctl.store = ctl.agent.store = ctl.events.store = store
+        for n in ("node-a", "node-b"):
+            await _register(store, keys, n)
+        ctl.relist_interval = 3600.0  # the test re-lists
+        async with _leading(ctl, store, keys):
+            await _until("the leader's own re-list", lambda: sorted(ctl._live) == [
+                "node-a", "node-b"])
+            # Held before the node records are read: the registry is read already.
+            store.hold(keys.nodes)
+            relist = asyncio.create_task(ctl._relist())
+            await asyncio.wait_for(store.held.wait(), 5)
+            assert sorted(ctl._live) == ["node-a", "node-b"]
+            assert sorted(ctl._registry) == ["node-a", "node-b"]
+            store.release.set()
+            await asyncio.wait_for(relist, 5)
+            assert sorted(ctl._live) == ["node-a", "node-b"]
+            # Held after the node records are read; meanwhile one goes and one comes.
+            store.hold(keys.jobs)
+            relist = asyncio.create_task(ctl._relist())
+            await asyncio.wait_for(store.held.wait(), 5)
+            await store.delete(keys.node("node-b"))
+            await _register(store, keys, "node-c")
+            await _until("the watches' events", lambda: sorted(ctl._live) == [
+                "node-a", "node-c"])
+            store.release.set()
+            await asyncio.wait_for(relist, 5)
+            assert sorted(ctl._live) == ["node-a", "node-c"]
+            assert sorted(ctl._registry) == ["node-a", "node-b", "node-c"]
+
+    asyncio.run(run())
+
+
 def test_a_registration_whose_answer_was_lost_goes_on_from_the_record_it_wrote(
         etcd: EmbeddedEtcd) -> None:
     """A daemon registers (grant, then one transaction for its record and registry entry);
