@@ -162,13 +162,14 @@ class Controller:
             await self.store.txn(compare=[("create", self.keys.controller, 0)],
                                  success=[("put", self.keys.controller, me.encode(), lease)])
             kv = await self.store.get(self.keys.controller)
-        elif kv.lease == 0:
-            # Not a claim: every controller writes the key under its lease, so it goes with
-            # the lease. A value put without one (a foreign or mistaken write) would never go,
-            # and no daemon would lead again. Counted as a bad value and taken over, compared
-            # on its revision (a daemon that takes it first wins).
-            self._bad_values.found("controller", kv.key, kv.mod_revision,
-                                   "the controller key has no lease: no controller holds it")
+        elif kv.lease != lease and (why := _not_a_claim(kv)):
+            # Every controller writes its record under its own lease, so the key goes with the
+            # lease. A value put without one, or one that is not a controller record (a foreign
+            # or mistaken write, under a lease its writer may keep alive for ever), is no
+            # claim: waited on, no daemon would lead again, and no job would be recovered.
+            # Counted as a bad value and taken over, compared on its revision (a daemon that
+            # takes it first wins).
+            self._bad_values.found("controller", kv.key, kv.mod_revision, why)
             await self.store.txn(compare=[("mod", self.keys.controller, kv.mod_revision)],
                                  success=[("put", self.keys.controller, me.encode(), lease)])
             kv = await self.store.get(self.keys.controller)
@@ -697,6 +698,17 @@ def _seconds(value: bytes) -> float | None:
 
 def _epoch_rises(before: SnapshotReport, after: SnapshotReport) -> bool:
     return before.epoch is not None and after.epoch is not None and before.epoch < after.epoch
+
+
+def _not_a_claim(kv: KV) -> str:
+    """Why the controller key's value claims nothing ("" if it is a controller's claim)."""
+    if kv.lease == 0:
+        return "the controller key has no lease: no controller holds it"
+    try:
+        ControllerRecord.decode(kv.value)
+    except RecordError as exc:
+        return f"the controller key holds no controller record: {exc}"
+    return ""
 
 
 @dataclasses.dataclass

@@ -17,6 +17,7 @@ from understudy.common.errors import StoreError
 from understudy.common.keys import Keys
 from understudy.common.records import (
     Assignment,
+    ControllerRecord,
     DrainRequest,
     JobSpec,
     JobState,
@@ -457,6 +458,49 @@ def test_a_relist_shows_the_whole_view_until_its_reads_are_done_and_loses_no_eve
             await asyncio.wait_for(relist, 5)
             assert sorted(ctl._live) == ["node-a", "node-c"]
             assert sorted(ctl._registry) == ["node-a", "node-b", "node-c"]
+
+    asyncio.run(run())
+
+
+def test_a_controller_key_that_holds_no_controller_record_is_taken_over_though_its_lease_lives(
+        etcd: EmbeddedEtcd) -> None:
+    """A foreign or mistaken write over the controller key, under a lease its writer keeps
+    alive, claims nothing: a campaigning daemon takes the key over at once and leads. Waited
+    on (as before), no daemon led again for as long as that lease lived, and no job was
+    recovered. A controller's own record, under its live lease, is a claim: left alone."""
+
+    async def run() -> None:
+        ctl, store, keys = _controller(etcd)
+        led: list[tuple[int, int]] = []
+
+        async def lead(lease: int, key_revision: int) -> None:
+            led.append((lease, key_revision))
+
+        ctl._lead = lead  # type: ignore[method-assign]
+        try:
+            ctl.agent.lease = await store.grant(30)
+            ctl.agent.registered.set()
+            foreign = await store.grant(60)
+            await store.put(keys.controller, b'{"schema": "someone/v1", "leader": "x"}', foreign)
+            await asyncio.wait_for(ctl._campaign_once(), 5)
+            kv = await store.get(keys.controller)
+            assert kv is not None and kv.lease == ctl.agent.lease
+            assert ControllerRecord.decode(kv.value).node == "ctl"
+            assert led == [(ctl.agent.lease, kv.create_revision)]
+            assert ctl.metrics.registry.get_sample_value(
+                "understudy_bad_values_total", {"collection": "controller"}) == 1.0
+
+            other = ControllerRecord(node="node-o", incarnation="i1", since=time.time())
+            await store.put(keys.controller, other.encode(), foreign)
+            campaign = asyncio.create_task(ctl._campaign_once())
+            await asyncio.sleep(0.5)
+            kv = await store.get(keys.controller)
+            assert kv is not None and kv.lease == foreign and kv.value == other.encode()
+            assert len(led) == 1 and not campaign.done()
+            ctl.stop.set()
+            await asyncio.wait_for(campaign, 5)
+        finally:
+            await store.close()
 
     asyncio.run(run())
 
