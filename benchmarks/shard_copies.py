@@ -46,11 +46,25 @@ def measure(cfg: dict[str, Any], base: Path) -> list[dict[str, Any]]:
     return harness.alternating(cfg["repeats"], base, VARIANTS, run, "copies", "no copies", says)
 
 
+def memory(repeats: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each rank's peak RSS (from the kernel at its reap) with and without copies: a rank with
+    copies holds its buddy's shard, the shard's parameters and a buffer for its reduced
+    gradient beside its own."""
+    rss = {v: harness.summarize([m for r in repeats for m in r[v]["peak_rss_mib"]])
+           for v in VARIANTS}
+    return {"peak_rss_mib": rss,
+            "copy_rss_mib": rss["copies"]["median"] - rss["no copies"]["median"]}
+
+
 def print_summary(result: dict[str, Any]) -> None:
     harness.overhead_summary(result, (("step, no copies (plain ZeRO-1)", "no copies"),
                                       ("step, with copies", "copies")),
                              "overhead of the copies",
                              f"<= {100 * TARGET_OVERHEAD:.0f} % at 256 MiB per rank")
+    rss = result["summary"]["peak_rss_mib"]
+    print(f"  peak RSS per rank, median: {rss['no copies']['median']:.0f} MiB without copies, "
+          f"{rss['copies']['median']:.0f} MiB with: the copy holds "
+          f"{result['summary']['copy_rss_mib']:+.0f} MiB")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     return harness.overhead_run(parse_args(argv), "shard_copies", "shard copies",
                                 ("copies", "no copies"), measure,
                                 {"variants": VARIANTS, "target_overhead": TARGET_OVERHEAD},
-                                print_summary)
+                                print_summary, memory)
 
 
 if __name__ == "__main__":

@@ -206,6 +206,12 @@ def test_side_by_side_smoke(tmp_path: Path, script: str, measured: str, baseline
         slack = 0.5e-6 + 0.5e-6 * (1 + with_ / without) / without
         assert rep["overhead"] == pytest.approx(with_ / without - 1, abs=slack)
     assert data["summary"]["overhead"]["n"] == 1
+    if script == "shard_copies.py":  # what a rank holding its buddy's copy takes, in memory
+        rss = data["summary"]["peak_rss_mib"]
+        assert rss["copies"]["n"] == rss["no copies"]["n"] == cfg["dp"]
+        assert data["summary"]["copy_rss_mib"] == pytest.approx(
+            rss["copies"]["median"] - rss["no copies"]["median"], abs=1e-3)
+        assert "peak RSS per rank" in res.stdout
     if script == "huge_pages.py":  # and a killed one-rank run's kill -> reap, each variant
         assert all(rep[v]["gone_after_kill_s"] > 0 for rep in data["repeats"]
                    for v in (measured, baseline))
