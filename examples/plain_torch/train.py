@@ -814,14 +814,26 @@ class ShardedJob(PlainJob):
         if dp == 1:
             grad.copy_(flat)
             return
-        group = ctx.group("dp")
+        group, d, size = ctx.group("dp"), ctx.dp_index, self.shard_size
+        if dp == 2:
+            # At DP 2 the copy's rank needs exactly the other half of the reduction, so the
+            # reduce-scatter and the send of each half to its copy are one all-reduce; and
+            # gloo's all-reduce of the whole buffer is faster than its reduce-scatter alone
+            # (82 against 126 ms for 88 MB over two ranks here), so plain ZeRO-1 takes it too.
+            # Each sum is a + b either way: the same bits as before.
+            ctx.wait(group.allreduce([flat], allreduce_options(dist.ReduceOp.SUM)),
+                     "the DP gradient all-reduce")
+            torch.div(flat[d * size:(d + 1) * size], dp, out=grad)
+            if self.buddy is not None:
+                b = self.buddy_index * size
+                torch.div(flat[b:b + size], dp, out=self.buddy[0].grad)
+            return
         ctx.wait(group._reduce_scatter_base(grad, flat),
                  "the DP gradient reduce-scatter")
         grad /= dp
         if self.buddy is None:
             return
         assert self.buddy[0].grad is not None
-        d = ctx.dp_index
         # The shard's gradient to the rank that keeps its copy; the previous rank's in.
         works = [group.send([grad], (d + 1) % dp, _BUDDY_TAG),
                  group.recv([self.buddy[0].grad], (d - 1) % dp, _BUDDY_TAG)]
