@@ -48,8 +48,8 @@ def measure(cfg: dict[str, Any], base: Path) -> list[dict[str, Any]]:
 
 def memory(repeats: list[dict[str, Any]]) -> dict[str, Any]:
     """Each rank's peak RSS (from the kernel at its reap) with and without copies: a rank with
-    copies holds its buddy's shard, the shard's parameters and a buffer for its reduced
-    gradient beside its own."""
+    copies holds its buddy's shard beside its own (fp32 values, their gradient and both Adam
+    moments)."""
     rss = {v: harness.summarize([m for r in repeats for m in r[v]["peak_rss_mib"]])
            for v in VARIANTS}
     return {"peak_rss_mib": rss,
