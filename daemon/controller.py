@@ -397,12 +397,12 @@ class Controller:
                 kvs, read_at[prefix] = await self.store.get_prefix(prefix)
                 for kv in kvs:
                     self._ingest(prefix, kv, deleted=False, into=fresh)
-            events, _ = await self.store.get_prefix(self.keys.events)
+            event_keys = await self.store.keys(self.keys.events)  # their values: never read
             self._decoded.end()
             # From here on nothing is awaited: the new tables go in whole.
             self._registry, self._live = fresh.registry, fresh.live
             self._jobs, self._drain_deadlines = fresh.jobs, fresh.drain_deadlines
-            self._event_keys = [kv.key for kv in events]
+            self._event_keys = event_keys
             kept, self._relisting = self._relisting, None
             for prefix, ev in kept:
                 if ev.kv.mod_revision > read_at[prefix]:

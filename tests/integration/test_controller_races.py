@@ -505,6 +505,29 @@ def test_a_controller_key_that_holds_no_controller_record_is_taken_over_though_i
     asyncio.run(run())
 
 
+def test_the_controller_keeps_the_newest_thousand_events_from_the_keys_it_lists(
+        etcd: EmbeddedEtcd) -> None:
+    """A re-list lists the events' keys (their values are never read: an event may be large)
+    and the rounds delete the oldest past the newest 1,000."""
+
+    async def run() -> None:
+        ctl, store, keys = _controller(etcd)
+        names = [f"{i:06d}" for i in range(1003)]
+        for i in range(0, len(names), 100):
+            await store.txn(compare=[], success=[("put", keys.event(n), b"x" * 64, None)
+                                                 for n in names[i:i + 100]])
+        ctl.relist_interval = 3600.0
+        async with _leading(ctl, store, keys):
+            # The controller's own "controller-elected" is the newest: the oldest four go.
+            await _until("the oldest events deleted", lambda: len(ctl._event_keys) == 1000,
+                         timeout=10)
+            left = await store.keys(keys.events)
+            assert len(left) == 1000 and left == ctl._event_keys
+            assert left[:999] == [keys.event(n) for n in names[4:]]
+
+    asyncio.run(run())
+
+
 def test_a_registration_whose_answer_was_lost_goes_on_from_the_record_it_wrote(
         etcd: EmbeddedEtcd) -> None:
     """A daemon registers (grant, then one transaction for its record and registry entry);
