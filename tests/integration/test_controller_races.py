@@ -280,6 +280,15 @@ def test_a_relist_decodes_only_the_records_that_changed_since_the_last(
     asyncio.run(run())
 
 
+async def _until(what: str, ok: Any, timeout: float = 5.0) -> None:
+    """Until ``ok()``, polled every 50 ms; fails naming ``what`` after ``timeout`` seconds."""
+    for _ in range(int(timeout / 0.05)):
+        if ok():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"not within {timeout:g} s: {what}")
+
+
 @contextlib.asynccontextmanager
 async def _leading(ctl: Controller, store: EtcdStore, keys: Keys) -> AsyncIterator[None]:
     """``ctl``'s loop runs as the leader (its key put as if won) until the block ends, a round
@@ -320,20 +329,14 @@ def test_a_round_woken_by_a_change_plans_before_a_due_relist(etcd: EmbeddedEtcd)
         ctl._relist, ctl._apply = logged_relist, logged_apply  # type: ignore[method-assign]
         ctl.relist_interval = 0.0  # a re-list is due at every round
         async with _leading(ctl, store, keys):
-            for _ in range(100):
-                if calls.count("round") >= 2:
-                    break
-                await asyncio.sleep(0.05)
+            await _until("two rounds", lambda: calls.count("round") >= 2)
             # The first re-list is the leader's own, before any round; each round then plans
             # before the re-list that came due.
             assert calls[:4] == ["relist", "round", "relist", "round"], calls
             ctl._need_relist = True  # as after a compaction the watches could not resume from
             ctl._changed.set()
             seen = len(calls)
-            for _ in range(100):
-                if "round" in calls[seen:]:
-                    break
-                await asyncio.sleep(0.05)
+            await _until("a round after the re-list asked for", lambda: "round" in calls[seen:])
             assert calls[seen:seen + 2] == ["relist", "round"], calls[seen:]
 
     asyncio.run(run())
@@ -373,10 +376,7 @@ def test_a_relist_cut_off_is_done_again_before_the_next_round_plans(etcd: Embedd
         async with _leading(ctl, store, keys):
             # Until a round has planned after the one whose re-list was cut off, and the settle
             # time (0.25 s) of nodes gone from the view has passed.
-            for _ in range(200):
-                if store.lose <= -2:
-                    break
-                await asyncio.sleep(0.05)
+            await _until("the re-list cut off and done again", lambda: store.lose <= -2, 10)
             assert store.lose <= -2, "the re-list was not cut off, or not done again"
             await asyncio.sleep(0.5)
             kv = await store.get(keys.job_status("j"))
@@ -408,14 +408,6 @@ class _HeldRead(EtcdStore):
             self.held.set()
             await self.release.wait()
         return await super().get_prefix(prefix)
-
-
-async def _until(what: str, ok: Any, timeout: float = 5.0) -> None:
-    for _ in range(int(timeout / 0.05)):
-        if ok():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"not within {timeout:g} s: {what}")
 
 
 def test_a_relist_shows_the_whole_view_until_its_reads_are_done_and_loses_no_event(
