@@ -198,8 +198,7 @@ class UnderstudyTrace:
             if job is None or job.state != "running" or m is None or m.created_at < t_fire - 1:
                 return False
             seen["m"] = m
-            return str(m.phase) == "done" and not (job.status and
-                                                   job.status.reason.startswith("paused"))
+            return str(m.phase) == "done" and not (job.status and job.status.paused)
 
         wait(f"the job to migrate or recover after event {ev.index}", migrated, SERVE_TIMEOUT,
              interval=0.5)

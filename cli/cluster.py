@@ -89,6 +89,18 @@ class JobView:
         return str(self.status.state) if self.status else "pending"
 
     @property
+    def paused(self) -> bool:
+        """Running, but waiting for standbys to recover a lost rank."""
+        return self.status is not None and self.status.paused
+
+    @property
+    def shown_state(self) -> str:
+        """The state as a table shows it: ``running (paused)``, ``running (stopping)``."""
+        note = "paused" if self.paused else "stopping" if self.stop is not None and \
+            self.state in ("pending", "running") else ""
+        return f"{self.state} ({note})" if note else self.state
+
+    @property
     def dp_now(self) -> int:
         """The data-parallel size the job trains at: its assignment's (smaller than its
         ``--dp`` after a reshape shrank it)."""
@@ -98,7 +110,7 @@ class JobView:
     def as_json(self) -> dict[str, Any]:
         a = self.assignment
         return {
-            "name": self.spec.name, "state": self.state,
+            "name": self.spec.name, "state": self.state, "paused": self.paused,
             "reason": self.status.reason if self.status else "",
             "tp": self.spec.tp, "dp": self.spec.dp, "pp": self.spec.pp,
             "dp_now": self.dp_now, "reshape": self.spec.reshape,

@@ -60,7 +60,7 @@ async def _steps(store: EtcdStore, keys: Keys, job: str) -> tuple[int, float] | 
 def _row(job: JobView, steps: tuple[int, float] | None, now: float) -> dict[str, Any]:
     a, spec = job.assignment, job.spec
     return {
-        "name": spec.name, "state": job.state,
+        "name": spec.name, "state": job.state, "paused": job.paused,
         # how its ranks survive a failure: moved live (the worker API), the same with a
         # data-parallel size that may change (--reshape), or restarted (--restart-only)
         "mode": "restart-only" if spec.restart_only else "reshape" if spec.reshape else "live",
@@ -96,10 +96,8 @@ async def list_jobs(store: EtcdStore, keys: Keys, output: str) -> int:
         print("no jobs")
         return 0
     table = [("NAME", "STATE", "EPOCH", "LAYOUT", "NODES", "STANDBYS", "STEPS", "AGE", "MODE")]
-    for r in rows:
-        state = r["state"] + (" (stopping)" if r["stop"] and r["state"] in ("pending",
-                                                                           "running") else "")
-        table.append((r["name"], state, str(r["epoch"] or "-"), _layout(r),
+    for job, r in zip(status.jobs, rows, strict=True):
+        table.append((r["name"], job.shown_state, str(r["epoch"] or "-"), _layout(r),
                       ",".join(r["nodes"]) or "-", ",".join(r["standbys"]) or "-",
                       "-" if r["steps"] is None else str(r["steps"]), _age(r["age_s"]),
                       r["mode"]))

@@ -35,6 +35,7 @@ from understudy.common.records import (
     Event,
     JobSpec,
     JobState,
+    MigrationKind,
     RegistryEntry,
     ResizeRequest,
     warmth_line,
@@ -239,10 +240,8 @@ def _print_jobs(status: ClusterStatus) -> None:
         elif j.status is not None:
             placement = j.status.reason
         dp = f"{j.dp_now}/{j.spec.dp}" if j.dp_now != j.spec.dp else str(j.spec.dp)
-        state = j.state + (" (stopping)" if j.stop is not None and j.state not in ENDED
-                           else "")
         rows.append(tuple(_safe(c) for c in (
-            j.spec.name, state, str(a.epoch) if a else "-",
+            j.spec.name, j.shown_state, str(a.epoch) if a else "-",
             f"tp{j.spec.tp}xdp{dp}" + (f"xpp{j.spec.pp}" if j.spec.pp > 1 else ""),
             placement)))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
@@ -253,10 +252,10 @@ def _print_jobs(status: ClusterStatus) -> None:
         if m is not None and m.active:
             moves = ", ".join(f"rank {r} {ln or '(new)'} -> {jn}" for r, ln, jn in
                               zip(m.ranks, m.leavers, m.joiners, strict=True))
-            if m.kind == "reshape":
+            if m.kind == MigrationKind.RESHAPE:
                 moves = (f"DP {m.from_dp} -> {len(m.replicas)}" + (f"; {moves}" if moves
                                                                    else ""))
-            elif m.kind == "restart":
+            elif m.kind == MigrationKind.RESTART:
                 moved = [f"rank {r} {ln} -> {jn}" for r, ln, jn in
                          zip(m.ranks, m.leavers, m.joiners, strict=True) if ln != jn]
                 moves = "restart of every rank" + (f"; {', '.join(moved)}" if moved else "")

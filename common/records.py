@@ -233,13 +233,18 @@ class Event(Record):
 
 
 class JobState(enum.StrEnum):
-    """A job's lifecycle, changed only by the controller::
+    """A job's lifecycle, changed only by the controller, and only as :meth:`can_become`
+    allows::
 
         pending -> running -> done | failed | stopped
         pending -> failed      (cannot be placed)
         pending -> stopped     (``understudy stop`` before it was placed)
+        pending -> pending     (a new reason: why it cannot be placed yet)
+        running -> running     (a new reason: paused for want of a standby, resumed)
 
-    ``done``, ``failed`` and ``stopped`` are final (:attr:`ended`): the job holds no node.
+    ``done``, ``failed`` and ``stopped`` are final (:attr:`ended`): the job holds no node. A job
+    with no status yet is ``pending``. Paused is a condition of a running job, not a state of
+    its own (its ranks keep running and hold their state): :attr:`JobStatus.paused`.
     """
 
     PENDING = "pending"
@@ -251,6 +256,21 @@ class JobState(enum.StrEnum):
     @property
     def ended(self) -> bool:
         return self in (JobState.DONE, JobState.FAILED, JobState.STOPPED)
+
+    def can_become(self, new: JobState) -> bool:
+        """Whether a job in this state may be written as ``new``."""
+        return new in _JOB_TRANSITIONS[self]
+
+
+_JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    JobState.PENDING: frozenset({JobState.PENDING, JobState.RUNNING, JobState.FAILED,
+                                 JobState.STOPPED}),
+    JobState.RUNNING: frozenset({JobState.RUNNING, JobState.DONE, JobState.FAILED,
+                                 JobState.STOPPED}),
+    JobState.DONE: frozenset(),
+    JobState.FAILED: frozenset(),
+    JobState.STOPPED: frozenset(),
+}
 
 
 JOB_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$")
@@ -338,21 +358,23 @@ class Assignment(Record):
 
 @dataclass(frozen=True)
 class JobStatus(Record):
-    """The controller's word on a job. A running job that waits for standbys is paused: its
-    reason starts with :data:`PAUSED` (the planner writes it; workers and tools read it)."""
+    """The controller's word on a job. ``paused``: the job is running but waits for standbys
+    to recover a lost rank (its survivors keep their state in memory meanwhile; the planner
+    writes it, workers and tools read it); ``reason`` says why, for people."""
 
     KIND: ClassVar[str] = "job-status"
     job: str
     state: JobState
     reason: str
     updated_at: float
+    paused: bool = False
 
-    @property
-    def paused(self) -> bool:
-        return is_paused(self.reason)
+    def __post_init__(self) -> None:
+        if self.paused and self.state != JobState.RUNNING:
+            raise ValueError(f"only a running job can be paused, not a {self.state} one")
 
 
-#: how a paused job's status reason begins
+#: how a paused job's status reason begins (for people: :attr:`JobStatus.paused` says it)
 PAUSED = "paused: "
 
 
@@ -366,12 +388,6 @@ STOPPED_CLEANLY = ("every rank finished its last step", "before it was placed",
 def stopped_cleanly(status: JobStatus) -> bool:
     """Whether ``status`` says a job stopped with nothing cut short."""
     return status.state == JobState.STOPPED and status.reason.endswith(STOPPED_CLEANLY)
-
-
-def is_paused(reason: object) -> bool:
-    """Whether a status reason (a :class:`JobStatus`'s, or one read raw off the socket) says the
-    job is paused."""
-    return isinstance(reason, str) and reason.startswith(PAUSED)
 
 
 @dataclass(frozen=True)
@@ -401,14 +417,17 @@ class RankExit(Record):
 
 
 class MigrationPhase(enum.StrEnum):
-    """A migration's lifecycle, changed only by the controller::
+    """A migration's lifecycle, changed only by the controller, and only as
+    :meth:`Migration.can_become` allows (the table below and the kind's shortcuts)::
 
         planned -> preparing -> ready -> switching -> done
-        any of the first four -> aborted   (joiner died, deadline passed: the leaver stays)
+        ready -> done                      (the joiners took over before the switch was seen)
+        any but done -> aborted            (joiner died, deadline passed: the leaver stays)
 
-    A recovery (``kind="recovery"``: the rank's process or node is gone) skips ``switching``:
-    the job is stopped already, and the joiner takes the state from a data-parallel replica
-    (``donors``) instead of the leaver.
+    A recovery, rollback or reshape (:attr:`Migration.recovery`: the job is stopped
+    already) may go ``preparing -> done``: the joiners take the state from data-parallel
+    replicas (``donors``) or snapshots instead of the leaver, and there is no switch to agree
+    on. A reshape that adds no replica binds no joiner and may go ``planned -> done``.
 
     A restart (``kind="restart"``, a restart-only job's: ``docs/restart.md``) goes ``planned
     -> done``: planned, every daemon stops the job's ranks (SIGTERM, SIGKILL after the stop
@@ -429,7 +448,35 @@ class MigrationPhase(enum.StrEnum):
     ABORTED = "aborted"
 
 
-MIGRATION_KINDS = ("planned", "recovery", "rollback", "reshape", "restart")
+_PHASE_STEPS: dict[MigrationPhase, frozenset[MigrationPhase]] = {
+    MigrationPhase.PLANNED: frozenset({MigrationPhase.PREPARING, MigrationPhase.DONE,
+                                       MigrationPhase.ABORTED}),
+    MigrationPhase.PREPARING: frozenset({MigrationPhase.READY, MigrationPhase.DONE,
+                                         MigrationPhase.ABORTED}),
+    MigrationPhase.READY: frozenset({MigrationPhase.SWITCHING, MigrationPhase.DONE,
+                                     MigrationPhase.ABORTED}),
+    MigrationPhase.SWITCHING: frozenset({MigrationPhase.DONE, MigrationPhase.ABORTED}),
+    MigrationPhase.DONE: frozenset(),
+    MigrationPhase.ABORTED: frozenset(),
+}
+
+
+class MigrationKind(enum.StrEnum):
+    """What a migration does (:class:`Migration`)."""
+
+    #: a drain or a notice: the leaver is alive and hands its state off
+    PLANNED = "planned"
+    #: the leaver is gone; a data-parallel replica gives the joiner its state
+    RECOVERY = "recovery"
+    #: the leaver is gone and no replica holds its state: every rank loads a snapshot
+    ROLLBACK = "rollback"
+    #: the job's data-parallel size changes
+    RESHAPE = "reshape"
+    #: a restart-only job's ranks start afresh from the script's checkpoint
+    RESTART = "restart"
+
+
+MIGRATION_KINDS = tuple(MigrationKind)
 
 
 class Report(enum.StrEnum):
@@ -512,7 +559,7 @@ class Migration(Record):
     updated_at: float
     #: phase name -> wall time it was entered, and measured durations reported by workers
     timings: dict[str, Any] = field(default_factory=dict)
-    kind: str = "planned"
+    kind: MigrationKind = MigrationKind.PLANNED
     donors: tuple[int, ...] = ()
     #: rollback: the step of the snapshot every rank goes back to
     snapshot_step: int = -1
@@ -529,7 +576,10 @@ class Migration(Record):
     restarts: int = 0
 
     def __post_init__(self) -> None:
-        if self.kind == "reshape":
+        if self.kind not in MIGRATION_KINDS:
+            raise ValueError(f"kind {self.kind!r} is not one of {', '.join(MIGRATION_KINDS)}")
+        object.__setattr__(self, "kind", MigrationKind(self.kind))
+        if self.kind == MigrationKind.RESHAPE:
             kept = [d for d in self.replicas if d != NEW_REPLICA]
             if not kept or min(kept) < 0 or len(set(kept)) != len(kept) or \
                     max(kept) >= self.from_dp:
@@ -544,22 +594,20 @@ class Migration(Record):
         elif not len(self.ranks) == len(self.leavers) == len(self.joiners) > 0:
             raise ValueError("a migration moves at least one rank, with a leaver and a joiner "
                              "for each")
-        if self.kind == "restart" and (self.ranks != tuple(range(len(self.ranks)))
+        if self.kind == MigrationKind.RESTART and (self.ranks != tuple(range(len(self.ranks)))
                                        or self.donors):
             raise ValueError("a restart names every rank, in order, and no donors")
-        if self.restarts and self.kind != "restart":
+        if self.restarts and self.kind != MigrationKind.RESTART:
             raise ValueError("only a restart counts restarts")
         if self.to_epoch != self.from_epoch + 1:
             raise ValueError("a migration raises the epoch by exactly one")
-        if self.kind not in MIGRATION_KINDS:
-            raise ValueError(f"kind {self.kind!r} is not one of {', '.join(MIGRATION_KINDS)}")
-        if self.kind == "recovery" and len(self.donors) != len(self.ranks):
+        if self.kind == MigrationKind.RECOVERY and len(self.donors) != len(self.ranks):
             raise ValueError("a recovery names one donor rank for each rank it replaces")
-        if self.kind not in ("recovery", "reshape") and self.donors:
+        if self.kind not in (MigrationKind.RECOVERY, MigrationKind.RESHAPE) and self.donors:
             raise ValueError(f"a {self.kind} migration names no donors")
-        if (self.kind == "rollback") != (self.snapshot_step >= 0):
+        if (self.kind == MigrationKind.ROLLBACK) != (self.snapshot_step >= 0):
             raise ValueError("a rollback, and only a rollback, names the snapshot step")
-        if self.snapshot_from and self.kind != "rollback":
+        if self.snapshot_from and self.kind != MigrationKind.ROLLBACK:
             raise ValueError("only a rollback names where the snapshots come from")
         for source in self.snapshot_from:
             parse_source(source)
@@ -575,7 +623,7 @@ class Migration(Record):
     def recovery(self) -> bool:
         """The job stopped for it: a recovery from a replica, a rollback to a snapshot, or a
         reshape (every rank that stays settles on the last committed step first)."""
-        return self.kind in ("recovery", "rollback", "reshape")
+        return self.kind in (MigrationKind.RECOVERY, MigrationKind.ROLLBACK, MigrationKind.RESHAPE)
 
     def renumbering(self, tp: int, pp: int) -> dict[int, int]:
         """A reshape's ranks that stay, by their rank before it -> their rank after it."""
@@ -584,6 +632,17 @@ class Migration(Record):
     @property
     def active(self) -> bool:
         return self.phase not in (MigrationPhase.DONE, MigrationPhase.ABORTED)
+
+    def can_become(self, phase: MigrationPhase) -> bool:
+        """Whether this migration may move from its phase to ``phase`` (see
+        :class:`MigrationPhase`)."""
+        if phase not in _PHASE_STEPS[self.phase]:
+            return False
+        if phase == MigrationPhase.DONE and self.phase == MigrationPhase.PLANNED:
+            return self.kind in (MigrationKind.RESTART, MigrationKind.RESHAPE)
+        if phase == MigrationPhase.DONE and self.phase == MigrationPhase.PREPARING:
+            return self.recovery
+        return True
 
 
 #: a reshape's replica that is new (a grow): standbys make it up
@@ -867,7 +926,7 @@ def job_misfit(spec: JobSpec, assignment: Assignment | None,
             return (f"its assignment places {n} rank(s); the job has {spec.world_size}, in "
                     f"replicas of {group}")
     if migration is not None:
-        if migration.kind == "reshape":
+        if migration.kind == MigrationKind.RESHAPE:
             size = len(migration.replicas) * group
             if size > spec.world_size:
                 return (f"its reshape makes {len(migration.replicas)} replica(s) of {group}; "

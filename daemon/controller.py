@@ -596,6 +596,11 @@ class Controller:
         if current is None or current[0].id != action.id:
             return
         m, rev = current
+        if not m.can_become(action.phase):
+            self.log.error(f"Refused to move migration {m.id} of job {m.job} from {m.phase} to "
+                           f"{action.phase} ({action.reason}): a {m.kind} migration cannot. "
+                           "This is a bug in the planner.", job=m.job)
+            return
         timings = {**m.timings, str(action.phase): now}
         new = dataclasses.replace(
             m, phase=action.phase, updated_at=now, timings=timings,
@@ -665,8 +670,15 @@ class Controller:
                                        standbys=list(a.standbys), epoch=a.epoch)
             self._changed.set()
             return
+        current = self._jobs.statuses.get(action.job)
+        before = current[0].state if current is not None else JobState.PENDING
+        if not before.can_become(action.state):
+            self.log.error(f"Refused to write job {action.job} as {action.state} "
+                           f"({action.reason}): a {before} job cannot become {action.state}. "
+                           "This is a bug in the planner.", job=action.job)
+            return
         status = JobStatus(job=action.job, state=action.state, reason=action.reason,
-                           updated_at=now)
+                           updated_at=now, paused=action.paused)
         if await self._write(self.keys.job_status(action.job), status.encode(),
                              self._jobs.status_rev(action.job)):
             self.log.info(f"Job {action.job} is {action.state}: {action.reason}.",

@@ -33,6 +33,7 @@ from understudy.common.records import (
     JobState,
     JobStatus,
     Migration,
+    MigrationKind,
     MigrationPhase,
     RankExit,
     Record,
@@ -469,7 +470,7 @@ class JobRunner:
         stopped (they end cleanly: the job goes on without them). ``docs/reshape.md``."""
         for job in jobs.values():
             m, a, spec = job.migration, job.assignment, job.spec
-            if m is None or a is None or spec is None or m.kind != "reshape" or \
+            if m is None or a is None or spec is None or m.kind != MigrationKind.RESHAPE or \
                     m.phase != MigrationPhase.DONE or a.epoch != m.to_epoch:
                 continue
             stay = m.renumbering(spec.tp, spec.pp)
@@ -645,7 +646,7 @@ class JobRunner:
         for job in jobs.values():
             m = job.migration
             assert job.spec is not None
-            if m is not None and m.kind == "restart":
+            if m is not None and m.kind == MigrationKind.RESTART:
                 continue  # a restart starts its ranks afresh: nobody is promoted
             standby = children.get(standby_child(job.spec.name))
             if m is not None and m.phase != MigrationPhase.ABORTED and standby is not None \
@@ -739,7 +740,7 @@ class JobRunner:
                     j.status.state == JobState.RUNNING:
                 a, mig = j.assignment, j.migration
                 taking = mig is not None and mig.phase != MigrationPhase.ABORTED and \
-                    mig.from_epoch == a.epoch and mig.kind != "reshape"
+                    mig.from_epoch == a.epoch and mig.kind != MigrationKind.RESHAPE
                 if m["rank"] is not None:
                     rank = int(m["rank"])
                     ok = a.epoch == self._held_epoch.get(name) and rank < len(a.ranks) and \
@@ -1073,8 +1074,9 @@ class JobRunner:
 def _replacing(job: _Job, rank: int) -> bool:
     """Whether a migration from the job's current epoch is taking ``rank`` elsewhere."""
     m, a = job.migration, job.assignment
+    # (a reshape's ranks are numbered in the new shape)
     return m is not None and a is not None and m.active and m.from_epoch == a.epoch and \
-        m.kind != "reshape" and rank in m.ranks  # a reshape's ranks are of the new shape
+        m.kind != MigrationKind.RESHAPE and rank in m.ranks
 
 
 def _free_port(addr: str) -> int:

@@ -25,6 +25,7 @@ from understudy.common.records import (
     JobState,
     JobStatus,
     Migration,
+    MigrationKind,
     MigrationPhase,
     NodeRecord,
     RankExit,
@@ -76,6 +77,8 @@ class SetJobState:
     reason: str
     #: the event's name, when not ``job-<state>``
     event: str = ""
+    #: the job waits for standbys (:attr:`JobStatus.paused`)
+    paused: bool = False
 
 
 @dataclass(frozen=True)
@@ -513,7 +516,7 @@ def _plan_recovery(job: JobView, a: Assignment, gone: dict[int, str], view: Clus
     # (the job shards it over DP, and the copy was lost too): no replica will do for them.
     last = job.migration
     no_copy = (last.outcome.removeprefix(NO_REPLICA_COPY) if last is not None
-               and last.kind == "recovery" and last.phase == MigrationPhase.ABORTED
+               and last.kind == MigrationKind.RECOVERY and last.phase == MigrationPhase.ABORTED
                and last.outcome.startswith(NO_REPLICA_COPY) else "")
     uncopied = set(last.ranks) if no_copy and last is not None else set()
     for r in gone:
@@ -551,8 +554,9 @@ def _plan_recovery(job: JobView, a: Assignment, gone: dict[int, str], view: Clus
             return [shrink]
         reason = (f"{PAUSED}{what}; waiting for a standby to take over ({len(free)} free, "
                   f"{len(gone)} needed)")
-        if job.status is None or job.status.reason != reason:
-            return [SetJobState(name, JobState.RUNNING, reason, event="job-paused")]
+        if job.status is None or job.status.reason != reason or not job.status.paused:
+            return [SetJobState(name, JobState.RUNNING, reason, event="job-paused",
+                                paused=True)]
         return []
     ranks = tuple(gone)
     absent = tuple(sorted({a.ranks[r] for r in ranks if a.ranks[r] not in view.live}))
@@ -562,7 +566,8 @@ def _plan_recovery(job: JobView, a: Assignment, gone: dict[int, str], view: Clus
         joiners=_pick_joiners(name, list(ranks), free, view, layout), phase=MigrationPhase.PLANNED,
         reason=what,
         created_at=now, deadline=now + view.migration_timeout, updated_at=now,
-        timings={"planned": now}, kind="recovery" if snapshot_step < 0 else "rollback",
+        timings={"planned": now},
+        kind=MigrationKind.RECOVERY if snapshot_step < 0 else MigrationKind.ROLLBACK,
         donors=tuple(donors), snapshot_step=snapshot_step,
         snapshot_from=point.sources if point is not None else ())
     if point is not None:
@@ -584,7 +589,7 @@ def _plan_shrink(job: JobView, a: Assignment, gone: dict[int, str], view: Cluste
     not, no replica is left whole, or its ranks refused the last reshape (its job is not a
     slotted one); the job then pauses (a drain waits for its deadline)."""
     last = job.migration
-    if not job.spec.reshape or (last is not None and last.kind == "reshape"
+    if not job.spec.reshape or (last is not None and last.kind == MigrationKind.RESHAPE
                                 and last.phase == MigrationPhase.ABORTED
                                 and last.outcome.startswith(CANNOT_RESHAPE)):
         return None
@@ -600,7 +605,7 @@ def _plan_shrink(job: JobView, a: Assignment, gone: dict[int, str], view: Cluste
         job=a.job, id=f"e{a.epoch + 1}-{int(now * 1000)}", from_epoch=a.epoch,
         to_epoch=a.epoch + 1, ranks=(), leavers=(), joiners=(), phase=MigrationPhase.PLANNED,
         reason=what, created_at=now, deadline=now + view.migration_timeout, updated_at=now,
-        timings={"planned": now}, kind="reshape", replicas=keep, from_dp=layout.dp)
+        timings={"planned": now}, kind=MigrationKind.RESHAPE, replicas=keep, from_dp=layout.dp)
     moves = ", ".join(f"{old}->{new}" for old, new in
                       migration.renumbering(layout.tp, layout.pp).items())
     absent = tuple(sorted({a.ranks[r] for r in gone if a.ranks[r] not in view.live}))
@@ -708,7 +713,7 @@ def _plan_resize(job: JobView, a: Assignment, view: ClusterView,
         joiners=_pick_joiners(a.job, ranks, free, view, new), phase=MigrationPhase.PLANNED,
         reason=f"standbys free: DP {layout.dp} -> {new.dp} of {target}", created_at=now,
         deadline=now + view.migration_timeout, updated_at=now, timings={"planned": now},
-        kind="reshape", replicas=(*range(layout.dp), *[NEW_REPLICA] * grow),
+        kind=MigrationKind.RESHAPE, replicas=(*range(layout.dp), *[NEW_REPLICA] * grow),
         from_dp=layout.dp, donors=tuple(donors))
     moves = ", ".join(f"rank {r} -> {j} (state from rank {d})" for r, j, d in
                       zip(migration.ranks, migration.joiners, donors, strict=True))
@@ -772,9 +777,9 @@ def _plan_migration(job: JobView, a: Assignment, view: ClusterView,
 def _advance_migration(job: JobView, m: Migration, view: ClusterView,
                        now: float) -> list[Action]:
     assert job.assignment is not None
-    if m.kind == "reshape":
+    if m.kind == MigrationKind.RESHAPE:
         return _advance_reshape(job, m, view, now)
-    if m.kind == "restart":
+    if m.kind == MigrationKind.RESTART:
         return restarts().advance_restart(job, m, view, now)
 
     def reported(kind: Report, ranks: tuple[int, ...]) -> bool:

@@ -25,6 +25,7 @@ from understudy.common.records import (
     JobSpec,
     JobState,
     Migration,
+    MigrationKind,
     MigrationPhase,
     Rendezvous,
     StopRequest,
@@ -57,7 +58,7 @@ def plan_restart_only(job: JobView, a: Assignment, view: ClusterView,
     ended cleanly; else, as any job, resumed after a pause and its standby pool refilled."""
     name = a.job
     last = job.migration
-    again = last is not None and last.kind == "restart" and \
+    again = last is not None and last.kind == MigrationKind.RESTART and \
         last.phase == MigrationPhase.ABORTED and last.from_epoch == a.epoch
     gone = _gone_ranks(job, a, view, now)
     draining = {r: f"drain of {n}" for r, n in enumerate(a.ranks)
@@ -95,15 +96,16 @@ def plan_restart_only(job: JobView, a: Assignment, view: ClusterView,
             return []  # a drain waits for a standby, or its deadline stops the ranks
         reason = (f"{PAUSED}{what}; waiting for a standby to restart on "
                   f"({len(_free_standbys(job, a, view))} free)")
-        if job.status is None or job.status.reason != reason:
-            return [SetJobState(name, JobState.RUNNING, reason, event="job-paused")]
+        if job.status is None or job.status.reason != reason or not job.status.paused:
+            return [SetJobState(name, JobState.RUNNING, reason, event="job-paused",
+                                paused=True)]
         return []
     migration = Migration(
         job=name, id=f"e{a.epoch + 1}-{int(now * 1000)}", from_epoch=a.epoch,
         to_epoch=a.epoch + 1, ranks=tuple(range(len(a.ranks))), leavers=a.ranks,
         joiners=joiners, phase=MigrationPhase.PLANNED, reason=what, created_at=now,
         deadline=now + view.migration_timeout, updated_at=now, timings={"planned": now},
-        kind="restart", restarts=restarts)
+        kind=MigrationKind.RESTART, restarts=restarts)
     moved = ", ".join(f"rank {r} {n} -> {j}" for r, (n, j) in
                       enumerate(zip(a.ranks, joiners, strict=True)) if n != j)
     absent = tuple(sorted({n for n in a.ranks if n not in view.live}))

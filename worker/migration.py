@@ -40,8 +40,8 @@ from understudy.common.layout import Layout, pair_name
 from understudy.common.records import (
     TRANSFER_OK,
     Migration,
+    MigrationKind,
     Report,
-    is_paused,
     renumbering,
     reshaped_nodes,
 )
@@ -227,11 +227,11 @@ class Plan(Migration):
 
     @property
     def reshape(self) -> bool:
-        return self.kind == "reshape"
+        return self.kind == MigrationKind.RESHAPE
 
     @property
     def rollback(self) -> bool:
-        return self.kind == "rollback"
+        return self.kind == MigrationKind.ROLLBACK
 
     def stays(self, layout: Layout) -> dict[int, int]:
         """A reshape's ranks that stay, by their rank in ``layout`` (before it) -> their rank
@@ -262,7 +262,7 @@ class Plan(Migration):
     def source(self, rank: int, nodes: tuple[str, ...]) -> str:
         """The member that sends ``rank``'s state to its joiner: the leaver, or in a recovery
         the donor replica (``nodes``: each rank's node before the move)."""
-        if self.kind == "recovery":
+        if self.kind == MigrationKind.RECOVERY:
             donor = self.donor_of[rank]
             return member(donor, nodes[donor])
         return member(rank, self.moves[rank][0])
@@ -299,10 +299,8 @@ def _paused(info: dict[str, Any]) -> bool:
     status, assignment = info.get("status") or {}, info.get("assignment") or {}
     migration = info.get("migration") or {}
     planned = 0.0 if migration.get("phase") == "aborted" else float(migration.get("created_at", 0))
-    reason = status.get("reason")
     since = max(float(assignment.get("updated_at", 0)), planned)
-    return is_paused(reason) and \
-        float(status.get("updated_at", 0)) >= since
+    return status.get("paused") is True and float(status.get("updated_at", 0)) >= since
 
 
 class JobGroups:
@@ -816,7 +814,7 @@ class Joiner:
             self.groups.prepare(pair, self.plan.group_version,
                                 (source, member(self.rank, self.node)))
             waiting.append(pair)
-        self._early = self.plan.kind == "recovery"
+        self._early = self.plan.kind == MigrationKind.RECOVERY
         self._wait_ready([waiting[-1]] if self._early else waiting, deadline)
         failpoints.hit("joiner.prepared")  # phase 1 done here (a recovery's: its pair is up)
         if not self._early:

@@ -12,6 +12,31 @@ from tests.once import build_once
 from understudy.testing.embedded_etcd import EmbeddedEtcd
 from understudy.testing.localcluster import LocalCluster
 
+#: what a controller logs when it refuses a planner action outside a lifecycle
+#: (``daemon/controller.py``): a bug in the planner wherever it shows
+REFUSED = "This is a bug in the planner"
+
+
+@pytest.fixture(autouse=True)
+def _no_action_refused(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every test's clusters: no controller among their daemons refused a planner action (a
+    job state or migration phase its lifecycle does not allow) while the test ran."""
+    clusters: list[LocalCluster] = []
+    init = LocalCluster.__init__
+
+    def tracked(self: LocalCluster, *args: object, **kwargs: object) -> None:
+        init(self, *args, **kwargs)  # type: ignore[arg-type]
+        clusters.append(self)
+
+    monkeypatch.setattr(LocalCluster, "__init__", tracked)
+    yield
+    for c in clusters:
+        for name, d in c.daemons.items():
+            refused = [line for line in d.log_text().splitlines() if REFUSED in line]
+            if refused:
+                pytest.fail(f"the controller on {name} refused {len(refused)} planner "
+                            f"action(s); the first: {refused[0][-1500:]}")
+
 
 @pytest.fixture
 def cluster(etcd: EmbeddedEtcd, tmp_path: Path) -> Iterator[LocalCluster]:

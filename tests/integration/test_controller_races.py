@@ -33,7 +33,7 @@ from understudy.daemon.controller import Controller
 from understudy.daemon.events import EventLog
 from understudy.daemon.metrics import Metrics
 from understudy.daemon.node import NodeAgent
-from understudy.daemon.planner import MarkFailed, plan
+from understudy.daemon.planner import AdvanceMigration, MarkFailed, SetJobState, plan
 from understudy.testing.embedded_etcd import EmbeddedEtcd
 
 
@@ -216,6 +216,56 @@ def test_a_downtime_report_is_counted_once_through_every_relist(etcd: EmbeddedEt
             for _ in range(2):
                 await ctl._relist()
             assert (sum(drains.counts), drains.total) == (2, 0.375)
+        finally:
+            await store.close()
+
+    asyncio.run(run())
+
+
+def test_a_state_or_phase_its_lifecycle_forbids_is_refused_and_nothing_is_written(
+        etcd: EmbeddedEtcd) -> None:
+    """The controller writes a job state or a migration phase only where the record's lifecycle
+    allows it (``JobState.can_become``, ``Migration.can_become``): an action that would revive
+    an ended job or move a migration past its kind's path is a planner bug, and is logged and
+    dropped, never written, while the allowed ones are."""
+
+    async def run() -> None:
+        ctl, store, keys = _controller(etcd)
+        try:
+            await store.put(keys.controller, b"ctl")
+            won = await store.get(keys.controller)
+            assert won is not None
+            ctl._leader_key_revision = won.create_revision
+            now = time.time()
+            await store.put(keys.job_status("j"), JobStatus(
+                job="j", state=JobState.DONE, reason="every rank finished",
+                updated_at=now).encode())
+            drain = Migration(job="j", id="e2-1", from_epoch=1, to_epoch=2, ranks=(1,),
+                              leavers=("node-b",), joiners=("node-s",),
+                              phase=MigrationPhase.PREPARING, reason="drain of node-b",
+                              created_at=now, deadline=now + 60, updated_at=now)
+            await store.put(keys.job_migration("j"), drain.encode())
+            await ctl._relist()
+
+            async def values() -> tuple[JobStatus, Migration]:
+                status, mig = (await store.get(keys.job_status("j")),
+                               await store.get(keys.job_migration("j")))
+                assert status is not None and mig is not None
+                return JobStatus.decode(status.value), Migration.decode(mig.value)
+
+            # A done job written as running again; a drain committed from preparing (only
+            # a recovery skips the switch).
+            await ctl._apply([SetJobState("j", JobState.RUNNING, "resumed"),
+                              AdvanceMigration("j", "e2-1", MigrationPhase.DONE, "took over")])
+            status, mig = await values()
+            assert status.state == JobState.DONE and status.reason == "every rank finished"
+            assert mig.phase == MigrationPhase.PREPARING and "done" not in mig.timings
+            assert (await store.get_prefix(keys.events))[0] == []
+            # The path the lifecycle allows is written.
+            await ctl._apply([AdvanceMigration("j", "e2-1", MigrationPhase.READY, "prepared")])
+            await ctl._relist()
+            await ctl._apply([AdvanceMigration("j", "e2-1", MigrationPhase.DONE, "took over")])
+            assert (await values())[1].phase == MigrationPhase.DONE
         finally:
             await store.close()
 

@@ -230,8 +230,11 @@ def test_an_exhausted_pool_pauses_the_job_until_a_standby_joins(
         time.sleep(3)
         job = c.status().job("mig")
         assert job is not None and job.state == "running" and job.assignment.epoch == 2
+        assert job.paused and job.shown_state == "running (paused)"
         # Capacity returns: a new standby node joins the pool and takes rank 2.
         c.add("node-s3", "standby")
+        c.wait_for("the job to resume", lambda s: (j := s.job("mig")) is not None
+                   and j.status is not None and not j.paused, timeout=60)
         job = _finish(c)
         kinds = [e["kind"] for e in events(c)]
         assert "standbys-added" in kinds and "job-resumed" in kinds, kinds
@@ -255,7 +258,8 @@ def test_a_job_without_a_pool_pauses_on_two_losses_and_resumes_once_two_standbys
 
         def paused(s: ClusterStatus, needed: str) -> bool:
             job = s.job("mig")
-            return job is not None and job.status is not None and needed in job.status.reason
+            return job is not None and job.status is not None and job.paused and \
+                needed in job.status.reason
         c.wait_for("the job to pause for two standbys", lambda s: paused(s, "0 free, 2 needed"),
                    timeout=60)
         job = c.status().job("mig")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from collections.abc import Callable
 
@@ -20,6 +21,7 @@ from understudy.common.records import (
     JobState,
     JobStatus,
     Migration,
+    MigrationKind,
     MigrationPhase,
     NodeRecord,
     RankExit,
@@ -33,8 +35,10 @@ from understudy.common.records import (
     stopped_cleanly,
 )
 from understudy.common.states import IllegalTransition, NodeLifecycle, NodeState
+from understudy.daemon import planner
 from understudy.daemon.fencing import FenceTimer
 from understudy.daemon.planner import (
+    Action,
     AddStandbys,
     AdvanceMigration,
     AssignJob,
@@ -45,10 +49,27 @@ from understudy.daemon.planner import (
     SetJobState,
     StartMigration,
     hung_ranks,
-    plan,
 )
 from understudy.worker.migration import Plan, _paused, committed
 from understudy.worker.recovery import RETRY_S, wait_for_recovery
+
+
+def plan(view: ClusterView, now: float, max_events: int = 1000) -> list[Action]:
+    """The planner's actions, each checked against the lifecycles: every job state and
+    migration phase it writes is one the view's record may take (what the controller refuses
+    otherwise, as a bug). Every test here plans through it."""
+    actions = planner.plan(view, now, max_events=max_events)
+    for action in actions:
+        job = view.jobs.get(getattr(action, "job", ""))
+        if isinstance(action, SetJobState):
+            before = job.status.state if job is not None and job.status is not None \
+                else JobState.PENDING
+            assert before.can_become(action.state), (before, action)
+        elif isinstance(action, AdvanceMigration):
+            m = job.migration if job is not None else None
+            assert m is not None and m.id == action.id and m.can_become(action.phase), (
+                m and (m.kind, m.phase), action)
+    return actions
 
 
 def _entry(name: str, state: NodeState = NodeState.ACTIVE, offline: bool = False
@@ -107,6 +128,68 @@ def test_lifecycle_allows_only_documented_transitions() -> None:
         lc.transition(NodeState.ACTIVE, 6.0, "skip joining")
     lc.transition(NodeState.JOINING, 7.0, "rejoin")
     assert (lc.state, lc.since, lc.reason) == (NodeState.JOINING, 7.0, "rejoin")
+
+
+def test_job_states_and_migration_phases_move_only_as_their_lifecycles_say() -> None:
+    pending, running = JobState.PENDING, JobState.RUNNING
+    assert {s for s in JobState if pending.can_become(s)} == {pending, running, JobState.FAILED,
+                                                              JobState.STOPPED}
+    assert {s for s in JobState if running.can_become(s)} == {running, JobState.DONE,
+                                                              JobState.FAILED, JobState.STOPPED}
+    assert not any(end.can_become(s) for end in JobState if end.ended for s in JobState)
+
+    now = 1.0
+
+    def migration(kind: MigrationKind, phase: MigrationPhase) -> Migration:
+        return Migration(
+            job="j", id="e2-1", from_epoch=1, to_epoch=2, ranks=(0,), leavers=("a",),
+            joiners=("s",), phase=phase, reason="r", created_at=now, deadline=now + 60,
+            updated_at=now, kind=kind, donors=(1,) if kind == MigrationKind.RECOVERY else (),
+            snapshot_step=4 if kind == MigrationKind.ROLLBACK else -1)
+
+    def path(kind: MigrationKind, *phases: MigrationPhase) -> bool:
+        return all(migration(kind, a).can_become(b) for a, b in itertools.pairwise(phases))
+
+    p = MigrationPhase
+    drain, recovery = MigrationKind.PLANNED, MigrationKind.RECOVERY
+    assert path(drain, p.PLANNED, p.PREPARING, p.READY, p.SWITCHING, p.DONE)
+    assert path(drain, p.READY, p.DONE)  # the joiners took over before the switch was seen
+    assert not path(drain, p.PREPARING, p.DONE) and not path(drain, p.PLANNED, p.DONE)
+    assert path(recovery, p.PLANNED, p.PREPARING, p.DONE)
+    assert path(MigrationKind.ROLLBACK, p.PREPARING, p.DONE)
+    assert not path(recovery, p.PLANNED, p.DONE)
+    assert not path(drain, p.READY, p.PREPARING) and not path(drain, p.SWITCHING, p.READY)
+    for kind in (drain, recovery):
+        assert all(migration(kind, a).can_become(p.ABORTED) for a in p
+                   if a not in (p.DONE, p.ABORTED))
+        assert not any(migration(kind, end).can_become(b) for end in (p.DONE, p.ABORTED)
+                       for b in p)
+    restart = Migration(job="j", id="e2-1", from_epoch=1, to_epoch=2, ranks=(0, 1),
+                        leavers=("a", "b"), joiners=("a", "s"), phase=p.PLANNED, reason="r",
+                        created_at=now, deadline=now + 60, updated_at=now,
+                        kind=MigrationKind.RESTART)
+    assert restart.can_become(p.DONE)
+
+
+def test_a_migration_kind_and_a_pause_are_typed_on_the_wire() -> None:
+    m = Migration(job="j", id="e2-1", from_epoch=1, to_epoch=2, ranks=(0,), leavers=("a",),
+                  joiners=("s",), phase=MigrationPhase.PLANNED, reason="r", created_at=1.0,
+                  deadline=9.0, updated_at=1.0, kind="recovery", donors=(1,))  # type: ignore[arg-type]
+    assert m.kind is MigrationKind.RECOVERY and Migration.decode(m.encode()) == m
+    assert json.loads(m.encode())["kind"] == "recovery"
+    with pytest.raises(RecordError, match="wrong type"):
+        Migration.decode(m.encode().replace(b'"kind":"recovery"', b'"kind":"teleport"'))
+    with pytest.raises(ValueError, match="is not one of planned, recovery"):
+        dataclasses.replace(m, kind="teleport")
+    paused = JobStatus(job="j", state=JobState.RUNNING, reason=PAUSED + "rank 1 lost",
+                       updated_at=1.0, paused=True)
+    assert JobStatus.decode(paused.encode()) == paused
+    # A status written before the flag existed reads as not paused, whatever its words.
+    old = json.loads(paused.encode())
+    del old["paused"]
+    assert not JobStatus.decode(json.dumps(old).encode()).paused
+    with pytest.raises(RecordError, match="only a running job can be paused"):
+        JobStatus.decode(paused.encode().replace(b'"state":"running"', b'"state":"done"'))
 
 
 def test_records_round_trip() -> None:
@@ -346,7 +429,7 @@ def test_job_ends_done_or_pauses_without_a_standby_pool() -> None:
     bare = _cluster(j=JobView(spec, running, a, {1: exit_(1, 3)}))
     del bare.live["s"]  # type: ignore[attr-defined]
     (paused,) = [x for x in plan(bare, 1.0) if isinstance(x, SetJobState)]
-    assert paused.state == JobState.RUNNING and paused.event == "job-paused"
+    assert paused.state == JobState.RUNNING and paused.event == "job-paused" and paused.paused
     assert "rank 1 failed on a: code 3; waiting for a standby to take over (0 free, 1 needed)" \
         in paused.reason
     # The job's own code failed (an exception it raised, not a signal, a lost node or one of
@@ -434,10 +517,11 @@ def test_a_job_short_of_standbys_takes_more_than_its_standby_count() -> None:
 
 def _recovery_view(exits: dict[int, RankExit] | None = None, drop: tuple[str, ...] = (),
                    standbys: tuple[str, ...] = ("s1", "s2"), tp: int = 2,
-                   status_reason: str = "") -> ClusterView:
+                   status_reason: str = "", paused: bool = False) -> ClusterView:
     a = Assignment(job="j", epoch=3, ranks=("a", "a", "b", "b"), standbys=standbys,
                    reason="", updated_at=0)
-    running = JobStatus(job="j", state=JobState.RUNNING, reason=status_reason, updated_at=0)
+    running = JobStatus(job="j", state=JobState.RUNNING, reason=status_reason, updated_at=0,
+                        paused=paused)
     live = {"a": _live("a", NodeState.ACTIVE, 2), "b": _live("b", NodeState.ACTIVE, 2),
             "s1": _live("s1", NodeState.STANDBY, 1), "s2": _live("s2", NodeState.STANDBY, 1)}
     for n in drop:
@@ -596,24 +680,29 @@ def test_an_exhausted_pool_pauses_the_job_once_and_a_refill_resumes_it() -> None
     assert isinstance(paused, SetJobState) and paused.state == JobState.RUNNING
     assert paused.event == "job-paused" and "waiting for a standby" in paused.reason
     again = _recovery_view({1: _crash(1)}, standbys=("s1", "s2"), drop=("s1", "s2"),
-                           status_reason=paused.reason)
+                           status_reason=paused.reason, paused=True)
     assert [x for x in plan(again, 6.0) if not isinstance(x, MarkFailed)] == []  # said once
     # Capacity returns (a standby node comes online): it joins the pool, then the rank is
     # recovered onto it, then the job says it resumed.
-    returned = _recovery_view({1: _crash(1)}, standbys=(), status_reason=paused.reason)
+    returned = _recovery_view({1: _crash(1)}, standbys=(), status_reason=paused.reason,
+                              paused=True)
     (refill,) = plan(returned, 7.0)
     assert isinstance(refill, AddStandbys)
     assert refill.assignment.standbys == ("s1",) and refill.assignment.epoch == 3
-    refilled = _recovery_view({1: _crash(1)}, standbys=("s1",), status_reason=paused.reason)
+    refilled = _recovery_view({1: _crash(1)}, standbys=("s1",), status_reason=paused.reason,
+                              paused=True)
     (start,) = plan(refilled, 8.0)
     assert isinstance(start, StartMigration) and start.migration.joiners == ("s1",)
     # A failure of the job's own code is retried on a free standby of its pool, like a crash.
     raised = dataclasses.replace(_crash(1), returncode=1, error_type="ValueError")
     (retry,) = plan(_recovery_view({1: raised}, standbys=("s1",)), 8.0)
     assert isinstance(retry, StartMigration) and retry.migration.joiners == ("s1",)
-    healed = _recovery_view(standbys=(), status_reason=paused.reason)
+    healed = _recovery_view(standbys=(), status_reason=paused.reason, paused=True)
     resumed = [x for x in plan(healed, 9.0) if isinstance(x, SetJobState)]
-    assert resumed and resumed[0].event == "job-resumed"
+    assert resumed and resumed[0].event == "job-resumed" and not resumed[0].paused
+    # Only the flag says the job is paused: the same words without it are no pause to end.
+    worded = _recovery_view(standbys=(), status_reason=paused.reason)
+    assert [x for x in plan(worded, 9.0) if isinstance(x, SetJobState)] == []
 
 
 def _reshape_view(exits: dict[int, RankExit] | None = None, drop: tuple[str, ...] = (),
@@ -1124,10 +1213,16 @@ def test_a_rank_gone_after_another_finished_ends_the_job_and_is_never_recovered(
 def test_a_pause_ends_when_a_recovery_is_planned_after_it() -> None:
     """The worker's reading of "paused" (worker.migration._paused): the status says so after
     the assignment and after the job's migration was planned, unless that one aborted."""
-    paused = {"reason": PAUSED + "rank 3 failed; waiting for a standby", "updated_at": 10.0}
+    paused = {"reason": PAUSED + "rank 3 failed; waiting for a standby", "updated_at": 10.0,
+              "paused": True}
     assignment = {"updated_at": 5.0}
     assert _paused({"status": paused, "assignment": assignment})
-    assert not _paused({"status": {**paused, "reason": "running"}, "assignment": assignment})
+    # The typed flag says it, not the reason's words.
+    assert not _paused({"status": {**paused, "paused": False}, "assignment": assignment})
+    assert not _paused({"status": {k: v for k, v in paused.items() if k != "paused"},
+                        "assignment": assignment})
+    assert not _paused({"status": {**paused, "paused": "yes"}, "assignment": assignment})
+    assert _paused({"status": {**paused, "reason": "running"}, "assignment": assignment})
     # A newer assignment (the recovery committed) or a recovery planned after the pause ends it.
     assert not _paused({"status": paused, "assignment": {"updated_at": 12.0}})
     recovery = {"phase": "ready", "created_at": 11.0}
@@ -1357,7 +1452,7 @@ def test_a_restart_only_job_with_no_standby_free_takes_one_or_pauses() -> None:
     assert isinstance(refill, AddStandbys) and refill.assignment.standbys == ("s1", "s2")
     view = dataclasses.replace(view, live={n: r for n, r in view.live.items() if n != "s2"})
     (paused,) = _job_plan(view, 5.0)
-    assert isinstance(paused, SetJobState) and paused.reason.startswith(PAUSED)
+    assert isinstance(paused, SetJobState) and paused.paused and paused.reason.startswith(PAUSED)
     # A drain with no standby free waits (its deadline stops the ranks).
     assert _job_plan(_restart_view(draining=("b",), drop=("s1", "s2")), 5.0) == []
 
