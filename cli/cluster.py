@@ -15,6 +15,7 @@ from understudy.common.records import (
     DrainRequest,
     Event,
     JobSpec,
+    JobState,
     JobStatus,
     Migration,
     NodeRecord,
@@ -23,6 +24,7 @@ from understudy.common.records import (
     StopRequest,
     decode_job_record,
 )
+from understudy.common.states import NodeState
 from understudy.common.store import EtcdStore
 
 
@@ -33,7 +35,7 @@ class UnknownJob(UnderstudyError):
 @dataclass
 class NodeView:
     name: str
-    state: str
+    state: NodeState
     online: bool
     cordoned: bool = False
     role: str = ""
@@ -85,8 +87,8 @@ class JobView:
         return {n: (d, sorted(r)) for n, (d, r) in sorted(out.items())}
 
     @property
-    def state(self) -> str:
-        return str(self.status.state) if self.status else "pending"
+    def state(self) -> JobState:
+        return self.status.state if self.status else JobState.PENDING
 
     @property
     def paused(self) -> bool:
@@ -97,7 +99,7 @@ class JobView:
     def shown_state(self) -> str:
         """The state as a table shows it: ``running (paused)``, ``running (stopping)``."""
         note = "paused" if self.paused else "stopping" if self.stop is not None and \
-            self.state in ("pending", "running") else ""
+            not self.state.ended else ""
         return f"{self.state} ({note})" if note else self.state
 
     @property
@@ -196,7 +198,7 @@ async def read_cluster(store: EtcdStore, keys: Keys) -> ClusterStatus:
     for name in sorted(set(registry) | set(live)):
         entry, rec = registry.get(name), live.get(name)
         if rec is not None:
-            view = NodeView(name=name, state=str(rec.state), online=True, role=rec.role,
+            view = NodeView(name=name, state=rec.state, online=True, role=rec.role,
                             slots=rec.slots, workers=rec.workers,
                             failure_domain=rec.failure_domain, addresses=rec.addresses,
                             reason=rec.reason, since=rec.state_since,
@@ -204,7 +206,7 @@ async def read_cluster(store: EtcdStore, keys: Keys) -> ClusterStatus:
                             warmth=rec.warmth)
         else:
             assert entry is not None
-            view = NodeView(name=name, state=str(entry.state), online=False,
+            view = NodeView(name=name, state=entry.state, online=False,
                             reason=entry.reason, since=entry.updated_at)
         view.cordoned = bool(entry and entry.cordoned)
         view.drain = drains.get(name)

@@ -157,15 +157,14 @@ class _Session:
     async def job_over(self) -> bool:
         """The job has ended (or is gone): no process will take a rank any more."""
         kvs, _ = await self.store.get_prefix(self.keys.jobs + self.job + "/")
-        exists, state = False, ""
+        exists, ended = False, False
         for kv in kvs:
             with contextlib.suppress(RecordError):
                 decoded = decode_job_record(Keys.name_of(kv.key, self.keys.jobs), kv.value)
                 if decoded is not None and isinstance(decoded[2], JobStatus):
-                    state = str(decoded[2].state)
+                    ended = decoded[2].state.ended
                 exists = exists or (decoded is not None and isinstance(decoded[2], JobSpec))
-        # Any state past running is final (done, failed, and any added later: a stopped job).
-        return not exists or state not in ("", "pending", "running")
+        return not exists or ended
 
     async def rank(self, rank: int, printer: _Printer) -> int:
         """Show ``rank``'s files in order; returns how many were shown. Where the rank had more

@@ -40,12 +40,12 @@ from understudy.common.records import (
     ResizeRequest,
     warmth_line,
 )
+from understudy.common.states import NodeState
 from understudy.common.store import EtcdStore, WatchEvent
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 #: the states of a job that has ended (it holds no node)
-ENDED = tuple(str(s) for s in JobState if s.ended)
 
 
 class CliError(UnderstudyError):
@@ -338,8 +338,9 @@ async def _drain(store: EtcdStore, keys: Keys, args: argparse.Namespace) -> int:
         if line != last:
             print(line, flush=True)
             last = line
-        if node is None or node.state in ("drained", "failed") or (not node.online):
-            return 0 if node is not None and node.state == "drained" else EXIT_FAILED
+        if node is None or node.state in (NodeState.DRAINED, NodeState.FAILED) or \
+                not node.online:
+            return 0 if node is not None and node.state == NodeState.DRAINED else EXIT_FAILED
         await asyncio.sleep(0.2)
     raise CliError(f"node {args.node!r} did not finish draining in time")
 
@@ -352,7 +353,7 @@ async def _resize(store: EtcdStore, keys: Keys, name: str, dp: int) -> str:
     if not job.spec.reshape:
         raise CliError(f"job {name!r} was not run with --reshape: its data-parallel size is "
                        f"fixed at {job.spec.dp}")
-    if job.state != "running":
+    if job.state != JobState.RUNNING:
         raise CliError(f"job {name!r} is {job.state}: only a running job can be resized")
     if not 1 <= dp <= job.spec.dp:
         raise CliError(f"job {name!r} can train on 1 to {job.spec.dp} data-parallel replicas "
@@ -404,16 +405,17 @@ async def _run_job(store: EtcdStore, keys: Keys, args: argparse.Namespace) -> in
         raise CliError(str(exc)) from None
     status = await read_cluster(store, keys)
     free = sum(max(n.slots - _ranks_on(status, n.name), 0) for n in status.nodes
-               if n.online and n.state == "active" and not n.cordoned)
+               if n.online and n.state == NodeState.ACTIVE and not n.cordoned)
     if free < spec.world_size:
         raise CliError(f"cannot place job {spec.name!r}: it needs {spec.world_size} slots on "
                        f"active nodes and {free} are free")
     # A standby node another running job holds in reserve is not free (the planner's rule,
     # daemon/planner.py ClusterView.reserved_standbys: a job the CLI let through would wait
     # unplaced).
-    reserved = {n for j in status.jobs if j.assignment is not None and j.state not in ENDED
+    reserved = {n for j in status.jobs if j.assignment is not None and not j.state.ended
                 for n in j.assignment.standbys}
-    online = [n for n in status.nodes if n.online and n.state == "standby" and not n.cordoned]
+    online = [n for n in status.nodes
+              if n.online and n.state == NodeState.STANDBY and not n.cordoned]
     standbys = [n for n in online if n.name not in reserved]
     if len(standbys) < spec.standby:
         held = len(online) - len(standbys)
@@ -446,7 +448,7 @@ async def _run_job(store: EtcdStore, keys: Keys, args: argparse.Namespace) -> in
 
 def _ranks_on(status: ClusterStatus, node: str) -> int:
     return sum(1 for j in status.jobs if j.assignment is not None
-               and j.state not in ENDED for n in j.assignment.ranks if n == node)
+               and not j.state.ended for n in j.assignment.ranks if n == node)
 
 
 async def _events(store: EtcdStore, keys: Keys, args: argparse.Namespace) -> int:

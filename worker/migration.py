@@ -41,6 +41,7 @@ from understudy.common.records import (
     TRANSFER_OK,
     Migration,
     MigrationKind,
+    MigrationPhase,
     Report,
     renumbering,
     reshaped_nodes,
@@ -63,7 +64,7 @@ from understudy.worker.transfer import (
     send_state,
 )
 
-READY_PHASES = ("ready", "switching")
+READY_PHASES = (MigrationPhase.READY, MigrationPhase.SWITCHING)
 #: A rank's step-vote flag while its job is being stopped (``understudy stop``): once every
 #: rank gives it for the same step, each ends at the next boundary, ``on_finish`` run. It wins
 #: over a migration's flag, so the ranks agree as soon as each has seen the stop.
@@ -528,7 +529,7 @@ class MigrationHook:
                                  waited=0.0)
         if plan is None:
             return Action.CONTINUE
-        if plan.phase in ("preparing", *READY_PHASES) and not self._prepared:
+        if plan.phase in (MigrationPhase.PREPARING, *READY_PHASES) and not self._prepared:
             try:
                 self._start_phase1(plan)
             except (ValueError, GroupError) as exc:
@@ -671,7 +672,7 @@ class MigrationHook:
             with contextlib.suppress(DaemonError):
                 info = self.control.job()
                 plan = Plan.from_info(info)
-                if plan is None or plan.id != self._plan.id or plan.phase == "aborted":
+                if plan is None or plan.id != self._plan.id or plan.phase == MigrationPhase.ABORTED:
                     # committed: the joiners took over, so they hold the state
                     return TRANSFER_OK.decode() if committed(info, self._plan) else \
                         "the migration was called off"
@@ -753,7 +754,7 @@ def wait_for_plan(control: DaemonClient, node: str, stop: threading.Event,
 
 def chosen_rank(plan: Plan | None, node: str) -> int | None:
     """The rank ``plan`` gives the standby on ``node``, while the plan can still take it."""
-    if plan is not None and plan.phase in ("planned", "preparing"):
+    if plan is not None and plan.phase in (MigrationPhase.PLANNED, MigrationPhase.PREPARING):
         for rank, (_, joiner) in plan.moves.items():
             if joiner == node:
                 return rank
@@ -797,7 +798,7 @@ class Joiner:
             # A long poll: phase 1 is heard the moment the daemon has it, not at a poll's tick.
             info, token = self.control.job_changed(token, PHASE_WAIT_S)
             plan = self._still_on(Plan.from_info(info))
-            if plan.phase != "planned":
+            if plan.phase != MigrationPhase.PLANNED:
                 break
             if time.monotonic() > deadline:
                 raise TransferError(f"migration {self.plan.id} never reached phase 1")
@@ -870,7 +871,7 @@ class Joiner:
                     plan = Plan.from_info(self.control.job())
                 except DaemonError:
                     continue
-                if plan is None or plan.id != self.plan.id or plan.phase == "aborted":
+                if plan is None or plan.id != self.plan.id or plan.phase == MigrationPhase.ABORTED:
                     transport.abort(f"migration {self.plan.id} was aborted")
                     return
 
@@ -971,9 +972,9 @@ class Joiner:
             with contextlib.suppress(DaemonError):
                 info = self.control.job() or {}
                 plan = Plan.from_info(info)
-                if plan is None or plan.id != self.plan.id or plan.phase == "aborted":
+                if plan is None or plan.id != self.plan.id or plan.phase == MigrationPhase.ABORTED:
                     return False
-                if plan.phase == "done":
+                if plan.phase == MigrationPhase.DONE:
                     return True
             time.sleep(0.02)
         return False

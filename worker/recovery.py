@@ -52,7 +52,13 @@ from typing import Any
 from understudy.common import failpoints, logs
 from understudy.common.daemon_client import DaemonClient, DaemonError
 from understudy.common.layout import Layout
-from understudy.common.records import CANNOT_RESHAPE, NO_REPLICA_COPY, TRANSFER_OK, Report
+from understudy.common.records import (
+    CANNOT_RESHAPE,
+    NO_REPLICA_COPY,
+    TRANSFER_OK,
+    MigrationPhase,
+    Report,
+)
 from understudy.groups.errors import GroupError
 from understudy.groups.groupset import GroupSet
 from understudy.worker.holder_client import HolderDirectory
@@ -276,10 +282,10 @@ class _Survivor:
         plan = Plan.from_info(info)
         if committed(info, self.plan):
             return True
-        if plan is None or plan.id != self.plan.id or plan.phase == "aborted":
+        if plan is None or plan.id != self.plan.id or plan.phase == MigrationPhase.ABORTED:
             raise CalledOff("aborted" if plan is not None and plan.id == self.plan.id
                             else "replaced")
-        return plan.phase == "done"
+        return plan.phase == MigrationPhase.DONE
 
     # -- steps --------------------------------------------------------------------------------
 
@@ -410,7 +416,7 @@ class _Survivor:
         plan = Plan.from_info(info)
         if committed(info, self.plan):
             return True
-        if plan is None or plan.id != self.plan.id or plan.phase == "aborted":
+        if plan is None or plan.id != self.plan.id or plan.phase == MigrationPhase.ABORTED:
             raise CalledOff("aborted" if plan is not None and plan.id == self.plan.id
                             else "replaced")
         return False
