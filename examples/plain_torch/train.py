@@ -708,14 +708,19 @@ class ShardedJob(PlainJob):
     - ``apply``: Adam on the own shard, and on the *buddy* shard ``d - 1`` with the gradient
       just received: the buddy copy is exactly what rank ``d - 1`` holds, at every commit.
 
+    At DP 2 the reduce-scatter and the gradient's send are one all-reduce, and a rank whose
+    copy is current holds both shards: it takes its parameters from its shard and its copy
+    instead of the all-gather (:meth:`_gather`).
+
     So a lost rank's shard is rebuilt from its successor (:meth:`replica_state`), which the
     controller picks as the donor, with no step lost. The cost: one more Adam over ``1/dp`` of
     the parameters and one point-to-point send of ``1/dp`` of the gradients per step, and the
-    buddy's memory. The donor sends only what the lost rank needs to go on: its shard (half of
-    the state with ``dp = 2``), not its buddy copy. So a replacement has no copy of its own
-    predecessor's shard yet: every step begins with a ``dp``-element all-reduce of who misses
-    one, and the predecessor sends it whole while the step's forward and backward run (the
-    copy is needed only at apply), off the recovery's path. Until that step ends the
+    buddy's memory; at DP 2, less the all-gather. The donor sends only what the lost rank
+    needs to go on: its shard (half of the state with ``dp = 2``), not its buddy copy. So a
+    replacement has no copy of its own predecessor's shard yet: every step begins with a
+    ``dp``-element all-reduce of who misses one, and the predecessor sends it whole while the
+    step's forward and backward run (the copy is needed only at apply), off the recovery's
+    path. Until that step ends the
     predecessor's shard has one live copy; two adjacent DP ranks lost at once lose a shard for
     good: that needs snapshots.
 
@@ -761,6 +766,8 @@ class ShardedJob(PlainJob):
             owned(self.buddy_index) if dp > 1 and self.copy else None)
         self.buddy_missing = False
         self._incoming: list[torch.Tensor] = []  # the predecessor's shard, while it crosses
+        #: this step's buddy check found no rank missing its copy (see :meth:`_gather`)
+        self._copies_current = False
 
     def retarget(self, ctx: JobContext) -> str | None:
         # Another DP rank of the same stage and TP split (a standby warmed as DP rank 0 taking
@@ -791,9 +798,15 @@ class ShardedJob(PlainJob):
         return loss
 
     def _gather(self) -> None:
-        """The model's parameters from every rank's shard."""
-        ctx = self.ctx
-        if ctx.dp > 1:
+        """The model's parameters from every rank's shard. At DP 2 a rank whose copy of the
+        other shard is current (and whose peer's copy is: the step's buddy check says so to
+        both, so both skip it alike) holds both shards already, bit for bit, and takes them
+        without the all-gather; otherwise, and at DP 3 and more, they are all-gathered."""
+        ctx, size = self.ctx, self.shard_size
+        if ctx.dp == 2 and self.buddy is not None and self._copies_current:
+            for index, shard in ((ctx.dp_index, self.shard), (self.buddy_index, self.buddy[0])):
+                self.gathered[index * size:(index + 1) * size].copy_(shard.detach())
+        elif ctx.dp > 1:
             work = ctx.group("dp")._allgather_base(self.gathered,
                                                     self.shard.detach())
             ctx.wait(work, "the DP parameter all-gather")
@@ -847,10 +860,12 @@ class ShardedJob(PlainJob):
         while the step computes; :meth:`_finish_resync` waits for them before apply."""
         ctx, dp = self.ctx, self.ctx.dp
         self._incoming = []  # not an aborted attempt's
+        self._copies_current = False
         if dp < 2 or self.buddy is None:
             return []
         group, d = ctx.group("dp"), ctx.dp_index
         next_misses, own_missing = buddy_check(ctx, self.buddy_missing)
+        self._copies_current = not (next_misses or own_missing)
         works: list[tuple[Any, str]] = []
         if next_misses:
             # Read-only until this step's apply, which waits for these sends first.

@@ -617,8 +617,9 @@ def test_a_stayer_dying_at_the_switch_is_recovered_after_the_drain_commits(
 SHARDED = ("--shard-optimizer",)
 
 
+@pytest.mark.parametrize("dp", [3, 2])
 def test_a_sharded_optimizer_loses_no_step_to_a_crash_and_moves_whole_in_a_drain(
-        etcd: EmbeddedEtcd, tmp_path: Path) -> None:
+        etcd: EmbeddedEtcd, tmp_path: Path, dp: int) -> None:
     """TP 1 x DP 3, the Adam state sharded over DP (ZeRO-1, ``ShardedJob``): rank 1's shard
     exists on rank 1 and, as a copy kept current at every commit, on rank 2. Rank 1 is killed:
     the controller takes its state from rank 2 (not rank 0, whose own shard is another), the
@@ -628,31 +629,42 @@ def test_a_sharded_optimizer_loses_no_step_to_a_crash_and_moves_whole_in_a_drain
     warm in the sandbox: rank 0 records its first iterations (the shard's reduce-scatter, the
     buddy copy's send and receive, the all-gather), and each standby replays them as rank 0,
     the one role of a TP 1 x PP 1 job; the standby chosen for rank 1 is promoted with the job it
-    warmed, retargeted to rank 1."""
-    expected = standalone_run(tmp_path / "reference", world=3, tp=1, extra=SHARDED)
-    with training(etcd, tmp_path, {"node-a": 2, "node-b": 1}, STANDBYS, dp=3, tp=1,
+    warmed, retargeted to rank 1.
+
+    At DP 2 (one rank a node) the ranks build their parameters from their shard and their copy,
+    without the all-gather, at every step but the replacement's first (it has no copy yet, and
+    both ranks all-gather then); rank 1's state comes from rank 0, and rank 0's node is the one
+    drained."""
+    expected = standalone_run(tmp_path / "reference", world=dp, tp=1, extra=SHARDED)
+    donor, drained = (2, "node-b") if dp == 3 else (0, "node-a")
+    with training(etcd, tmp_path, {"node-a": 2, "node-b": 1} if dp == 3 else
+                  {"node-a": 1, "node-b": 1}, STANDBYS, dp=dp, tp=1,
                   extra=SHARDED,
                   env={"UNDERSTUDY_RECORDINGS": str(tmp_path / "recordings")}) as (c, out):
         for standby in STANDBYS:
             wait_log(c.daemons[standby], "Standby is warm (replay) as rank 0", timeout=120)
-        a = c.daemons["node-a"]
-        _wait_steps(a, 1, 50)
-        os.kill(worker_pid(a, "mig.r1"), signal.SIGKILL)
+        holder = c.daemons["node-a" if dp == 3 else "node-b"]
+        _wait_steps(holder, 1, 50)
+        os.kill(worker_pid(holder, "mig.r1"), signal.SIGKILL)
         _recovery_done(c)
         planned = next(e for e in events(c) if e["kind"] == "migration-planned")
-        assert re.search(r"recovery: rank 1 -> node-s\d \(state from rank 2\)",
+        assert re.search(rf"recovery: rank 1 -> node-s\d \(state from rank {donor}\)",
                          planned["message"]), planned["message"]
         # The job warmed as rank 0 serves as rank 1: its shard is another, loaded with the state.
         # Every shard is the same size: its buffers and shards are kept, not re-made.
         assert any(re.search(r"Promoting the standby warmed as rank 0 \(only stage\) to rank 1 "
                              r".*kept its model, buffers and shards \(DP rank 0 -> 1\)",
                              c.daemons[n].log_text()) for n in STANDBYS)
-        drain = c.cli("drain", "node-b", "--deadline", "120", "--wait", timeout=180)
+        drain = c.cli("drain", drained, "--deadline", "120", "--wait", timeout=180)
         assert drain.returncode == 0, drain.stdout + drain.stderr
         job = _finish(c)
-        assert job.assignment.ranks[0] == "node-a"
-        assert set(job.assignment.ranks[1:]) == set(STANDBYS)
-        assert "Sending the state of rank 2 ahead" in c.daemons["node-b"].log_text()
+        if dp == 3:
+            assert job.assignment.ranks[0] == "node-a"
+            assert set(job.assignment.ranks[1:]) == set(STANDBYS)
+        else:
+            assert set(job.assignment.ranks) == set(STANDBYS)
+        moved = 2 if dp == 3 else 0
+        assert f"Sending the state of rank {moved} ahead" in c.daemons[drained].log_text()
         summary = json.loads((out / "rank1.json").read_text())
         assert summary["step"] == STEPS
-        assert_bitwise_equal(expected, out, world=3)
+        assert_bitwise_equal(expected, out, world=dp)

@@ -116,6 +116,54 @@ def test_a_job_built_for_the_last_stage_takes_a_first_stage_rank_keeping_its_blo
     assert job.retarget(other) is None
 
 
+class _Waits:
+    """A job's context that notes what each of its waits was for."""
+
+    def __init__(self, ctx: JobContext) -> None:
+        self._ctx, self.what = ctx, []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ctx, name)
+
+    def wait(self, work: Any, what: str) -> Any:
+        self.what.append(what)
+        return self._ctx.wait(work, what)
+
+
+@pytest.mark.parametrize("dp", [2, 3])
+def test_a_sharded_job_trains_the_same_bits_with_and_without_copies(dp: int) -> None:
+    """The copies change nothing the job computes: plain ZeRO-1 (``copy=False``) all-gathers
+    its parameters at every step, while at DP 2 a rank with both shards current takes them from
+    its own shard and its copy instead. Every rank's shard, Adam state and parameters end
+    bit for bit the same either way (a copy one update off would feed the next forward wrong
+    parameters, and every shard would drift)."""
+    train = plain_example()
+
+    def trained(copy: bool) -> list[Any]:
+        def run(ctx: JobContext) -> Any:
+            job = train.ShardedJob(copy=copy, **SHARDED)
+            job.build(ctx)
+            for n in range(4):
+                job.reseed(n)
+                job.compute(n)
+                job.apply(n)
+            waited = job.ctx = _Waits(ctx)
+            job.reseed(4)
+            job.compute(4)  # its forward on the parameters of step 3's update
+            state = job.state()
+            return {"shard": state["shard"], "optimizer": state["optimizer"],
+                    "params": job.gathered.clone(),
+                    "gathers": waited.what.count("the DP parameter all-gather")}
+        return _ranks(dp, 1, run)
+
+    with_copies, without = trained(True), trained(False)
+    for rank in range(dp):
+        got, want = dict(with_copies[rank]), dict(without[rank])
+        assert want.pop("gathers") == 1
+        assert got.pop("gathers") == (0 if dp == 2 else 1)
+        assert_bitwise_equal(want, got, f"rank {rank}")
+
+
 @pytest.mark.parametrize("source", ["its own state (a drain)",
                                     "the copy on the next rank (a recovery)"])
 def test_a_sharded_job_warmed_as_one_dp_rank_takes_another_keeping_its_buffers(
