@@ -597,9 +597,9 @@ class Controller:
             return
         m, rev = current
         if not m.can_become(action.phase):
-            self.log.error(f"Refused to move migration {m.id} of job {m.job} from {m.phase} to "
-                           f"{action.phase} ({action.reason}): a {m.kind} migration cannot. "
-                           "This is a bug in the planner.", job=m.job)
+            self._refused(f"Refused to move migration {m.id} of job {m.job} from {m.phase} to "
+                          f"{action.phase} ({action.reason}): a {m.kind} migration cannot.",
+                          m.job)
             return
         timings = {**m.timings, str(action.phase): now}
         new = dataclasses.replace(
@@ -626,6 +626,12 @@ class Controller:
             if action.phase == MigrationPhase.DONE:
                 await self._collect_retired(m)
         self._changed.set()
+
+    def _refused(self, what: str, job: str) -> None:
+        """A planner action outside its record's lifecycle, dropped unwritten: logged, and
+        counted (``understudy_errors_total{kind="controller-refused"}``)."""
+        self.log.error(f"{what} This is a bug in the planner.", job=job)
+        self.metrics.errors.labels(kind="controller-refused").inc()
 
     async def _collect_retired(self, m: Migration) -> None:
         """Remove from etcd what migration ``m``, now committed, left behind for good: the
@@ -673,9 +679,9 @@ class Controller:
         current = self._jobs.statuses.get(action.job)
         before = current[0].state if current is not None else JobState.PENDING
         if not before.can_become(action.state):
-            self.log.error(f"Refused to write job {action.job} as {action.state} "
-                           f"({action.reason}): a {before} job cannot become {action.state}. "
-                           "This is a bug in the planner.", job=action.job)
+            self._refused(f"Refused to write job {action.job} as {action.state} "
+                          f"({action.reason}): a {before} job cannot become {action.state}.",
+                          action.job)
             return
         status = JobStatus(job=action.job, state=action.state, reason=action.reason,
                            updated_at=now, paused=action.paused)

@@ -261,6 +261,7 @@ def test_a_state_or_phase_its_lifecycle_forbids_is_refused_and_nothing_is_writte
             assert status.state == JobState.DONE and status.reason == "every rank finished"
             assert mig.phase == MigrationPhase.PREPARING and "done" not in mig.timings
             assert (await store.get_prefix(keys.events))[0] == []
+            assert ctl.metrics.errors.labels(kind="controller-refused")._value.get() == 2
             # The path the lifecycle allows is written.
             await ctl._apply([AdvanceMigration("j", "e2-1", MigrationPhase.READY, "prepared")])
             await ctl._relist()
