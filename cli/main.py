@@ -45,7 +45,6 @@ from understudy.common.store import EtcdStore, WatchEvent
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
-#: the states of a job that has ended (it holds no node)
 
 
 class CliError(UnderstudyError):

@@ -594,8 +594,8 @@ class Migration(Record):
         elif not len(self.ranks) == len(self.leavers) == len(self.joiners) > 0:
             raise ValueError("a migration moves at least one rank, with a leaver and a joiner "
                              "for each")
-        if self.kind == MigrationKind.RESTART and (self.ranks != tuple(range(len(self.ranks)))
-                                       or self.donors):
+        if self.kind == MigrationKind.RESTART and (
+                self.ranks != tuple(range(len(self.ranks))) or self.donors):
             raise ValueError("a restart names every rank, in order, and no donors")
         if self.restarts and self.kind != MigrationKind.RESTART:
             raise ValueError("only a restart counts restarts")
