@@ -86,6 +86,9 @@ RESIGN_BACKOFF_S = 60.0
 CAMPAIGN_RECHECK_S = 30.0
 
 
+#: ends the log line of a planner action the controller refused (:meth:`Controller._refused`)
+PLANNER_BUG = "This is a bug in the planner."
+
 class Controller:
     def __init__(self, agent: NodeAgent, store: EtcdStore, metrics: Metrics, events: EventLog,
                  stop: asyncio.Event, wall: Callable[[], float] = time.time,
@@ -630,7 +633,7 @@ class Controller:
     def _refused(self, what: str, job: str) -> None:
         """A planner action outside its record's lifecycle, dropped unwritten: logged, and
         counted (``understudy_errors_total{kind="controller-refused"}``)."""
-        self.log.error(f"{what} This is a bug in the planner.", job=job)
+        self.log.error(f"{what} {PLANNER_BUG}", job=job)
         self.metrics.errors.labels(kind="controller-refused").inc()
 
     async def _collect_retired(self, m: Migration) -> None:

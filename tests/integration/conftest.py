@@ -9,12 +9,9 @@ import pytest
 
 from tests.integration.scenarios import assert_no_tracebacks
 from tests.once import build_once
+from understudy.daemon.controller import PLANNER_BUG
 from understudy.testing.embedded_etcd import EmbeddedEtcd
 from understudy.testing.localcluster import LocalCluster
-
-#: what a controller logs when it refuses a planner action outside a lifecycle
-#: (``daemon/controller.py``): a bug in the planner wherever it shows
-REFUSED = "This is a bug in the planner"
 
 
 @pytest.fixture(autouse=True)
@@ -32,7 +29,7 @@ def _no_action_refused(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
     for c in clusters:
         for name, d in c.daemons.items():
-            refused = [line for line in d.log_text().splitlines() if REFUSED in line]
+            refused = [line for line in d.log_text().splitlines() if PLANNER_BUG in line]
             if refused:
                 pytest.fail(f"the controller on {name} refused {len(refused)} planner "
                             f"action(s); the first: {refused[0][-1500:]}")
